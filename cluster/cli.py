@@ -1,0 +1,49 @@
+"""The `tandem` command line.
+
+Each subcommand lives in the module that owns its concern and exposes two functions,
+`add_arguments(parser)` and `run(args) -> int`. This file only wires them together and
+imports a subcommand's module lazily, so `tandem route-sim` never pays for importing torch
+and `tandem --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.cli", "run one request in-process and print the completion"),
+    "route-sim": ("routing.sim_cli", "replay a routing scenario through the what-if simulator"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Tandem: one machine, a CPU engine and an accelerator engine serving "
+        "together, each request routed to the backend that finishes it soonest.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = argv[0] if argv else None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

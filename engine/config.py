@@ -1,0 +1,62 @@
+"""One engine's settings: which model, on which device, and how big its batch and cache are.
+
+Defaults follow the spec's experiment (16-token blocks, at most 4 active requests) and size
+themselves from the device, so `LLMEngine(EngineConfig())` works on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "cpu"  # cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 elsewhere
+    max_active: int = 4
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on cpu/mps, 8 GiB on cuda
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    max_num_batched_tokens: int | None = None  # None: 512 on cpu, 2048 elsewhere
+    num_threads: int | None = None  # torch threads for a cpu engine; None leaves torch's default
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | torch (the reference path)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 512 if self.device_type == "cpu" else 2048
+
+    @property
+    def resolved_kv_cache_bytes(self) -> int:
+        gb = self.kv_cache_memory_gb
+        if gb is None:
+            gb = 8.0 if self.device_type == "cuda" else 1.0
+        return int(gb * (1 << 30))

@@ -1,0 +1,174 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Each step has a token budget (`max_num_batched_tokens`) and at most `max_active` running
+requests. Decodes go first, so a long prompt never stalls requests already streaming; then
+running requests continue their chunked prefill; then waiting requests are admitted in FCFS
+order with whatever budget is left. When the pool runs out of blocks the newest running
+request is preempted by recompute: its blocks are freed and it rejoins the front of the
+waiting queue (its full blocks usually stay cached, so recompute is mostly a prefix hit).
+No torch here: the scheduler is tested on exact block ids in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_active: int = 4
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 2048
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_scheduled_tokens: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        """After this step every known token is computed, so the step samples a new token."""
+        return self.request.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.request.num_computed_tokens >= s.request.num_prompt_tokens
+                   and s.num_scheduled_tokens == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager or KVCacheManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        budget = self._schedule_running(decodes + prefills, budget, out)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, candidates: list[Request], budget: int, out: SchedulerOutput) -> int:
+        for request in candidates:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_active:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        out.preempted_req_ids.append(request.req_id)
+
+    # -- after the forward -----------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that hit a
+        token-level stop. Returns the requests that got a new token this step."""
+        progressed = []
+        now = time.time()
+        for scheduled in out.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            token_id = sampled_token_ids.get(request.req_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            progressed.append(request)
+            stop_status = request.check_stop()
+            if stop_status is not None:
+                self.finish_request(request.req_id, stop_status)
+        return progressed
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a waiting or running request and free its blocks."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = status
+        request.finished_time = time.time()
+        return request
