@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte character can span
+tokens, and decoding the partial bytes yields U+FFFD. We decode a short window that starts a
+few tokens back (`prefix_offset`) and emit only what that window adds beyond the previous
+read position, holding back while the window still ends in an incomplete character (the
+scheme vLLM uses). Stop strings are searched in the new text plus a tail of the old, and text
+that might be the start of a stop string is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens of context decoded before the new ones, so leading-space handling matches a full decode.
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.output_text = ""  # everything decoded so far (after stop truncation)
+        self.num_emitted_chars = 0  # how much of output_text the caller has seen
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, new_token_ids: list[int]) -> bool:
+        """Decode new tokens into output_text. Returns True when a stop string was found
+        (output_text is then cut just before it)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return False  # incomplete character: wait for more tokens
+        new_text = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return self._append_text(new_text)
+
+    def _append_text(self, new_text: str) -> bool:
+        search_from = max(0, len(self.output_text) - self.max_stop_len + 1)
+        self.output_text += new_text
+        if not self.stop:
+            return False
+        hits = [i for i in (self.output_text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.output_text = self.output_text[: min(hits)]
+            return True
+        return False
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out. While running, hold back a tail that could still grow
+        into a stop string."""
+        end = len(self.output_text)
+        if not finished and self.max_stop_len > 1:
+            end = max(self.num_emitted_chars, end - (self.max_stop_len - 1))
+        text = self.output_text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return text
