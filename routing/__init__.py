@@ -1,0 +1,41 @@
+"""Tandem's router, as a pure Python package (no ray, no torch).
+
+It decides which backend (CPU engine, accelerator engine, ...) gets each request, from
+per-backend ledgers of pending work and the spec's cost model, and it includes a what-if
+simulator and an oracle split so a policy's gain can be set against the attainable gain.
+The Ray actor that hosts the `Router` lives in `actors/`; see docs/routing.md.
+"""
+
+from routing.backend_spec import BackendSpec
+from routing.decision import BackendScore, DecisionRecord
+from routing.errors import ConfigError, NoBackendError
+from routing.ledger import Ledger, LedgerEntry
+from routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
+from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
+from routing.policies import POLICIES, make_policy
+from routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
+from routing.router import PendingSummary, RemovedRequests, Router
+
+__all__ = [
+    "BackendScore",
+    "BackendSpec",
+    "CalibrationConfig",
+    "ConfigError",
+    "DecisionRecord",
+    "EVENT_KINDS",
+    "Ledger",
+    "LedgerEntry",
+    "NewTokenRatio",
+    "NewTokenRatioConfig",
+    "NoBackendError",
+    "POLICIES",
+    "PendingSummary",
+    "ProgressEvent",
+    "RateProfile",
+    "RemovedRequests",
+    "RouteRequest",
+    "Router",
+    "calibrate",
+    "load_rate_profiles",
+    "make_policy",
+]

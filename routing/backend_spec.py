@@ -1,0 +1,37 @@
+"""What the router knows about one backend: its id, device kind, rates and concurrency.
+
+`device_kind` is "cpu" or an accelerator ("cuda", "mps", ...). It matters for the
+`accelerator-only` and `cpu-only` policies and for ties, which go to the accelerator.
+`max_active` is the backend scheduler's limit on running requests; the simulator uses it to
+decide active vs queued, and a batch-aware rate profile uses it to pick the batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.rates import RateProfile
+
+
+@dataclass
+class BackendSpec:
+    backend_id: str
+    device_kind: str
+    rates: RateProfile
+    max_active: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.backend_id:
+            raise ValueError("backend_id must be a non-empty string")
+        if not self.device_kind:
+            raise ValueError(f"backend {self.backend_id!r}: device_kind must be non-empty")
+        if self.max_active < 1:
+            raise ValueError(f"backend {self.backend_id!r}: max_active must be >= 1 (got {self.max_active})")
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device_kind == "cpu"
+
+    def preference_key(self) -> tuple[bool, str]:
+        """Tie-break order: accelerators before CPUs, then lower backend_id."""
+        return (self.is_cpu, self.backend_id)

@@ -1,0 +1,76 @@
+"""The router's score: estimated seconds of work on a backend if the new request joins it.
+
+    score(b) = prefill_tokens(b) / prefill_rate(b) + decode_tokens(b) / decode_rate(b)
+
+where `prefill_tokens` sums the remaining uncached prompt tokens of b's active and queued
+requests plus the new request's prompt minus the prefix b reports, and `decode_tokens` sums
+their unused `max_tokens` budgets (scaled by the optional new_token_ratio, see
+routing/new_token_ratio.py) plus the new request's full `max_tokens`. Lower wins.
+
+The rates are the backend's profile, so the score ranks backends by pending work; it does not
+predict batched completion time. With a batch-aware profile the decode rate is the aggregate
+rate at the batch size the backend would run with the new request on it,
+`min(max_active, num_active + num_queued + 1)`; without one it is `decode_tok_s`, exactly the
+spec's formula. Inputs are the ledger's running sums, so this is O(1) per backend.
+"""
+
+from __future__ import annotations
+
+from routing.backend_spec import BackendSpec
+from routing.decision import BackendScore
+from routing.ledger import Ledger
+from routing.rates import RateProfile
+
+
+def decode_rate_for(rates: RateProfile, max_active: int, num_requests: int) -> float:
+    """Aggregate decode rate for a backend holding `num_requests` (new one included)."""
+    if not rates.is_batch_aware:
+        return rates.decode_tok_s
+    return rates.decode_rate(max(1, min(max_active, num_requests)))
+
+
+def score_backend(
+    spec: BackendSpec,
+    rates: RateProfile,
+    ledger: Ledger,
+    new_token_ratio: float,
+    num_prompt_tokens: int,
+    num_cached_tokens: int,
+    max_tokens: int,
+) -> BackendScore:
+    """Score one backend for a new request with `num_cached_tokens` of its prompt reusable there."""
+    num_cached_tokens = min(max(0, num_cached_tokens), num_prompt_tokens)
+    num_prefill_tokens = ledger.num_prefill_tokens + num_prompt_tokens - num_cached_tokens
+    num_existing_decode_tokens = ledger.num_decode_tokens
+    if new_token_ratio != 1.0:
+        num_existing_decode_tokens = new_token_ratio * num_existing_decode_tokens
+    num_decode_tokens = num_existing_decode_tokens + max_tokens
+    decode_rate = decode_rate_for(rates, spec.max_active, len(ledger) + 1)
+    prefill_term_s = num_prefill_tokens / rates.prefill_tok_s
+    decode_term_s = num_decode_tokens / decode_rate
+    return BackendScore(
+        backend_id=spec.backend_id,
+        device_kind=spec.device_kind,
+        num_cached_tokens=num_cached_tokens,
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_tokens=num_decode_tokens,
+        prefill_term_s=prefill_term_s,
+        decode_term_s=decode_term_s,
+        score_s=prefill_term_s + decode_term_s,
+        num_active=ledger.num_active,
+        num_queued=ledger.num_queued,
+        new_token_ratio=new_token_ratio,
+        prefill_tok_s=rates.prefill_tok_s,
+        decode_tok_s=decode_rate,
+    )
+
+
+def pending_seconds(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_token_ratio: float) -> float:
+    """The score without a new request: estimated seconds to drain what is already there."""
+    if len(ledger) == 0:
+        return 0.0
+    decode_rate = decode_rate_for(rates, spec.max_active, len(ledger))
+    return (
+        ledger.num_prefill_tokens / rates.prefill_tok_s
+        + new_token_ratio * ledger.num_decode_tokens / decode_rate
+    )

@@ -1,0 +1,114 @@
+"""The per-backend ledger: routed, unfinished requests and running sums of their pending work.
+
+One `Ledger` per backend. Each `LedgerEntry` remembers what the cost model needs:
+- the uncached prefill tokens estimated when the request was routed (prompt minus the prefix
+  that backend reported). The estimate is frozen while the request is queued: the spec's
+  original bug was to drop this discount for queued requests. Only an "evicted" report
+  replaces it (with the full prompt), because then the prefix really is gone.
+- once the backend reports prefill progress, the remaining prefill is
+  `num_prompt_tokens - num_computed_prompt_tokens` (vLLM's `num_computed_tokens` counts
+  prefix-cache hits as computed, so the first report after admission also corrects a stale
+  estimate); once a token has been generated, the prompt is done.
+- the remaining decode budget, `max_tokens - num_output_tokens`.
+
+The ledger keeps the sums of both over all its entries, updated on every change, so scoring
+a backend is O(1) however long its queue is. Reports carry absolute counts and the ledger
+keeps the maximum seen, so late, duplicated or reordered reports are harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing import messages
+
+QUEUED = "queued"
+ACTIVE = "active"
+
+
+@dataclass
+class LedgerEntry:
+    req_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    num_prefill_tokens_est: int  # frozen at routing time; full prompt after an eviction report
+    status: str = QUEUED
+    num_computed_prompt_tokens: int | None = None  # None until the backend reports prefill
+    num_output_tokens: int = 0
+
+    def num_prefill_tokens_left(self) -> int:
+        if self.num_output_tokens > 0:
+            return 0
+        if self.num_computed_prompt_tokens is None:
+            return self.num_prefill_tokens_est
+        return max(0, self.num_prompt_tokens - self.num_computed_prompt_tokens)
+
+    def num_decode_tokens_left(self) -> int:
+        return max(0, self.max_tokens - self.num_output_tokens)
+
+
+class Ledger:
+    """Unfinished requests on one backend, in routing order, with running sums."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, LedgerEntry] = {}
+        self.num_prefill_tokens = 0  # sum of num_prefill_tokens_left()
+        self.num_decode_tokens = 0  # sum of num_decode_tokens_left()
+        self.num_active = 0
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.entries) - self.num_active
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.entries
+
+    def add_queued(self, entry: LedgerEntry) -> None:
+        if entry.req_id in self.entries:
+            raise ValueError(f"request {entry.req_id!r} is already in this backend's ledger")
+        entry.status = QUEUED
+        self.entries[entry.req_id] = entry
+        self._add(entry, +1)
+
+    def remove(self, req_id: str) -> LedgerEntry | None:
+        entry = self.entries.pop(req_id, None)
+        if entry is not None:
+            self._add(entry, -1)
+        return entry
+
+    def apply(self, event: messages.ProgressEvent) -> bool:
+        """Apply one report. Returns False (and changes nothing) for an unknown req_id."""
+        entry = self.entries.get(event.req_id)
+        if entry is None:
+            return False
+        if event.kind in (messages.FINISHED, messages.ABORTED):
+            self.remove(event.req_id)
+            return True
+        self._add(entry, -1)
+        _update_entry(entry, event)
+        self._add(entry, +1)
+        return True
+
+    def _add(self, entry: LedgerEntry, sign: int) -> None:
+        self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
+        self.num_decode_tokens += sign * entry.num_decode_tokens_left()
+        self.num_active += sign * (entry.status == ACTIVE)
+
+
+def _update_entry(entry: LedgerEntry, event: messages.ProgressEvent) -> None:
+    """Mutate one entry for a non-terminal report (the ledger re-adds it to the sums)."""
+    kind = event.kind
+    if kind == messages.EVICTED:
+        if entry.status == QUEUED:
+            entry.num_prefill_tokens_est = entry.num_prompt_tokens
+        return
+    # Any progress means the scheduler took the request, even if "admitted" arrives later.
+    entry.status = ACTIVE
+    if kind == messages.PREFILL:
+        previous = entry.num_computed_prompt_tokens or 0
+        entry.num_computed_prompt_tokens = max(previous, min(event.value, entry.num_prompt_tokens))
+    elif kind == messages.GENERATED:
+        entry.num_output_tokens = max(entry.num_output_tokens, event.value)

@@ -1,0 +1,63 @@
+"""The small, picklable messages that cross the router's boundary.
+
+`RouteRequest` is what the router needs to know about a new request (no token ids: only
+counts, and the reusable prefix each backend reports for it). `ProgressEvent` is what a
+backend reports back. Progress values are absolute counts, never deltas, so a report that
+arrives late, twice, or out of order cannot corrupt the ledger: the ledger keeps the maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ProgressEvent kinds.
+ADMITTED = "admitted"  # queued -> active (the backend's scheduler took it)
+PREFILL = "prefill"  # value = num_computed_tokens of the prompt so far, prefix-cache hits included
+GENERATED = "generated"  # value = num_output_tokens so far
+FINISHED = "finished"
+ABORTED = "aborted"
+EVICTED = "evicted"  # a queued request's cached prefix was evicted: estimate = full prompt
+
+EVENT_KINDS = (ADMITTED, PREFILL, GENERATED, FINISHED, ABORTED, EVICTED)
+
+
+@dataclass
+class RouteRequest:
+    """A request to place. `num_cached_tokens` maps backend_id -> reusable prefix tokens;
+    a backend missing from the map is assumed to have no reusable prefix."""
+
+    req_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0 (got {self.num_prompt_tokens})")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
+        for backend_id, num_cached in self.num_cached_tokens.items():
+            if num_cached < 0:
+                raise ValueError(
+                    f"num_cached_tokens[{backend_id!r}] must be >= 0 (got {num_cached})"
+                )
+
+    def num_prefill_tokens_on(self, backend_id: str) -> int:
+        """Prompt tokens `backend_id` would have to compute: prompt minus its reusable prefix."""
+        num_cached = min(self.num_cached_tokens.get(backend_id, 0), self.num_prompt_tokens)
+        return self.num_prompt_tokens - num_cached
+
+
+@dataclass
+class ProgressEvent:
+    """One backend report about one request. See the kind constants above for `value`."""
+
+    req_id: str
+    kind: str
+    value: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"unknown ProgressEvent kind {self.kind!r}; expected one of {EVENT_KINDS}")
+        if self.value < 0:
+            raise ValueError(f"ProgressEvent value must be >= 0 (got {self.value})")

@@ -1,0 +1,219 @@
+"""The Router facade: per-backend ledgers + cost model + a policy, in one synchronous object.
+
+This is everything the Ray router actor needs and nothing that needs Ray: `route()` scores
+every backend from its ledger's running sums, lets the policy choose, and records the request
+in the chosen backend's ledger as queued with its uncached-prefill estimate frozen.
+`on_progress()` applies a backend's batched, possibly late reports; reports for unknown
+requests are ignored. Backends can come and go (`add_backend`, `remove_backend`).
+
+Decisions cost O(number of backends), independent of how many requests are pending
+(bench/router_decision.py measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from routing import messages
+from routing.backend_spec import BackendSpec
+from routing.cost_model import pending_seconds, score_backend
+from routing.decision import BackendScore, DecisionRecord
+from routing.ledger import ACTIVE, Ledger, LedgerEntry
+from routing.messages import ProgressEvent, RouteRequest
+from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
+from routing.policies import make_policy
+from routing.rates import CalibrationConfig, RateProfile, calibrate
+
+
+@dataclass
+class RemovedRequests:
+    """Unfinished requests of a removed backend, in routing order. Queued ones can be re-routed."""
+
+    queued: list[str] = field(default_factory=list)
+    active: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PendingSummary:
+    """One backend's pending work, for metrics."""
+
+    backend_id: str
+    device_kind: str
+    num_active: int
+    num_queued: int
+    num_prefill_tokens: int
+    num_decode_tokens: int  # unscaled remaining budgets
+    pending_s: float  # estimated seconds to drain, new_token_ratio applied
+    new_token_ratio: float
+
+
+@dataclass
+class _BackendState:
+    spec: BackendSpec
+    rates: RateProfile  # current rates: the spec's profile, calibrated if calibration is on
+    ledger: Ledger
+    ratio: NewTokenRatio
+
+
+class Router:
+    def __init__(
+        self,
+        backends: Sequence[BackendSpec] = (),
+        policy: str = "cost",
+        new_token_ratio: NewTokenRatioConfig | None = None,
+        calibration: CalibrationConfig | None = None,
+    ) -> None:
+        self._policy = make_policy(policy)
+        self._new_token_ratio_config = new_token_ratio
+        self._calibration = calibration
+        self._backends: dict[str, _BackendState] = {}  # kept in preference order
+        self._req_to_backend: dict[str, str] = {}
+        for spec in backends:
+            self.add_backend(spec)
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    # --- backends -------------------------------------------------------------------------
+
+    def add_backend(self, spec: BackendSpec) -> None:
+        if spec.backend_id in self._backends:
+            raise ValueError(f"backend {spec.backend_id!r} is already registered")
+        state = _BackendState(spec, spec.rates, Ledger(), NewTokenRatio(self._new_token_ratio_config))
+        states = [*self._backends.values(), state]
+        states.sort(key=lambda s: s.spec.preference_key())
+        self._backends = {s.spec.backend_id: s for s in states}
+
+    def remove_backend(self, backend_id: str) -> RemovedRequests:
+        """Drop a backend and its ledger; returns its unfinished requests' ids."""
+        state = self._backends.pop(backend_id, None)
+        removed = RemovedRequests()
+        if state is None:
+            return removed
+        for entry in state.ledger.entries.values():
+            (removed.active if entry.status == ACTIVE else removed.queued).append(entry.req_id)
+            self._req_to_backend.pop(entry.req_id, None)
+        return removed
+
+    def backend_ids(self) -> list[str]:
+        """Registered backends in preference order (accelerators first, then by id)."""
+        return list(self._backends)
+
+    def rates(self, backend_id: str) -> RateProfile:
+        """The rates the cost model currently uses for `backend_id` (calibrated, if on)."""
+        return self._state(backend_id).rates
+
+    # --- decisions ------------------------------------------------------------------------
+
+    def score(self, request: RouteRequest) -> list[BackendScore]:
+        """Every backend's score for `request`, in preference order, without routing it."""
+        return [
+            score_backend(
+                state.spec, state.rates, state.ledger, state.ratio.ratio,
+                request.num_prompt_tokens, request.num_cached_tokens.get(backend_id, 0),
+                request.max_tokens,
+            )
+            for backend_id, state in self._backends.items()
+        ]
+
+    def route(self, request: RouteRequest) -> DecisionRecord:
+        """Choose a backend for `request` and record it there as queued."""
+        if request.req_id in self._req_to_backend:
+            raise ValueError(
+                f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
+            )
+        scores = self.score(request)
+        backend_id = self._policy.choose(scores)
+        entry = LedgerEntry(
+            req_id=request.req_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.max_tokens,
+            num_prefill_tokens_est=request.num_prefill_tokens_on(backend_id),
+        )
+        self._backends[backend_id].ledger.add_queued(entry)
+        self._req_to_backend[request.req_id] = backend_id
+        return DecisionRecord(request.req_id, self.policy, backend_id, {s.backend_id: s for s in scores})
+
+    # --- progress ---------------------------------------------------------------------------
+
+    def on_progress(self, backend_id: str, events: Iterable[ProgressEvent]) -> int:
+        """Apply a batch of reports from `backend_id`; returns how many matched a request.
+
+        Reports from an unknown (e.g. already removed) backend, or about requests this
+        backend's ledger does not hold, are ignored: they are late, not wrong.
+        """
+        state = self._backends.get(backend_id)
+        if state is None:
+            return 0
+        num_applied = 0
+        num_decode_steps = 0  # the largest token gain of any request in this batch
+        for event in events:
+            entry = state.ledger.entries.get(event.req_id)
+            if entry is None:
+                continue
+            if event.kind == messages.GENERATED:
+                num_decode_steps = max(num_decode_steps, event.value - entry.num_output_tokens)
+            state.ledger.apply(event)
+            num_applied += 1
+            if event.kind in (messages.FINISHED, messages.ABORTED):
+                self._req_to_backend.pop(event.req_id, None)
+        state.ratio.on_decode_steps(num_decode_steps)
+        self._reset_ratio_if_idle(state)
+        return num_applied
+
+    def observe_step(
+        self,
+        backend_id: str,
+        num_prefill_tokens: int,
+        num_decode_tokens: int,
+        batch_size: int,
+        elapsed_s: float,
+    ) -> None:
+        """Blend one observed engine step into `backend_id`'s rates (no-op unless calibrating)."""
+        state = self._backends.get(backend_id)
+        if state is None or self._calibration is None:
+            return
+        state.rates = calibrate(
+            state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s
+        )
+
+    def forget(self, req_id: str) -> bool:
+        """Drop `req_id` wherever it is pending; returns whether it was found."""
+        backend_id = self._req_to_backend.pop(req_id, None)
+        if backend_id is None:
+            return False
+        state = self._backends[backend_id]
+        state.ledger.remove(req_id)
+        self._reset_ratio_if_idle(state)
+        return True
+
+    def backend_of(self, req_id: str) -> str | None:
+        return self._req_to_backend.get(req_id)
+
+    def pending_summary(self) -> dict[str, PendingSummary]:
+        return {
+            backend_id: PendingSummary(
+                backend_id=backend_id,
+                device_kind=state.spec.device_kind,
+                num_active=state.ledger.num_active,
+                num_queued=state.ledger.num_queued,
+                num_prefill_tokens=state.ledger.num_prefill_tokens,
+                num_decode_tokens=state.ledger.num_decode_tokens,
+                pending_s=pending_seconds(state.spec, state.rates, state.ledger, state.ratio.ratio),
+                new_token_ratio=state.ratio.ratio,
+            )
+            for backend_id, state in self._backends.items()
+        }
+
+    def _state(self, backend_id: str) -> _BackendState:
+        try:
+            return self._backends[backend_id]
+        except KeyError:
+            raise KeyError(f"unknown backend {backend_id!r}; registered: {list(self._backends)}") from None
+
+    @staticmethod
+    def _reset_ratio_if_idle(state: _BackendState) -> None:
+        if len(state.ledger) == 0:
+            state.ratio.reset()

@@ -1,0 +1,54 @@
+"""Policies and tie-breaking: accelerator first, then the lower backend id."""
+
+import pytest
+
+from routing import BackendSpec, NoBackendError, POLICIES, RateProfile, RouteRequest, Router
+
+SAME = RateProfile(100, 10)
+
+
+def req(n: int) -> RouteRequest:
+    return RouteRequest(f"r{n}", 10, 10)
+
+
+def test_policy_names():
+    assert set(POLICIES) == {"cost", "accelerator-only", "cpu-only", "round-robin", "least-requests"}
+
+
+def test_ties_go_to_the_accelerator_then_the_lower_id():
+    backends = [BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda1", "cuda", SAME), BackendSpec("cuda0", "cuda", SAME)]
+    router = Router(backends)
+    rec = router.route(req(1))
+    assert len({s.score_s for s in rec.per_backend.values()}) == 1
+    assert rec.backend_id == "cuda0"
+    assert Router([BackendSpec("cpu1", "cpu", SAME), BackendSpec("cpu0", "cpu", SAME)]).route(req(1)).backend_id == "cpu0"
+
+
+def test_cost_balances_identical_backends():
+    router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", SAME)])
+    assert [router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cpu0", "cuda0", "cpu0"]
+
+
+def test_accelerator_and_cpu_only():
+    fast_cpu = BackendSpec("cpu0", "cpu", RateProfile(10_000, 10_000))
+    slow_gpus = [BackendSpec("cuda0", "cuda", SAME), BackendSpec("mps0", "mps", SAME)]
+    router = Router([fast_cpu, *slow_gpus], policy="accelerator-only")
+    assert [router.route(req(n)).backend_id for n in range(3)] == ["cuda0", "mps0", "cuda0"]
+    router = Router([fast_cpu, *slow_gpus], policy="cpu-only")
+    assert router.route(req(1)).backend_id == "cpu0"
+    with pytest.raises(NoBackendError, match="cpu-only"):
+        Router(slow_gpus, policy="cpu-only").route(req(1))
+
+
+def test_round_robin_cycles_in_preference_order_and_survives_removal():
+    backends = [BackendSpec(b, k, SAME) for b, k in (("cpu0", "cpu"), ("cuda1", "cuda"), ("cuda0", "cuda"))]
+    router = Router(backends, policy="round-robin")
+    assert [router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cuda1", "cpu0", "cuda0"]
+    router.remove_backend("cuda1")
+    assert [router.route(req(n)).backend_id for n in range(4, 7)] == ["cpu0", "cuda0", "cpu0"]
+
+
+def test_least_requests_counts_active_and_queued():
+    router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", RateProfile(1e6, 1e6))],
+                    policy="least-requests")
+    assert [router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cpu0", "cuda0", "cpu0"]

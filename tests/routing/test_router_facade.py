@@ -1,0 +1,118 @@
+"""The Router facade: backends coming and going, forget, summaries, calibration, errors."""
+
+import pytest
+
+from routing import (BackendSpec, CalibrationConfig, NewTokenRatioConfig, NoBackendError,
+                     ProgressEvent, RateProfile, RouteRequest, Router)
+
+
+def spec(backend_id: str, kind: str, prefill: float = 100, decode: float = 10, max_active: int = 4) -> BackendSpec:
+    return BackendSpec(backend_id, kind, RateProfile(prefill, decode), max_active)
+
+
+def req(req_id: str, prompt: int = 100, max_tokens: int = 10, cached: dict | None = None) -> RouteRequest:
+    return RouteRequest(req_id, prompt, max_tokens, cached or {})
+
+
+def test_backend_ids_are_in_preference_order():
+    router = Router([spec("cpu0", "cpu"), spec("cuda1", "cuda"), spec("cuda0", "cuda")])
+    assert router.backend_ids() == ["cuda0", "cuda1", "cpu0"]
+
+
+def test_remove_backend_returns_queued_and_active_ids():
+    router = Router([spec("cuda0", "cuda")])
+    for r in ("a", "b", "c"):
+        router.route(req(r))
+    router.on_progress("cuda0", [ProgressEvent("b", "admitted")])
+    removed = router.remove_backend("cuda0")
+    assert (removed.queued, removed.active) == (["a", "c"], ["b"])
+    assert router.backend_ids() == [] and router.backend_of("a") is None
+    assert router.on_progress("cuda0", [ProgressEvent("a", "finished")]) == 0  # late, ignored
+    with pytest.raises(NoBackendError):
+        router.route(req("d"))
+
+
+def test_rerouting_after_removal_and_add_backend():
+    router = Router([spec("cuda0", "cuda"), spec("cpu0", "cpu")])
+    router.route(req("a"))
+    queued = router.remove_backend("cuda0").queued
+    assert [router.route(req(r)).backend_id for r in queued] == ["cpu0"]
+    router.add_backend(spec("cuda0", "cuda"))
+    assert router.route(req("b")).backend_id == "cuda0"
+    with pytest.raises(ValueError, match="already registered"):
+        router.add_backend(spec("cuda0", "cuda"))
+
+
+def test_forget_and_duplicate_req_id():
+    router = Router([spec("cuda0", "cuda")])
+    router.route(req("a"))
+    with pytest.raises(ValueError, match="already pending"):
+        router.route(req("a"))
+    assert router.forget("a") and not router.forget("a")
+    assert router.pending_summary()["cuda0"].num_queued == 0
+    router.route(req("a"))  # the id can be used again
+
+
+def test_finished_request_leaves_router_and_unknown_events_are_ignored():
+    router = Router([spec("cuda0", "cuda")])
+    router.route(req("a"))
+    n = router.on_progress("cuda0", [ProgressEvent("x", "generated", 3), ProgressEvent("a", "finished")])
+    assert n == 1 and router.backend_of("a") is None
+
+
+def test_pending_summary():
+    router = Router([spec("cuda0", "cuda", prefill=100, decode=10), spec("cpu0", "cpu")], policy="accelerator-only")
+    router.route(req("a", prompt=100, max_tokens=10, cached={"cuda0": 50}))
+    router.route(req("b", prompt=30, max_tokens=20))
+    router.on_progress("cuda0", [ProgressEvent("a", "generated", 4)])
+    s = router.pending_summary()["cuda0"]
+    assert (s.num_active, s.num_queued, s.num_prefill_tokens, s.num_decode_tokens) == (1, 1, 30, 26)
+    assert s.pending_s == pytest.approx(30 / 100 + 26 / 10)
+    assert router.pending_summary()["cpu0"].pending_s == 0.0
+
+
+def test_missing_cache_report_means_no_reuse():
+    router = Router([spec("cuda0", "cuda")])
+    rec = router.route(req("a", prompt=100, cached={}))
+    assert rec.per_backend["cuda0"].num_prefill_tokens == 100
+    assert rec.per_backend["cuda0"].num_cached_tokens == 0
+
+
+def test_calibration_off_by_default_and_ewma_when_on():
+    plain = Router([spec("cuda0", "cuda", prefill=100, decode=10)])
+    plain.observe_step("cuda0", 200, 0, 1, 1.0)
+    assert plain.rates("cuda0").prefill_tok_s == 100
+    router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], calibration=CalibrationConfig(alpha=0.5))
+    router.observe_step("cuda0", 200, 0, 1, 1.0)  # observed 200 tok/s
+    assert router.rates("cuda0").prefill_tok_s == 150
+    router.observe_step("cuda0", 0, 40, 4, 2.0)  # observed 20 tok/s aggregate
+    assert router.rates("cuda0").decode_tok_s == 15
+    rec = router.route(req("a", prompt=150, max_tokens=15))
+    assert rec.per_backend["cuda0"].score_s == pytest.approx(1 + 1)
+
+
+def test_new_token_ratio_scales_existing_budgets_only():
+    config = NewTokenRatioConfig(init_ratio=0.5, min_ratio=0.25, decay_steps=10)
+    router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], new_token_ratio=config)
+    router.route(req("a", prompt=0, max_tokens=100))
+    rec = router.route(req("b", prompt=0, max_tokens=100))
+    assert rec.per_backend["cuda0"].num_decode_tokens == 0.5 * 100 + 100
+    # 4 decode steps (largest token gain in the report): ratio 0.5 - 4 * 0.025 = 0.4
+    router.on_progress("cuda0", [ProgressEvent("a", "generated", 4), ProgressEvent("b", "generated", 2)])
+    assert router.pending_summary()["cuda0"].new_token_ratio == pytest.approx(0.4)
+    router.on_progress("cuda0", [ProgressEvent("a", "finished"), ProgressEvent("b", "aborted")])
+    assert router.pending_summary()["cuda0"].new_token_ratio == 0.5  # idle: reset
+
+
+def test_unknown_policy_names_the_field():
+    with pytest.raises(ValueError, match="policy: unknown policy 'fastest'"):
+        Router([spec("cuda0", "cuda")], policy="fastest")
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="max_tokens"):
+        RouteRequest("a", 10, -1)
+    with pytest.raises(ValueError, match="unknown ProgressEvent kind"):
+        ProgressEvent("a", "done")
+    with pytest.raises(ValueError, match="max_active"):
+        BackendSpec("cuda0", "cuda", RateProfile(1, 1), max_active=0)
