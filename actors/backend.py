@@ -1,0 +1,343 @@
+"""`BackendActor`: one `LLMEngine` on one device, serving many streaming requests at once.
+
+Threading model. The engine is not thread-safe, so exactly one thread touches its mutable
+state: a dedicated engine thread that loops "apply queued commands, step, deliver outputs".
+The actor itself is an async Ray actor; its methods run on the actor's event loop and talk to
+the engine thread through a command queue (add, abort, stats), each command carrying a future
+the coroutine awaits. Torch releases the GIL inside kernels, so the event loop keeps answering
+(new requests, cache queries, pings) while a step runs, and every generate stream is just an
+`asyncio.Queue` the engine thread feeds with `call_soon_threadsafe`.
+
+The one exception is `num_cached_tokens`: it is answered straight from the event loop without
+waiting for the current step, because the router asks it on the decision path. It only hashes
+the prompt and does dict lookups in the block pool's hash index (single bytecode-level
+operations under the GIL) and changes nothing, so at worst it sees the index a step early or
+late: the answer is an estimate either way (the router freezes it at routing time).
+
+Progress goes to the router in batches: the engine thread drains `engine.drain_progress()`
+after each step and sends it at most every `report_interval_s` (and whenever it goes idle) as
+one fire-and-forget `router.report.remote(...)`, never a per-token round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from actors.messages import Admitted, BackendError, BackendInfo
+from cluster.metrics import BACKEND_METRICS, Recorder
+
+logger = logging.getLogger("tandem.backend")
+
+IDLE_POLL_S = 0.05
+STATS_INTERVAL_S = 0.5
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class BackendActor:
+    def __init__(
+        self,
+        backend_id: str,
+        engine_kwargs: dict[str, Any],
+        threads: int,
+        requested_device: str = "cpu",
+        device_reason: str = "",
+        router: Any = None,
+        report_interval_s: float = 0.02,
+    ) -> None:
+        import torch
+
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        # Ray sets OMP_NUM_THREADS from the actor's num_cpus and reuses workers: set our own.
+        torch.set_num_threads(threads)
+        self.backend_id = backend_id
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.threads = threads
+        self.router = router
+        self.report_interval_s = report_interval_s
+        self.rates: dict[str, Any] | None = None
+        config = EngineConfig(**{**engine_kwargs, "num_threads": threads})
+        start = time.perf_counter()
+        self.engine = LLMEngine(config)
+        logger.warning(
+            "backend %s: device %s (%s), dtype %s, %d torch threads, model %s loaded in %.1f s",
+            backend_id, config.device, device_reason or f"requested {requested_device}",
+            str(self.engine.dtype).removeprefix("torch."), threads, self.engine.model_name,
+            time.perf_counter() - start)
+        self.requested_device = requested_device
+        self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_progress: list = []
+        self._last_report = 0.0
+        self._last_stats = 0.0
+        self._stats_totals = (0, 0, 0, 0, 0)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._engine_loop, name=f"engine-{backend_id}", daemon=True)
+        self._thread.start()
+        if router is not None and _was_reconstructed():
+            # Ray restarted us after a crash: rejoin routing with the rates the router kept.
+            self.router.add_backend.remote(self._info(reconstructed=True), _self_handle())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _info(self, reconstructed: bool = False) -> BackendInfo:
+        cfg = self.engine.config
+        return BackendInfo(
+            backend_id=self.backend_id, instance_id=self.instance_id, device=str(self.engine.device),
+            device_kind=self.engine.device.type, requested_device=self.requested_device,
+            dtype=str(self.engine.dtype).removeprefix("torch."), threads=self.threads,
+            max_active=cfg.max_active, block_size=cfg.block_size, model_name=self.engine.model_name,
+            max_model_len=self.engine.max_model_len, node_id=_node_id(), rates=self.rates,
+            reconstructed=reconstructed)
+
+    async def info(self) -> BackendInfo:
+        return self._info()
+
+    async def ping(self) -> str:
+        return self.instance_id
+
+    async def tokenizer(self) -> Any:
+        """The engine's HF tokenizer object (picklable), so the HTTP ingress tokenizes alike."""
+        return self.engine.tokenizer
+
+    async def profile(self, max_active: int | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Measure this backend's rates (nothing else may run meanwhile); see cluster/profile.py."""
+        from cluster.profile import measure_rates
+
+        if self._streams:
+            raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
+        fn = lambda: measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)  # noqa: E731
+        return await self._call(fn)
+
+    async def register(self, rates: dict[str, Any] | None) -> BackendInfo:
+        """Join routing with these rates (routing's RateProfile fields)."""
+        self.rates = rates
+        info = self._info()
+        if self.router is not None:
+            await self.router.add_backend.remote(info, _self_handle())
+        return info
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for stream in list(self._streams.values()):
+            stream.put(BackendError(f"backend {self.backend_id} is shutting down"))
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, req_id: str, prompt_token_ids: list[int], params: Any,
+                       arrival_time: float | None = None) -> AsyncIterator[Any]:
+        """Stream `Admitted`, then one `RequestOutput` per step that produced tokens, the last
+        one `finished`. Raises InvalidRequestError before `Admitted` if the engine rejects it.
+        Closing the stream early (caller cancelled) aborts the request and frees its blocks."""
+        if req_id in self._streams:
+            from engine.sampling_params import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {req_id!r} is already running on {self.backend_id}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[req_id] = stream
+        admitted = finished = False
+        try:
+            fn = lambda: self.engine.add_request(req_id, prompt_token_ids, params, arrival_time)  # noqa: E731
+            num_prompt_tokens = await self._call(fn)
+            admitted = True
+            yield Admitted(req_id, self.backend_id, num_prompt_tokens)
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(req_id, None)
+            if admitted and not finished:
+                self._commands.put(lambda: self.engine.abort_request(req_id))
+
+    async def abort(self, req_id: str) -> bool:
+        return await self._call(lambda: self.engine.abort_request(req_id))
+
+    async def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
+        # Lock-free on purpose; see the module docstring.
+        try:
+            return self.engine.num_cached_tokens(prompt_token_ids)
+        except RuntimeError:  # the index changed size under us: report no hit rather than block
+            return 0
+
+    async def stats(self) -> Any:
+        return await self._call(lambda: copy.deepcopy(self.engine.get_stats()))
+
+    async def num_active_streams(self) -> int:
+        return len(self._streams)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        num_failures = 0
+        while not self._stopping:
+            busy = self.engine.has_unfinished_requests()
+            self._apply_commands(block=not busy)
+            if not self.engine.has_unfinished_requests():
+                self._after_idle()
+                continue
+            try:
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                elapsed = time.perf_counter() - start
+                num_failures = 0
+            except Exception:  # a bug or device error: fail the requests, keep serving
+                num_failures += 1
+                self._fail_all(traceback.format_exc())
+                if num_failures >= 3:
+                    logger.error("backend %s: engine failed 3 steps in a row; exiting so Ray restarts it",
+                                 self.backend_id)
+                    os._exit(1)
+                continue
+            self._deliver(outputs)
+            self._after_step(elapsed, outputs)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, outputs: list) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_all(self, trace: str) -> None:
+        logger.error("backend %s: engine step failed:\n%s", self.backend_id, trace)
+        error = BackendError(f"backend {self.backend_id}: engine step failed: {trace.strip().splitlines()[-1]}")
+        for req_id, stream in list(self._streams.items()):
+            stream.put(error)
+            try:
+                self.engine.abort_request(req_id)
+            except Exception:  # the engine is in a bad state; the stream already has its error
+                logger.exception("backend %s: abort of %s after a failed step", self.backend_id, req_id)
+
+    def _after_step(self, elapsed: float, outputs: list) -> None:
+        self.metrics.observe("tandem_backend_step_time_seconds", elapsed)
+        self.metrics.inc("tandem_backend_steps")
+        for out in outputs:
+            if out.finished:
+                self._record_finished(out)
+        now = time.monotonic()
+        self._pending_progress.extend(self.engine.drain_progress())
+        if now - self._last_report >= self.report_interval_s:
+            self._report(now)
+        if now - self._last_stats >= STATS_INTERVAL_S:
+            self._record_stats(now)
+
+    def _after_idle(self) -> None:
+        now = time.monotonic()
+        self._pending_progress.extend(self.engine.drain_progress())
+        if self._pending_progress:
+            self._report(now)
+        if now - self._last_stats >= STATS_INTERVAL_S:
+            self._record_stats(now)
+
+    def _report(self, now: float) -> None:
+        self._last_report = now
+        if not self._pending_progress:
+            return
+        progress, self._pending_progress = self._pending_progress, []
+        if self.router is not None:
+            self.router.report.remote(self.backend_id, self.instance_id, progress)
+
+    def _record_finished(self, out: Any) -> None:
+        self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})
+        if out.finish_reason == "abort":
+            return
+        if out.first_token_time is not None:
+            self.metrics.observe("tandem_backend_ttft_seconds", max(0.0, out.first_token_time - out.arrival_time))
+        if out.first_scheduled_time is not None:
+            self.metrics.observe("tandem_backend_queue_time_seconds",
+                                 max(0.0, out.first_scheduled_time - out.arrival_time))
+        if out.finished_time is not None:
+            self.metrics.observe("tandem_backend_e2e_seconds", max(0.0, out.finished_time - out.arrival_time))
+
+    def _record_stats(self, now: float) -> None:
+        self._last_stats = now
+        st = self.engine.get_stats()
+        m = self.metrics
+        m.set("tandem_backend_up", 1)
+        m.set("tandem_backend_running_requests", st.num_running)
+        m.set("tandem_backend_waiting_requests", st.num_waiting)
+        m.set("tandem_backend_kv_cache_usage", st.kv_cache_usage)
+        m.set("tandem_backend_kv_cache_free_blocks", st.num_free_blocks)
+        totals = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_prompt_tokens_total,
+                  st.num_generation_tokens_total, st.num_preemptions)
+        names = ("tandem_backend_prefix_cache_queries", "tandem_backend_prefix_cache_hits",
+                 "tandem_backend_prompt_tokens", "tandem_backend_generation_tokens",
+                 "tandem_backend_preemptions")
+        for name, new, old in zip(names, totals, self._stats_totals):
+            m.inc(name, new - old)
+        self._stats_totals = totals
+
+
+def _was_reconstructed() -> bool:
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _self_handle() -> Any:
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().current_actor
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # not inside Ray (unit tests): no node
+        return ""

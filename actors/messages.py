@@ -1,0 +1,58 @@
+"""Small, picklable messages between the backend actors, the router actor and their callers.
+
+Kept free of torch and ray so the HTTP ingress and driver scripts can import them cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Admitted:
+    """First item of every `BackendActor.generate` stream: the engine accepted the request.
+
+    Callers wait for it before answering HTTP, so a request the engine rejects still gets a
+    proper 4xx status instead of an error inside a 200 stream.
+    """
+
+    req_id: str
+    backend_id: str
+    num_prompt_tokens: int
+
+
+@dataclass
+class BackendInfo:
+    """What a backend tells the router when it (re)joins, and the driver when asked."""
+
+    backend_id: str
+    instance_id: str  # new on every (re)start, so a stale failure report cannot drop a new incarnation
+    device: str
+    device_kind: str
+    requested_device: str
+    dtype: str
+    threads: int
+    max_active: int
+    block_size: int
+    model_name: str
+    max_model_len: int
+    node_id: str = ""
+    rates: dict[str, Any] | None = None  # routing's RateProfile fields; None: keep the router's
+    reconstructed: bool = False
+
+
+@dataclass
+class Decision:
+    """The router's answer to `route`: where to send the request and the full record."""
+
+    req_id: str
+    backend_id: str
+    instance_id: str
+    record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
+    estimated_s: float = 0.0
+    handle: Any = None  # the chosen backend's actor handle
+
+
+class BackendError(RuntimeError):
+    """The backend failed while serving a request (engine error, or it is shutting down)."""

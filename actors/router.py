@@ -1,0 +1,260 @@
+"""`RouterActor`: routing's `Router` and its ledgers behind a Ray actor, plus backend health.
+
+Prefix-cache hits on the decision path. The cost model needs each backend's reusable prefix
+for the new prompt. The router asks every live backend at once (`num_cached_tokens`, which a
+backend answers from its event loop without waiting for its engine step) and waits at most
+`cache_query_timeout_s` (default 0.1 s); a backend that has not answered by then counts as
+having no cached prefix (a pessimistic estimate that steers work away from a stalled
+backend) and the timeout is counted in a metric. So a decision costs one concurrent fan-out,
+and a slow or dead backend delays it by the deadline at most, never indefinitely. We chose
+asking over a router-side mirror of every backend's block hashes because the engine's own
+answer also reflects evictions, and on one machine the fan-out costs about a millisecond.
+
+Backends come and go. A backend registers itself (`add_backend`) when it starts, and again
+after Ray restarts it. It is dropped at once when a caller reports that a call to it failed
+(`backend_failed`) or when a periodic ping fails; its queued requests then fail over at their
+callers (see cluster/dispatch.py), which re-route them. Each registration carries a fresh
+`instance_id`, so a late failure report about the previous incarnation cannot drop the new one.
+
+Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
+plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
+backend and policy, each backend's score, pending seconds, and estimated vs realised
+completion time (decision to the backend's "finished" report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from actors.messages import BackendInfo, Decision
+from cluster.metrics import ROUTER_METRICS, Recorder
+
+logger = logging.getLogger("tandem.router")
+
+
+class NoBackendAvailable(RuntimeError):
+    """No backend is alive (or none the policy may use)."""
+
+
+@dataclass
+class _Backend:
+    info: BackendInfo
+    handle: Any
+    rates: Any  # routing.RateProfile
+
+
+@dataclass
+class _Routed:
+    backend_id: str
+    num_cached_tokens: int
+    decided_at: float
+    estimated_s: float
+
+
+class RouterActor:
+    def __init__(self, policy: str = "cost", routing_log: str | None = None,
+                 cache_query_timeout_s: float = 0.1, health_check_period_s: float = 1.0,
+                 rates_by_backend: dict[str, dict[str, Any]] | None = None) -> None:
+        from routing import Router
+
+        self.router = Router([], policy=policy)
+        self.policy = self.router.policy
+        self.cache_query_timeout_s = cache_query_timeout_s
+        self.health_check_period_s = health_check_period_s
+        self.backends: dict[str, _Backend] = {}
+        self.known_rates: dict[str, dict[str, Any]] = dict(rates_by_backend or {})
+        self.routed: dict[str, _Routed] = {}
+        self.metrics = Recorder(ROUTER_METRICS)
+        self.log_path = Path(routing_log) if routing_log else None
+        self._log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
+        self._health_task: asyncio.Task | None = None
+
+    # -- membership --------------------------------------------------------------------------
+    async def add_backend(self, info: BackendInfo, handle: Any) -> None:
+        from routing import BackendSpec, RateProfile
+
+        rates = info.rates or self.known_rates.get(info.backend_id)
+        if rates is None:
+            raise ValueError(f"backend {info.backend_id} registered without rates and none are known; "
+                             "profile it (tandem profile) or pass a rates file")
+        self.known_rates[info.backend_id] = rates
+        if info.backend_id in self.backends:
+            self._drop(info.backend_id, reason="re-registered")
+        profile = RateProfile(**rates)
+        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active))
+        self.backends[info.backend_id] = _Backend(info, handle, profile)
+        logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
+                       info.instance_id, "rejoined" if info.reconstructed else "joined")
+        self._export_membership()
+        self._ensure_health_task()
+
+    async def backend_failed(self, backend_id: str, instance_id: str | None = None, reason: str = "") -> bool:
+        """A caller saw a call to this backend fail: stop routing to it now."""
+        backend = self.backends.get(backend_id)
+        if backend is None or (instance_id is not None and backend.info.instance_id != instance_id):
+            return False
+        self._drop(backend_id, reason=reason or "a call to it failed")
+        self.metrics.inc("tandem_router_backend_failures", tags={"backend": backend_id})
+        return True
+
+    def _drop(self, backend_id: str, reason: str) -> None:
+        self.backends.pop(backend_id, None)
+        removed = self.router.remove_backend(backend_id)
+        for req_id in (*removed.queued, *removed.active):
+            self.routed.pop(req_id, None)
+        logger.warning("router: dropped backend %s (%s); %d queued and %d active requests fail over at "
+                       "their callers", backend_id, reason, len(removed.queued), len(removed.active))
+        self._export_membership()
+
+    async def list_backends(self) -> dict[str, Any]:
+        """backend_id -> actor handle, for routable backends."""
+        return {backend_id: b.handle for backend_id, b in self.backends.items()}
+
+    async def backend_infos(self) -> dict[str, BackendInfo]:
+        return {backend_id: b.info for backend_id, b in self.backends.items()}
+
+    async def rates(self) -> dict[str, dict[str, Any]]:
+        return dict(self.known_rates)
+
+    # -- decisions ---------------------------------------------------------------------------
+    async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> Decision:
+        from routing import NoBackendError, RouteRequest
+
+        num_cached = await self._query_cached(prompt_token_ids)
+        if not self.backends:
+            raise NoBackendAvailable("no backend is alive")
+        try:
+            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached))
+        except NoBackendError as exc:
+            raise NoBackendAvailable(str(exc)) from None
+        chosen = record.chosen
+        backend = self.backends[record.backend_id]
+        now = time.time()
+        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
+        record_dict = record.to_dict()
+        self._log_decision(now, record_dict, num_cached)
+        self._export_decision(record)
+        return Decision(req_id, record.backend_id, backend.info.instance_id, record_dict, chosen.score_s,
+                        backend.handle)
+
+    async def _query_cached(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        backends = list(self.backends.items())
+        if not backends:
+            return {}
+        futures = {backend_id: asyncio.ensure_future(_await_ref(b.handle.num_cached_tokens.remote(prompt_token_ids)))
+                   for backend_id, b in backends}
+        done, pending = await asyncio.wait(futures.values(), timeout=self.cache_query_timeout_s)
+        for future in pending:
+            future.cancel()
+        num_cached = {}
+        for backend_id, future in futures.items():
+            if future in done and future.exception() is None:
+                num_cached[backend_id] = int(future.result())
+            else:
+                self.metrics.inc("tandem_router_cache_query_timeouts", tags={"backend": backend_id})
+        return num_cached
+
+    async def forget(self, req_id: str) -> bool:
+        """The caller gave up on a request before its backend reported it finished."""
+        self.routed.pop(req_id, None)
+        return self.router.forget(req_id)
+
+    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int]) -> None:
+        if self._log is None:
+            return
+        line = {"ts": round(now, 6), **record, "cache_answers": num_cached}
+        self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def _export_decision(self, record: Any) -> None:
+        self.metrics.inc("tandem_router_decisions", tags={"backend": record.backend_id, "policy": self.policy})
+        self.metrics.observe("tandem_router_estimated_completion_seconds", record.chosen.score_s,
+                             tags={"backend": record.backend_id})
+        for backend_id, score in record.per_backend.items():
+            self.metrics.set("tandem_router_estimated_cost_seconds", score.score_s, tags={"backend": backend_id})
+        self._export_pending()
+
+    def _export_pending(self) -> None:
+        for backend_id, summary in self.router.pending_summary().items():
+            self.metrics.set("tandem_router_pending_seconds", summary.pending_s, tags={"backend": backend_id})
+            self.metrics.set("tandem_router_pending_requests", summary.num_active + summary.num_queued,
+                             tags={"backend": backend_id})
+
+    def _export_membership(self) -> None:
+        self.metrics.set("tandem_router_backends_alive", len(self.backends))
+
+    # -- progress ----------------------------------------------------------------------------
+    async def report(self, backend_id: str, instance_id: str, progress: list[Any]) -> int:
+        """A backend's batch of `engine.outputs.RequestProgress` (absolute counts)."""
+        backend = self.backends.get(backend_id)
+        if backend is None or backend.info.instance_id != instance_id:
+            return 0
+        events = []
+        for p in progress:
+            events.extend(self._events_for(p))
+            if p.status == "finished":
+                self._record_finished(backend_id, p.req_id)
+        applied = self.router.on_progress(backend_id, events)
+        self._export_pending()
+        return applied
+
+    def _events_for(self, p: Any) -> list[Any]:
+        from routing import ProgressEvent
+
+        if p.status == "finished":
+            return [ProgressEvent(p.req_id, "finished")]
+        if p.status in ("waiting", "preempted"):
+            routed = self.routed.get(p.req_id)
+            if p.status == "waiting" and routed is not None and p.num_cached_tokens < routed.num_cached_tokens:
+                return [ProgressEvent(p.req_id, "evicted")]
+            return []
+        return [ProgressEvent(p.req_id, "admitted"),
+                ProgressEvent(p.req_id, "prefill", p.num_computed_prompt_tokens),
+                ProgressEvent(p.req_id, "generated", p.num_output_tokens)]
+
+    def _record_finished(self, backend_id: str, req_id: str) -> None:
+        routed = self.routed.pop(req_id, None)
+        if routed is None:
+            return
+        realised = time.time() - routed.decided_at
+        tags = {"backend": backend_id}
+        self.metrics.observe("tandem_router_realised_completion_seconds", realised, tags=tags)
+        if routed.estimated_s > 0:
+            self.metrics.observe("tandem_router_completion_ratio", realised / routed.estimated_s, tags=tags)
+
+    async def pending_summary(self) -> dict[str, Any]:
+        return {backend_id: vars(s) for backend_id, s in self.router.pending_summary().items()}
+
+    # -- health ------------------------------------------------------------------------------
+    def _ensure_health_task(self) -> None:
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_period_s)
+            for backend_id, backend in list(self.backends.items()):
+                try:
+                    instance_id = await asyncio.wait_for(_await_ref(backend.handle.ping.remote()),
+                                                         timeout=max(2.0, 5 * self.health_check_period_s))
+                except Exception as exc:  # died, restarting, or stuck: all mean "not routable now"
+                    await self.backend_failed(backend_id, backend.info.instance_id,
+                                              reason=f"health check failed: {type(exc).__name__}")
+                    continue
+                if instance_id != backend.info.instance_id:
+                    await self.backend_failed(backend_id, backend.info.instance_id, reason="restarted")
+
+    async def ping(self) -> bool:
+        return True
+
+
+async def _await_ref(ref: Any) -> Any:
+    return await ref

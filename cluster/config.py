@@ -1,0 +1,157 @@
+"""`tandem serve`'s settings: one pydantic model, loadable from YAML, overridable by flags.
+
+Everything a deployment needs lives in `TandemConfig`, so a YAML file, the CLI and the Python
+driver (`cluster.start(...)`) all describe a cluster the same way and are validated by the same
+rules. Flags override the file field by field (`with_overrides`); a flag left unset keeps the
+file's value, and a field missing from both keeps the default below.
+
+Example file::
+
+    model: smollm2-135m
+    policy: cost
+    max_active: 4
+    backends:
+      - device: cpu
+        threads: 1
+      - device: auto        # cuda, else mps, else a second cpu backend
+    port: 8000
+    routing_log: tandem-routing.jsonl
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEVICES = ("cpu", "cuda", "mps", "auto")
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ConfigError(ValueError):
+    """A config file or flag is invalid; the message names the field."""
+
+
+class BackendConfig(BaseModel):
+    """One backend engine. `id` defaults to the resolved device kind plus an index (cpu0, cuda0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
+    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    threads: int | None = Field(default=None, ge=1)  # torch threads; None: the cluster's cpu_threads
+    max_active: int | None = Field(default=None, ge=1)  # None: the cluster's max_active
+    num_kv_blocks: int | None = Field(default=None, ge=2)
+    kv_cache_memory_gb: float | None = Field(default=None, gt=0)
+
+
+class TandemConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # the name clients send; None: the engine's model name
+    backends: list[BackendConfig] = Field(
+        default_factory=lambda: [BackendConfig(device="cpu"), BackendConfig(device="auto")])
+    policy: str = "cost"
+    max_active: int = Field(default=4, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    cpu_threads: int | None = Field(default=None, ge=1)  # per cpu backend; None: cores / cpu backends
+    seed: int = 0
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    metrics_port: int = Field(default=8080, ge=0, le=65535)
+    dashboard: bool = False  # start the Ray dashboard (needs more memory and start-up time)
+    dashboard_port: int = Field(default=8265, ge=0, le=65535)
+    address: str | None = None  # join this Ray cluster instead of starting one
+    namespace: str = "tandem"
+
+    rates: Path | None = None  # rates file (routing's format); None: the profile cache
+    profile: Literal["auto", "always", "never"] = "auto"
+    rates_cache: Path = Field(default_factory=lambda: cache_dir() / "rates-cache.json")
+    routing_log: Path | None = Path("tandem-routing.jsonl")
+
+    api_key: str | None = None
+    max_pending_requests: int = Field(default=64, ge=1)  # admitted, unfinished; beyond: 429
+    max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
+    cache_query_timeout_s: float = Field(default=0.1, gt=0)
+    max_route_attempts: int = Field(default=3, ge=1)
+    backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
+    health_check_period_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("backends")
+    @classmethod
+    def _at_least_one_backend(cls, backends: list[BackendConfig]) -> list[BackendConfig]:
+        if not backends:
+            raise ValueError("at least one backend is needed")
+        return backends
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> TandemConfig:
+        ids = [b.id for b in self.backends if b.id is not None]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"backend ids must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TandemConfig:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of settings at the top level")
+        return cls.validated(data, source=f"config file {path}")
+
+    @classmethod
+    def validated(cls, data: dict[str, Any], source: str = "config") -> TandemConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(source, exc)) from None
+
+    def with_overrides(self, **overrides: Any) -> TandemConfig:
+        """A copy with every override that is not None applied, validated again."""
+        data = self.model_dump()
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return self.validated(data, source="flags")
+
+
+def parse_backends(spec: str) -> list[dict[str, str]]:
+    """`--backends cpu,auto` -> [{"device": "cpu"}, {"device": "auto"}]; `id=device` names one."""
+    backends = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        backend_id, _, device = item.rpartition("=")
+        if device not in DEVICES:
+            raise ConfigError(f"--backends: unknown device {device!r}; use {', '.join(DEVICES)}")
+        backends.append({"device": device, **({"id": backend_id} if backend_id else {})})
+    if not backends:
+        raise ConfigError("--backends needs at least one device, e.g. cpu,auto")
+    return backends
+
+
+def format_errors(source: str, exc: ValidationError) -> str:
+    lines = [f"invalid {source}:"]
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        lines.append(f"  {field}: {error['msg']}")
+    return "\n".join(lines)
+
+
+def cache_dir() -> Path:
+    """Per-user cache for rates profiles (XDG_CACHE_HOME respected)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem"

@@ -1,0 +1,314 @@
+"""Start a Tandem cluster (or connect to a running one) and drive it from Python.
+
+    import cluster
+    from engine.sampling_params import SamplingParams
+
+    tandem = cluster.start(model="smollm2-135m", backends=["cpu", "auto"])   # or cluster.connect()
+    for out in tandem.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)):
+        print(out.new_text, end="", flush=True)
+    tandem.router, tandem.backends   # the actor handles, for anything else
+    tandem.shutdown()
+
+`start` brings the pieces up in dependency order: Ray (a fresh local instance, or the cluster
+at `address`), the router actor, one backend actor per configured backend (loading in
+parallel), their rates (a rates file, the profile cache, or a fresh profile of each backend
+alone, one after another so they do not disturb each other), registration with the router,
+and finally the Serve HTTP app. Actors get `num_cpus=0` (Ray's CPU accounting would otherwise
+leave them pending on a 2-core machine; torch threads are set per backend instead), and when
+joining an existing cluster backends are spread over its nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ConfigError, TandemConfig
+from cluster.plan import BackendPlan, plan_backends
+
+logger = logging.getLogger("tandem.launcher")
+
+ROUTER_NAME = "router"
+BACKEND_PREFIX = "backend:"
+SERVE_APP_NAME = "tandem"
+
+
+def ray_env_defaults() -> None:
+    """Keep Ray offline and on loopback (see ENVIRONMENT.md); explicit settings win."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+@dataclass
+class Tandem:
+    """A handle on a running Tandem cluster: actor handles plus a token-streaming `generate`."""
+
+    router: Any
+    backends: dict[str, Any]
+    config: TandemConfig
+    url: str | None = None
+    metrics_url: str | None = None
+    dashboard_url: str | None = None
+    owns_ray: bool = False
+    owns_actors: bool = False
+    plans: list[BackendPlan] = field(default_factory=list)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _tokenizer: Any = None
+
+    def refresh_backends(self) -> dict[str, Any]:
+        import ray
+
+        self.backends = ray.get(self.router.list_backends.remote())
+        return self.backends
+
+    def generate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> Iterator[Any]:
+        """Route one request and yield its `RequestOutput`s (token and text deltas) as they come."""
+        loop = self._event_loop()
+        agen = self.agenerate(prompt, params, chat)
+        try:
+            while True:
+                future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
+                try:
+                    yield future.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+
+    async def agenerate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> AsyncIterator[Any]:
+        """The async form of `generate`, for drivers that run their own event loop."""
+        from cluster.dispatch import RequestStream
+        from engine.sampling_params import SamplingParams
+
+        params = params or SamplingParams()
+        prompt_token_ids = await self._tokenize(prompt, chat)
+        stream = RequestStream(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
+                               time.time(), self.config.max_route_attempts)
+        try:
+            await stream.open()
+            async for out in stream.outputs():
+                yield out
+        finally:
+            await stream.close()
+
+    async def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:
+        from cluster.tokenize import encode_chat, encode_prompt
+
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self._tokenizer is None:
+            backends = await self.router.list_backends.remote()
+            if not backends:
+                from cluster.dispatch import BackendUnavailable
+
+                raise BackendUnavailable("no backend is alive")
+            self._tokenizer = await next(iter(backends.values())).tokenizer.remote()
+        if chat:
+            return encode_chat(self._tokenizer, [{"role": "user", "content": prompt}])
+        return encode_prompt(self._tokenizer, prompt)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="tandem-driver", daemon=True).start()
+        return self._loop
+
+    def shutdown(self) -> None:
+        """Stop what `start` started: the Serve app, the actors, and Ray if we started it."""
+        import ray
+
+        if self.owns_actors and ray.is_initialized():
+            if self.url:
+                from ray import serve
+
+                try:
+                    serve.shutdown()
+                except Exception:  # Serve already gone: nothing to stop
+                    logger.debug("serve.shutdown failed", exc_info=True)
+            for handle in [*self.backends.values(), self.router]:
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception:  # already dead
+                    logger.debug("ray.kill failed", exc_info=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def start(config: TandemConfig | None = None, *, serve_http: bool = True, log: Any = print,
+          **overrides: Any) -> Tandem:
+    """Start Ray (or join `config.address`), the actors and, unless `serve_http=False`, the HTTP app."""
+    config = (config or TandemConfig()).with_overrides(**_normalise(overrides))
+    owns_ray = _init_ray(config)
+    try:
+        return _start_on_ray(config, serve_http, log, owns_ray)
+    except BaseException:
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+
+
+def connect(address: str = "auto", namespace: str = "tandem") -> Tandem:
+    """Attach to a running Tandem (started by `tandem serve` or `start`) from another script."""
+    import ray
+
+    ray_env_defaults()
+    owns_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+        owns_ray = True
+    try:
+        router = ray.get_actor(ROUTER_NAME, namespace=namespace)
+    except ValueError:
+        raise ConfigError(f"no Tandem router in namespace {namespace!r} of the Ray cluster at {address!r}; "
+                          "is `tandem serve` running?") from None
+    backends = ray.get(router.list_backends.remote())
+    return Tandem(router=router, backends=backends, config=TandemConfig(namespace=namespace), owns_ray=owns_ray)
+
+
+def _normalise(overrides: dict[str, Any]) -> dict[str, Any]:
+    backends = overrides.get("backends")
+    if backends is not None and backends and isinstance(backends[0], str):
+        overrides["backends"] = [{"device": d} for d in backends]
+    return overrides
+
+
+def _init_ray(config: TandemConfig) -> bool:
+    import ray
+
+    ray_env_defaults()
+    if ray.is_initialized():
+        return False
+    if config.address:
+        ray.init(address=config.address, namespace=config.namespace, logging_level=logging.WARNING)
+    else:
+        ray.init(address="local", namespace=config.namespace, include_dashboard=config.dashboard,
+                 dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
+                 _metrics_export_port=config.metrics_port, logging_level=logging.WARNING)
+    return True
+
+
+def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bool) -> Tandem:
+    import ray
+
+    from actors.backend import BackendActor
+    from actors.router import RouterActor
+
+    plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
+    for plan in plans:
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads")
+    router = ray.remote(RouterActor).options(
+        name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
+        scheduling_strategy=_this_node(),
+    ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
+             config.cache_query_timeout_s, config.health_check_period_s)
+    backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router) for plan in plans}
+    infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
+    rates = _resolve_rates(config, plans, infos, backends, log)
+    ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
+    tandem = Tandem(router=router, backends=backends, config=config, owns_ray=owns_ray, owns_actors=True,
+                    plans=plans)
+    if not config.address:
+        tandem.metrics_url = f"http://127.0.0.1:{config.metrics_port}/metrics"
+        if config.dashboard:
+            tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
+    if serve_http:
+        tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0])
+    return tandem
+
+
+def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, router: Any) -> Any:
+    import ray
+
+    engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
+                         block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
+                         kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
+                         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)
+    options: dict[str, Any] = dict(
+        name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
+        max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
+    if config.address:
+        options["scheduling_strategy"] = "SPREAD"  # use the cluster's other nodes too
+    return ray.remote(actor_cls).options(**options).remote(
+        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, router)
+
+
+def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[Any], backends: dict[str, Any],
+                   log: Any) -> dict[str, dict[str, Any]]:
+    """Rates per backend: the rates file, else the profile cache, else a fresh profile (one at a time)."""
+    import ray
+
+    from cluster.profile import load_cache, profile_key, store_in_cache
+
+    from_file = _load_rates_file(config) if config.rates else {}
+    cache = load_cache(config.rates_cache) if config.profile != "always" else {}
+    rates: dict[str, dict[str, Any]] = {}
+    for plan, info in zip(plans, infos):
+        key = profile_key(info.model_name, info.device_kind, info.dtype, info.threads)
+        found = from_file.get(plan.backend_id) or from_file.get(info.device_kind)
+        if found is None and config.profile != "always":
+            found = cache.get(key)
+        if found is None:
+            if config.profile == "never":
+                raise ConfigError(f"no rates for backend {plan.backend_id} ({key}) and profiling is off; "
+                                  "run `tandem profile` or pass --rates FILE")
+            log(f"profiling backend {plan.backend_id} ({key}); this happens once per model/device/dtype/threads")
+            start = time.perf_counter()
+            found = ray.get(backends[plan.backend_id].profile.remote(plan.max_active))
+            log(f"  {plan.backend_id}: prefill {found['prefill_tok_s']:.0f} tok/s, decode "
+                f"{found['decode_tok_s']:.1f} tok/s (batch 1) in {time.perf_counter() - start:.1f} s")
+            store_in_cache(config.rates_cache, key, found)
+        rates[plan.backend_id] = found
+    return rates
+
+
+def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
+    from dataclasses import asdict
+
+    from routing import load_rate_profiles
+
+    return {name: asdict(profile) for name, profile in load_rate_profiles(config.rates).items()}
+
+
+def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any) -> str:
+    import ray
+    from ray import serve
+
+    from cluster.app import IngressSettings, build_app
+
+    tokenizer = ray.get(backend.tokenizer.remote())
+    settings = IngressSettings(
+        served_model_name=config.served_model_name or info.model_name, max_model_len=info.max_model_len,
+        api_key=config.api_key, max_pending_requests=config.max_pending_requests,
+        max_request_bytes=config.max_request_bytes, max_route_attempts=config.max_route_attempts)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(router, tokenizer, settings), name=SERVE_APP_NAME, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    return f"http://{host}:{config.port}"
+
+
+def _this_node() -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # The router writes the routing log: keep it on the machine the user started Tandem on.
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+
+
+def _mps_available(config: TandemConfig) -> bool:
+    if not any(b.device == "auto" for b in config.backends):
+        return False
+    import torch
+
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())

@@ -1,0 +1,81 @@
+"""Turn the configured backends into concrete ones: resolve `auto`, name them, size threads.
+
+`auto` means "the accelerator if there is one": cuda when the Ray cluster has a GPU that no
+explicit cuda backend already claims, else mps when this machine has Apple's GPU, else a second
+cpu backend. The decision is made once, in the launcher, from what the Ray cluster reports
+(so a GPU on another node counts), and each backend actor logs it again at start-up.
+
+CPU threads: the cpu backends share this machine's cores, so each gets `cores // num_cpu`
+torch threads unless told otherwise; accelerator backends only need a thread for the host-side
+Python.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cluster.config import BackendConfig, TandemConfig
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    backend_id: str
+    device: str  # cpu | cuda | mps
+    requested: str  # as configured: cpu | cuda | mps | auto
+    reason: str  # why this device, for the start-up log
+    dtype: str
+    threads: int
+    max_active: int
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+
+    @property
+    def num_gpus(self) -> float:
+        return 1.0 if self.device == "cuda" else 0.0
+
+
+def resolve_auto(num_free_gpus: int, mps_available: bool) -> tuple[str, str]:
+    if num_free_gpus > 0:
+        return "cuda", "auto -> cuda (the Ray cluster has a free GPU)"
+    if mps_available:
+        return "mps", "auto -> mps (Apple GPU found)"
+    return "cpu", "auto -> cpu (no cuda GPU in the Ray cluster and no mps): a second cpu backend"
+
+
+def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
+                  num_cores: int | None = None) -> list[BackendPlan]:
+    num_cores = num_cores or os.cpu_count() or 1
+    num_free_gpus = num_gpus - sum(b.device == "cuda" for b in config.backends)
+    resolved: list[tuple[BackendConfig, str, str]] = []
+    for backend in config.backends:
+        device, reason = backend.device, f"configured {backend.device}"
+        if device == "auto":
+            device, reason = resolve_auto(num_free_gpus, mps_available)
+            num_free_gpus -= device == "cuda"
+        resolved.append((backend, device, reason))
+
+    num_cpu = sum(device == "cpu" for _, device, _ in resolved)
+    default_cpu_threads = config.cpu_threads or max(1, num_cores // max(1, num_cpu))
+    used_ids = {b.id for b, _, _ in resolved if b.id}
+    counters: dict[str, int] = {}
+    plans = []
+    for backend, device, reason in resolved:
+        backend_id = backend.id or _next_id(device, counters, used_ids)
+        threads = backend.threads or (default_cpu_threads if device == "cpu" else 1)
+        plans.append(BackendPlan(
+            backend_id=backend_id, device=device, requested=backend.device, reason=reason,
+            dtype=backend.dtype, threads=threads,
+            max_active=backend.max_active or config.max_active,
+            num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb))
+    return plans
+
+
+def _next_id(device: str, counters: dict[str, int], used_ids: set[str]) -> str:
+    while True:
+        index = counters.get(device, 0)
+        counters[device] = index + 1
+        candidate = f"{device}{index}"
+        if candidate not in used_ids:
+            used_ids.add(candidate)
+            return candidate

@@ -1,0 +1,103 @@
+"""Measure one backend's rates, alone, and remember them per model, device, dtype and threads.
+
+`measure_rates` drives a bare `LLMEngine` (no Ray, no other load) the way the router's cost
+model reads rates: prefill tok/s on a long prompt that cannot hit the prefix cache, and
+aggregate decode tok/s at each batch size from 1 to `max_active` (the batch-aware table; its
+batch-1 entry is the spec's isolated decode rate). Times come from the engine's own per-step
+timer, and a step counts as prefill or decode only if it did nothing else.
+
+Results are cached in one JSON file keyed by what changes them (`profile_key`), so `tandem
+serve` profiles a backend once per model/device/dtype/threads and starts at once afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+def profile_key(model: str, device_kind: str, dtype: str, threads: int) -> str:
+    return f"{model}|{device_kind}|{dtype}|threads={threads}"
+
+
+def measure_rates(engine: Any, max_active: int, prompt_len: int = 256, decode_tokens: int = 16,
+                  seed: int = 0) -> dict[str, Any]:
+    """Rates in routing's RateProfile fields: prefill_tok_s, decode_tok_s, decode_tok_s_by_batch."""
+    rng = random.Random(seed)
+    num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    prompt_len = max(16, min(prompt_len, engine.max_model_len - decode_tokens - 2))
+
+    def prompt(n: int) -> list[int]:  # random ids: no two prompts share a first block
+        return [rng.randrange(3, num_tokens) for _ in range(n)]
+
+    _run(engine, [prompt(32)], max_tokens=2)  # warm-up: first-call allocations, lazy inits
+    prefill = [_run(engine, [prompt(prompt_len)], max_tokens=1)[0] for _ in range(2)]
+    prefill_tokens, prefill_s = sum(t for t, _ in prefill), sum(s for _, s in prefill)
+    by_batch = {}
+    for batch in range(1, max_active + 1):
+        _, (decode_tok, decode_s) = _run(engine, [prompt(16) for _ in range(batch)], max_tokens=decode_tokens)
+        by_batch[batch] = round(decode_tok / decode_s, 3)
+    engine.drain_progress()  # profile requests are nobody's business
+    return {"prefill_tok_s": round(prefill_tokens / prefill_s, 3), "decode_tok_s": by_batch[1],
+            "decode_tok_s_by_batch": by_batch}
+
+
+def _run(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[tuple[int, float], tuple[int, float]]:
+    """Run prompts to completion; returns (prefill tokens, s) and (decode tokens, s) of pure steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"profile-{id(prompts)}-{i}", ids, params)
+    prefill = [0, 0.0]
+    decode = [0, 0.0]
+    while engine.has_unfinished_requests():
+        before = _token_totals(engine)
+        engine.step()
+        st = engine.get_stats()
+        if _token_totals(engine) == before:  # no model run this step
+            continue
+        if st.step_prefill_tokens and not st.step_decode_tokens:
+            prefill[0] += st.step_prefill_tokens
+            prefill[1] += st.step_time_s
+        elif st.step_decode_tokens and not st.step_prefill_tokens:
+            decode[0] += st.step_decode_tokens
+            decode[1] += st.step_time_s
+    return (prefill[0], prefill[1] or 1e-9), (decode[0], decode[1] or 1e-9)
+
+
+def _token_totals(engine: Any) -> tuple[int, int]:
+    st = engine.get_stats()
+    return st.num_prompt_tokens_total, st.num_generation_tokens_total
+
+
+# -- the cache -------------------------------------------------------------------------------
+def load_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def store_in_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
+    """Add one entry, writing atomically (a rename), so concurrent starts never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = load_cache(path)
+    data[key] = rates
+    fd, tmp = tempfile.mkstemp(prefix=".rates-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def write_rates_file(path: Path, rates_by_backend: dict[str, dict[str, Any]]) -> None:
+    """The file routing's `load_rate_profiles` reads: backend id -> profile."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rates_by_backend, indent=2, sort_keys=True) + "\n")
