@@ -101,6 +101,10 @@ class Router:
         """Registered backends in preference order (accelerators first, then by id)."""
         return list(self._backends)
 
+    def ledger(self, backend_id: str) -> Ledger:
+        """`backend_id`'s ledger, for inspection (mutate it only through the Router)."""
+        return self._state(backend_id).ledger
+
     def rates(self, backend_id: str) -> RateProfile:
         """The rates the cost model currently uses for `backend_id` (calibrated, if on)."""
         return self._state(backend_id).rates

@@ -1,0 +1,159 @@
+"""The oracle split: the best makespan over which backend each request goes to.
+
+Given a fixed assignment, the backends are independent (each serves its own requests FIFO, as
+routing/sim_backend.py models), so an assignment is scored by replaying each backend alone on
+its subset, memoised by that subset. The objective is the makespan (last finish minus first
+arrival), ties broken by the sum of end-to-end latencies.
+
+Search:
+- exhaustive over all `num_backends ** num_requests` assignments when that is at most
+  `exhaustive_max` (default 2**16: every CPU/GPU subset for up to 16 requests, a few seconds);
+- otherwise a local search, which finds a good split but does not prove it optimal (the
+  oracle's gain is then a lower bound on the attainable gain). Seeds: every all-on-one-backend
+  assignment, the policies' own assignments (so the oracle is never worse than any policy
+  simulated), and for each ordered pair of backends (base, spill) and each count k, the
+  assignments sending k requests to the spill backend at the first k, the last k, or k evenly
+  spaced arrival positions (for identical requests only the count and the positions matter).
+  From the best few seeds it hill-climbs, moving one request to another backend or swapping
+  two requests between backends, taking the first improving move until none improves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+from routing.scenario import Scenario
+from routing.sim_backend import SimBackend
+from routing.simulator import RequestOutcome, collect_outcomes, make_job
+
+Assignment = tuple[int, ...]  # backend index per request, scenario order
+
+
+@dataclass
+class OracleResult:
+    makespan_s: float
+    assignment: list[str]  # backend_id per request, scenario order
+    outcomes: list[RequestOutcome]
+    method: str
+    num_evaluated: int  # distinct per-backend replays
+
+
+class AssignmentEvaluator:
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.backend_ids = [b.spec.backend_id for b in scenario.backends]
+        self.first_arrival_s = min(r.arrival_s for r in scenario.requests)
+        self._memo: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}
+
+    @property
+    def num_evaluated(self) -> int:
+        return len(self._memo)
+
+    def objective(self, assignment: Assignment) -> tuple[float, float]:
+        """(makespan_s, sum of e2e seconds) of a fixed assignment."""
+        last_finish_s, total_e2e_s = -float("inf"), 0.0
+        for b in range(len(self.backend_ids)):
+            indices = tuple(i for i, chosen in enumerate(assignment) if chosen == b)
+            if indices:
+                finish_s, e2e_s = self._backend_result(b, indices)
+                last_finish_s, total_e2e_s = max(last_finish_s, finish_s), total_e2e_s + e2e_s
+        return last_finish_s - self.first_arrival_s, total_e2e_s
+
+    def outcomes(self, assignment: Assignment) -> list[RequestOutcome]:
+        backends = [self._replay(b, [i for i, c in enumerate(assignment) if c == b])
+                    for b in range(len(self.backend_ids))]
+        return collect_outcomes(self.scenario, backends)
+
+    def _backend_result(self, b: int, indices: tuple[int, ...]) -> tuple[float, float]:
+        key = (b, indices)
+        if key not in self._memo:
+            backend = self._replay(b, indices)
+            self._memo[key] = (
+                max(job.finish_s for job in backend.finished),
+                sum(job.finish_s - job.arrival_s for job in backend.finished),
+            )
+        return self._memo[key]
+
+    def _replay(self, b: int, indices: Iterable[int]) -> SimBackend:
+        sim_spec = self.scenario.backends[b]
+        backend = SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active)
+        for i in indices:
+            backend.enqueue(make_job(i, self.scenario.requests[i], sim_spec.spec.backend_id))
+        backend.run_to_completion()
+        return backend
+
+
+def find_oracle(
+    scenario: Scenario,
+    seeds: Sequence[Sequence[str]] = (),
+    exhaustive_max: int = 2**16,
+    num_starts: int = 3,
+) -> OracleResult:
+    """Best assignment found; `seeds` are backend_id lists (e.g. the policies' assignments)."""
+    evaluator = AssignmentEvaluator(scenario)
+    num_backends, num_requests = len(evaluator.backend_ids), len(scenario.requests)
+    index_of = {backend_id: b for b, backend_id in enumerate(evaluator.backend_ids)}
+    seed_assignments = [tuple(index_of[x] for x in seed) for seed in seeds]
+    if num_backends**num_requests <= exhaustive_max:
+        candidates: Iterable[Assignment] = itertools.product(range(num_backends), repeat=num_requests)
+        best = min(candidates, key=evaluator.objective)
+        method = f"exhaustive over {num_backends ** num_requests} assignments"
+    else:
+        best = _local_search(evaluator, seed_assignments, num_backends, num_requests, num_starts)
+        method = f"local search from the best {num_starts} of the seeds (not proven optimal)"
+    return OracleResult(
+        makespan_s=evaluator.objective(best)[0],
+        assignment=[evaluator.backend_ids[b] for b in best],
+        outcomes=evaluator.outcomes(best),
+        method=method,
+        num_evaluated=evaluator.num_evaluated,
+    )
+
+
+def _local_search(evaluator: AssignmentEvaluator, seeds: list[Assignment], num_backends: int,
+                  num_requests: int, num_starts: int) -> Assignment:
+    candidates = {*seeds, *_structured_seeds(num_backends, num_requests)}
+    starts = sorted(candidates, key=lambda a: (evaluator.objective(a), a))[:num_starts]
+    results = [_hill_climb(evaluator, start, num_backends) for start in starts]
+    return min(results, key=lambda a: (evaluator.objective(a), a))
+
+
+def _structured_seeds(num_backends: int, num_requests: int) -> Iterator[Assignment]:
+    for base in range(num_backends):
+        yield (base,) * num_requests
+        for spill in range(num_backends):
+            if spill == base:
+                continue
+            for k in range(1, num_requests):
+                even = {round((j + 0.5) * num_requests / k - 0.5) for j in range(k)}
+                for positions in (range(k), range(num_requests - k, num_requests), even):
+                    chosen = set(positions)
+                    yield tuple(spill if i in chosen else base for i in range(num_requests))
+
+
+def _hill_climb(evaluator: AssignmentEvaluator, start: Assignment, num_backends: int) -> Assignment:
+    current, current_obj = start, evaluator.objective(start)
+    improved = True
+    while improved:
+        improved = False
+        for neighbour in _neighbours(current, num_backends):
+            obj = evaluator.objective(neighbour)
+            if obj < current_obj:
+                current, current_obj, improved = neighbour, obj, True
+                break
+    return current
+
+
+def _neighbours(assignment: Assignment, num_backends: int) -> Iterator[Assignment]:
+    """Single moves first (cheap, most useful), then swaps between different backends."""
+    for i, b in enumerate(assignment):
+        for other in range(num_backends):
+            if other != b:
+                yield assignment[:i] + (other,) + assignment[i + 1:]
+    for i, j in itertools.combinations(range(len(assignment)), 2):
+        if assignment[i] != assignment[j]:
+            moved = list(assignment)
+            moved[i], moved[j] = assignment[j], assignment[i]
+            yield tuple(moved)

@@ -1,0 +1,200 @@
+"""One simulated backend: a continuous-batching scheduler advanced event by event.
+
+The model, chosen to be simple, deterministic and close to nano-vllm's scheduler:
+- Up to `max_active` requests run; the rest wait in a FIFO queue. Admission happens at step
+  boundaries (a request arriving exactly at a boundary is admitted there), or at once when the
+  backend is idle.
+- Prefill first, no chunking: if any admitted request has not been prefilled, the next step
+  prefills all of them together, taking `sum(uncached prompt tokens) / prefill_tok_s`
+  seconds, while decode waits. The prefill step produces each request's first token (TTFT).
+- Otherwise the step decodes every running request by one token and takes
+  `batch_size / decode_rate(batch_size)` seconds: `decode_tok_s` (or
+  `decode_tok_s_by_batch[batch_size]`) is the aggregate rate the batch shares. Without a
+  batch table, batching gives no throughput gain, the same assumption as the cost model.
+- A request finishes at the boundary where it reaches its actual `num_output_tokens`.
+
+For speed the backend does not visit every decode step: while the batch stays the same it
+plans a *run* of k identical steps and jumps to the run's end, where k is the number of steps
+until the first request finishes or until a queued request could be admitted. Boundary times
+are always `run_start + k * step_s`, computed by the same expression whether the simulator
+stops inside a run (to let the router look at the backend) or not, so the router-driven
+simulation and the oracle's fixed-assignment replay produce bit-identical times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from routing import messages
+from routing.messages import ProgressEvent
+from routing.rates import RateProfile
+
+
+@dataclass
+class SimJob:
+    index: int  # position in the scenario's request list
+    req_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    num_prefill_tokens: int  # uncached prompt tokens on this backend
+    num_output_tokens_target: int
+    num_output_tokens: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def num_tokens_left(self) -> int:
+        return self.num_output_tokens_target - self.num_output_tokens
+
+
+class Reporter(Protocol):
+    """Where a backend sends its progress (the router, in the simulator)."""
+
+    def on_events(self, backend_id: str, events: list[ProgressEvent]) -> None: ...
+
+    def on_step(self, backend_id: str, num_prefill_tokens: int, num_decode_tokens: int,
+                batch_size: int, elapsed_s: float) -> None: ...
+
+
+def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:
+    """Smallest k >= 1 with `run_start_s + k * step_s >= t`, exact for that expression."""
+    k = max(1, math.ceil((t - run_start_s) / step_s))
+    while k > 1 and run_start_s + (k - 1) * step_s >= t:
+        k -= 1
+    while run_start_s + k * step_s < t:
+        k += 1
+    return k
+
+
+class SimBackend:
+    def __init__(self, backend_id: str, rates: RateProfile, max_active: int,
+                 reporter: Reporter | None = None) -> None:
+        self.backend_id = backend_id
+        self.rates = rates
+        self.max_active = max_active
+        self.reporter = reporter
+        self.queue: deque[SimJob] = deque()
+        self.active: list[SimJob] = []
+        self.finished: list[SimJob] = []
+        self.now = -math.inf  # time of the last processed boundary
+        self.step: str | None = None  # None (idle), "prefill" or "decode"
+        self.step_end_s = math.inf
+        self.run_start_s = 0.0
+        self.run_step_s = 0.0
+        self.run_num_steps = 0
+        self.run_num_steps_to_finish = 0
+
+    def next_boundary(self) -> float:
+        if self.step is not None:
+            return self.step_end_s
+        if self.queue:
+            return max(self.now, self.queue[0].arrival_s)
+        return math.inf
+
+    def enqueue(self, job: SimJob) -> None:
+        """Add a job (its arrival may lie in the future: the oracle enqueues all up front)."""
+        self.queue.append(job)
+        if self.step == "decode" and len(self.active) < self.max_active:
+            self._plan_run_end()
+
+    def advance_to(self, t: float) -> None:
+        """Process every boundary strictly before `t`."""
+        while self.next_boundary() < t:
+            self._process_boundary()
+
+    def run_to_completion(self) -> None:
+        self.advance_to(math.inf)
+
+    def progress_events_at(self, t: float) -> list[ProgressEvent]:
+        """Token counts as of `t`, inside a decode run (between the boundaries we skip)."""
+        if self.step != "decode":
+            return []
+        num_steps_done = first_step_at_or_after(self.run_start_s, self.run_step_s, t) - 1
+        return [
+            ProgressEvent(job.req_id, messages.GENERATED, job.num_output_tokens + num_steps_done)
+            for job in self.active
+        ]
+
+    # --- one boundary ---------------------------------------------------------------------
+
+    def _process_boundary(self) -> None:
+        t = self.next_boundary()
+        events: list[ProgressEvent] = []
+        if self.step == "prefill":
+            self._end_prefill(t, events)
+        elif self.step == "decode":
+            self._end_decode_run(t, events)
+        self.now = t
+        self._admit(t, events)
+        self._start_step(t)
+        if self.reporter is not None and events:
+            self.reporter.on_events(self.backend_id, events)
+
+    def _end_prefill(self, t: float, events: list[ProgressEvent]) -> None:
+        prefilled = [job for job in self.active if job.num_output_tokens == 0]
+        for job in prefilled:
+            job.num_output_tokens = 1
+            job.first_token_s = t
+        if self.reporter is not None:
+            for job in prefilled:
+                events.append(ProgressEvent(job.req_id, messages.PREFILL, job.num_prompt_tokens))
+                events.append(ProgressEvent(job.req_id, messages.GENERATED, 1))
+            num_tokens = sum(job.num_prefill_tokens for job in prefilled)
+            self.reporter.on_step(self.backend_id, num_tokens, 0, len(prefilled), t - self.now)
+        self._retire_finished(t, events)
+
+    def _end_decode_run(self, t: float, events: list[ProgressEvent]) -> None:
+        for job in self.active:
+            job.num_output_tokens += self.run_num_steps
+        if self.reporter is not None:
+            events.extend(ProgressEvent(j.req_id, messages.GENERATED, j.num_output_tokens) for j in self.active)
+            batch_size = len(self.active)
+            self.reporter.on_step(self.backend_id, 0, batch_size * self.run_num_steps, batch_size,
+                                  self.run_num_steps * self.run_step_s)
+        self._retire_finished(t, events)
+
+    def _retire_finished(self, t: float, events: list[ProgressEvent]) -> None:
+        still_running = []
+        for job in self.active:
+            if job.num_tokens_left > 0:
+                still_running.append(job)
+                continue
+            job.finish_s = t
+            self.finished.append(job)
+            if self.reporter is not None:
+                events.append(ProgressEvent(job.req_id, messages.FINISHED))
+        self.active = still_running
+
+    def _admit(self, t: float, events: list[ProgressEvent]) -> None:
+        while len(self.active) < self.max_active and self.queue and self.queue[0].arrival_s <= t:
+            job = self.queue.popleft()
+            self.active.append(job)
+            if self.reporter is not None:
+                events.append(ProgressEvent(job.req_id, messages.ADMITTED))
+
+    def _start_step(self, t: float) -> None:
+        num_prefill_tokens = sum(j.num_prefill_tokens for j in self.active if j.num_output_tokens == 0)
+        if any(j.num_output_tokens == 0 for j in self.active):
+            self.step = "prefill"
+            self.step_end_s = t + num_prefill_tokens / self.rates.prefill_tok_s
+        elif self.active:
+            self.step = "decode"
+            self.run_start_s = t
+            self.run_step_s = self.rates.decode_step_s(len(self.active))
+            self.run_num_steps_to_finish = min(job.num_tokens_left for job in self.active)
+            self._plan_run_end()
+        else:
+            self.step = None
+            self.step_end_s = math.inf
+
+    def _plan_run_end(self) -> None:
+        """End the run at the first finish, or at the first boundary where a queued job fits."""
+        num_steps = self.run_num_steps_to_finish
+        if len(self.active) < self.max_active and self.queue:
+            arrival_s = self.queue[0].arrival_s
+            num_steps = min(num_steps, first_step_at_or_after(self.run_start_s, self.run_step_s, arrival_s))
+        self.run_num_steps = num_steps
+        self.step_end_s = self.run_start_s + num_steps * self.run_step_s

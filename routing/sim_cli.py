@@ -1,0 +1,121 @@
+"""`tandem route-sim SCENARIO`: run the what-if simulator and compare policies with the oracle.
+
+Output on stdout: one JSON line per routing decision (`"type": "decision"`), one per policy
+summary (`"type": "summary"`) and one for the oracle (`"type": "oracle"`), then a blank line
+and a plain-text table. `--no-decisions` drops the decision lines; `--json-out` also writes
+everything as one JSON document. The `tandem` CLI calls `add_arguments` and `run`; until then
+`python -m routing.sim_cli SCENARIO` does the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from routing.errors import ConfigError
+from routing.oracle import find_oracle
+from routing.policies import POLICIES
+from routing.scenario import Scenario, load_scenario
+from routing.sim_report import Summary, add_gains, format_table, summarize
+from routing.simulator import SimResult, simulate
+
+BASELINE = "accelerator-only"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", type=Path, help="scenario file (.json, .yaml or .yml)")
+    parser.add_argument("--policy", default=None,
+                        help=f"policy, comma-separated list, or 'all' ({', '.join(POLICIES)}); "
+                             "default: the scenario's policy")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="override generate.num_requests in the scenario")
+    parser.add_argument("--no-decisions", action="store_true", help="do not print decision lines")
+    parser.add_argument("--no-oracle", action="store_true", help="skip the oracle search")
+    parser.add_argument("--oracle-exhaustive-max", type=int, default=2**16,
+                        help="search all assignments when there are at most this many (default 65536)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write a JSON report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        scenario = load_scenario(args.scenario, num_requests=args.num_requests)
+        policies = _policies(args.policy, scenario)
+    except ConfigError as exc:
+        print(f"route-sim: {exc}", file=sys.stderr)
+        return 2
+    results = [simulate(scenario, policy) for policy in policies]
+    report, summaries = _report(scenario, results, args)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    print()
+    print(f"scenario {scenario.name}: {len(scenario.requests)} requests; oracle: {report['oracle_method']}")
+    print(format_table(summaries))
+    return 0
+
+
+def _policies(value: str | None, scenario: Scenario) -> list[str]:
+    if value is None:
+        return [scenario.policy]
+    names = list(POLICIES) if value == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    for name in names:
+        if name not in POLICIES:
+            raise ConfigError(f"--policy: unknown policy {name!r}; choose from {sorted(POLICIES)} or 'all'")
+    return names
+
+
+def _report(scenario: Scenario, results: list[SimResult],
+            args: argparse.Namespace) -> tuple[dict[str, Any], list[Summary]]:
+    """Print decision and summary lines; return the JSON report and the summaries."""
+    backend_ids = [b.spec.backend_id for b in scenario.backends]
+    has_accelerator = any(not b.spec.is_cpu for b in scenario.backends)
+    by_policy = {r.policy: r for r in results}
+    if has_accelerator:
+        # The gains are measured against accelerator-only; it leads the table.
+        by_policy = {BASELINE: by_policy.get(BASELINE) or simulate(scenario, BASELINE), **by_policy}
+    summaries = [summarize(r.policy, r.outcomes, backend_ids) for r in by_policy.values()]
+    oracle_summary, oracle_method, oracle_assignment = None, "skipped", None
+    if not args.no_oracle:
+        oracle = find_oracle(scenario, [r.assignment for r in by_policy.values()], args.oracle_exhaustive_max)
+        oracle_summary = summarize("oracle", oracle.outcomes, backend_ids)
+        oracle_method, oracle_assignment = oracle.method, oracle.assignment
+        summaries.append(oracle_summary)
+    baseline = next((s for s in summaries if s.name == BASELINE), None)
+    add_gains(summaries, baseline, oracle_summary)
+    _print_lines(results, summaries, oracle_method, oracle_assignment, args.no_decisions)
+    report = {
+        "scenario": scenario.name,
+        "num_requests": len(scenario.requests),
+        "oracle_method": oracle_method,
+        "oracle_assignment": oracle_assignment,
+        "summaries": [s.to_dict() for s in summaries],
+        "decisions": {r.policy: [{"time_s": d.time_s, **d.record.to_dict()} for d in r.decisions]
+                      for r in results},
+    }
+    return report, summaries
+
+
+def _print_lines(results: list[SimResult], summaries: list[Summary], oracle_method: str,
+                 oracle_assignment: list[str] | None, no_decisions: bool) -> None:
+    if not no_decisions:
+        for result in results:
+            for d in result.decisions:
+                print(json.dumps({"type": "decision", "time_s": round(d.time_s, 6), **d.record.to_dict()},
+                                 separators=(",", ":")))
+    for s in summaries:
+        kind = "oracle" if s.name == "oracle" else "summary"
+        extra = {"method": oracle_method, "assignment": oracle_assignment} if kind == "oracle" else {}
+        print(json.dumps({"type": kind, **s.to_dict(), **extra}, separators=(",", ":")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="route-sim", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

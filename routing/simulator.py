@@ -1,0 +1,116 @@
+"""The what-if simulator: replay a scenario's arrivals through a Router and simulated backends.
+
+At each arrival, every backend is advanced to the arrival time and reports its progress to the
+router (the same `ProgressEvent`s a live backend sends: admitted, prefill, generated, finished;
+and observed step timings, used if calibration is on); then the router routes the request and
+the chosen backend queues it. Backends are modelled in routing/sim_backend.py. The result
+holds every decision and each request's timings; routing/sim_report.py summarises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.decision import DecisionRecord
+from routing.messages import ProgressEvent, RouteRequest
+from routing.router import Router
+from routing.scenario import Scenario, SimRequest
+from routing.sim_backend import SimBackend, SimJob
+
+
+@dataclass
+class TimedDecision:
+    time_s: float
+    record: DecisionRecord
+
+
+@dataclass
+class RequestOutcome:
+    req_id: str
+    backend_id: str
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_output_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+@dataclass
+class SimResult:
+    policy: str
+    decisions: list[TimedDecision]
+    outcomes: list[RequestOutcome]  # in scenario order
+
+    @property
+    def assignment(self) -> list[str]:
+        return [o.backend_id for o in self.outcomes]
+
+
+class _RouterReporter:
+    """Feeds a simulated backend's reports into the router, like the live actors do."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def on_events(self, backend_id: str, events: list[ProgressEvent]) -> None:
+        self.router.on_progress(backend_id, events)
+
+    def on_step(self, backend_id: str, num_prefill_tokens: int, num_decode_tokens: int,
+                batch_size: int, elapsed_s: float) -> None:
+        if elapsed_s > 0:
+            self.router.observe_step(backend_id, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
+
+
+def make_job(index: int, request: SimRequest, backend_id: str) -> SimJob:
+    num_cached = min(request.num_cached_tokens.get(backend_id, 0), request.num_prompt_tokens)
+    return SimJob(
+        index=index,
+        req_id=request.req_id,
+        arrival_s=request.arrival_s,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_prefill_tokens=request.num_prompt_tokens - num_cached,
+        num_output_tokens_target=request.num_output_tokens,
+    )
+
+
+def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
+    """Run the scenario under `policy` (default: the scenario's)."""
+    router = Router(scenario.backend_specs, policy or scenario.policy,
+                    scenario.new_token_ratio, scenario.calibration)
+    reporter = _RouterReporter(router)
+    backends = {
+        b.spec.backend_id: SimBackend(b.spec.backend_id, b.actual_rates, b.spec.max_active, reporter)
+        for b in scenario.backends
+    }
+    decisions = []
+    for index, request in enumerate(scenario.requests):
+        for backend_id, backend in backends.items():
+            backend.advance_to(request.arrival_s)
+            router.on_progress(backend_id, backend.progress_events_at(request.arrival_s))
+        record = router.route(RouteRequest(
+            request.req_id, request.num_prompt_tokens, request.max_tokens, request.num_cached_tokens
+        ))
+        decisions.append(TimedDecision(request.arrival_s, record))
+        backends[record.backend_id].enqueue(make_job(index, request, record.backend_id))
+    for backend in backends.values():
+        backend.run_to_completion()
+    return SimResult(router.policy, decisions, collect_outcomes(scenario, backends.values()))
+
+
+def collect_outcomes(scenario: Scenario, backends) -> list[RequestOutcome]:
+    """Per-request timings, in scenario order, from finished simulated backends."""
+    by_index: dict[int, RequestOutcome] = {}
+    for backend in backends:
+        for job in backend.finished:
+            by_index[job.index] = RequestOutcome(
+                job.req_id, backend.backend_id, job.arrival_s, job.first_token_s,
+                job.finish_s, job.num_output_tokens,
+            )
+    return [by_index[i] for i in range(len(scenario.requests))]

@@ -1,0 +1,18 @@
+"""The cost model's batch-aware decode rate (the plain formula is covered by the worked example)."""
+
+import pytest
+
+from routing import BackendSpec, RateProfile, RouteRequest, Router
+
+
+def test_batch_aware_profile_uses_the_rate_at_the_resulting_batch_size():
+    rates = RateProfile(prefill_tok_s=1000, decode_tok_s=100, decode_tok_s_by_batch={1: 100, 4: 400})
+    router = Router([BackendSpec("cuda0", "cuda", rates, max_active=4)])
+    scores = []
+    for n in range(6):
+        rec = router.route(RouteRequest(f"r{n}", num_prompt_tokens=0, max_tokens=100))
+        scores.append(rec.per_backend["cuda0"])
+    assert [s.decode_tok_s for s in scores] == [100, 200, 300, 400, 400, 400]
+    assert scores[3].decode_term_s == pytest.approx(400 / 400)
+    assert scores[5].decode_term_s == pytest.approx(600 / 400)
+    assert router.pending_summary()["cuda0"].pending_s == pytest.approx(600 / 400)
