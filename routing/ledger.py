@@ -4,7 +4,8 @@ One `Ledger` per backend. Each `LedgerEntry` remembers what the cost model needs
 - the uncached prefill tokens estimated when the request was routed (prompt minus the prefix
   that backend reported). The estimate is frozen while the request is queued: the spec's
   original bug was to drop this discount for queued requests. Only an "evicted" report
-  replaces it (with the full prompt), because then the prefix really is gone.
+  replaces it, with the prompt minus the prefix still reusable (the report's value; 0, the
+  default, means the full prompt), because then the prefix really is gone.
 - once the backend reports prefill progress, the remaining prefill is
   `num_prompt_tokens - num_computed_prompt_tokens` (vLLM's `num_computed_tokens` counts
   prefix-cache hits as computed, so the first report after admission also corrects a stale
@@ -31,7 +32,7 @@ class LedgerEntry:
     req_id: str
     num_prompt_tokens: int
     max_tokens: int
-    num_prefill_tokens_est: int  # frozen at routing time; full prompt after an eviction report
+    num_prefill_tokens_est: int  # frozen at routing time; replaced only by an eviction report
     status: str = QUEUED
     num_computed_prompt_tokens: int | None = None  # None until the backend reports prefill
     num_output_tokens: int = 0
@@ -103,7 +104,7 @@ def _update_entry(entry: LedgerEntry, event: messages.ProgressEvent) -> None:
     kind = event.kind
     if kind == messages.EVICTED:
         if entry.status == QUEUED:
-            entry.num_prefill_tokens_est = entry.num_prompt_tokens
+            entry.num_prefill_tokens_est = entry.num_prompt_tokens - min(event.value, entry.num_prompt_tokens)
         return
     # Any progress means the scheduler took the request, even if "admitted" arrives later.
     entry.status = ACTIVE

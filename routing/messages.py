@@ -16,7 +16,7 @@ PREFILL = "prefill"  # value = num_computed_tokens of the prompt so far, prefix-
 GENERATED = "generated"  # value = num_output_tokens so far
 FINISHED = "finished"
 ABORTED = "aborted"
-EVICTED = "evicted"  # a queued request's cached prefix was evicted: estimate = full prompt
+EVICTED = "evicted"  # a queued request's prefix was evicted; value = reusable tokens left (0: none)
 
 EVENT_KINDS = (ADMITTED, PREFILL, GENERATED, FINISHED, ABORTED, EVICTED)
 

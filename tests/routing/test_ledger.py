@@ -25,6 +25,8 @@ def test_queued_request_keeps_its_estimate_until_evicted():
     assert sums(ledger) == (40, 10, 0, 1)
     assert ledger.apply(ProgressEvent("a", "evicted"))
     assert sums(ledger) == (100, 10, 0, 1)
+    ledger.apply(ProgressEvent("a", "evicted", 32))  # 32 tokens of prefix are still reusable
+    assert sums(ledger) == (68, 10, 0, 1)
 
 
 def test_eviction_report_for_an_active_request_changes_nothing():
