@@ -1,0 +1,156 @@
+"""Router decision latency with a deep backlog: running sums vs walking the queue.
+
+Builds a Router over N backends (default: one accelerator, one CPU, the spec's rates), routes
+`--num-pending` requests (default 1,000) of varied prompt length, cache hit and budget, and
+admits/advances some of them so the ledgers hold a realistic mix of active and queued work.
+Then it times `Router.route()` for `--num-decisions` new requests, one at a time with
+`time.perf_counter_ns`; after each timed decision the new request is forgotten (untimed) so
+the backlog stays at the same depth.
+
+It compares, in the same process on the same ledgers:
+  * every policy at the requested depth, and `cost` with an empty router and a 10x backlog:
+    the decision reads each ledger's running sums, so its cost should not depend on depth;
+  * "walk the queue": the same score computed by summing every pending request on every
+    backend at decision time, which is what the running sums avoid (a tenth as many decisions).
+
+Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`
+(default out/router_decision.json). Run: python -m bench.router_decision
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from routing import POLICIES, BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
+
+SPEC_BACKENDS = [
+    BackendSpec("cuda0", "cuda", RateProfile(2551, 293), max_active=4),
+    BackendSpec("cpu0", "cpu", RateProfile(73, 45), max_active=4),
+]
+
+
+def backends(num_backends: int) -> list[BackendSpec]:
+    extra = [BackendSpec(f"cuda{i}", "cuda", RateProfile(2551, 293), 4) for i in range(1, num_backends - 1)]
+    return (SPEC_BACKENDS + extra)[:num_backends]
+
+
+def random_request(rng: random.Random, req_id: str, backend_ids: list[str]) -> RouteRequest:
+    prompt = rng.randint(16, 2048)
+    cached = {b: rng.choice([0, prompt // 2, max(0, prompt - 20)]) for b in backend_ids}
+    return RouteRequest(req_id, prompt, rng.choice([64, 128, 256, 512]), cached)
+
+
+def build_router(policy: str, num_backends: int, num_pending: int, seed: int) -> Router:
+    """A router whose ledgers hold `num_pending` requests, the first few per backend active."""
+    specs = backends(num_backends)
+    router = Router(specs, policy=policy)
+    rng = random.Random(seed)
+    ids = [s.backend_id for s in specs]
+    for n in range(num_pending):
+        router.route(random_request(rng, f"p{n}", ids))
+    for backend_id in ids:
+        active = list(router.ledger(backend_id).entries)[:4]
+        router.on_progress(backend_id, [ProgressEvent(r, "generated", rng.randint(1, 60)) for r in active])
+    return router
+
+
+def walk_the_queue_scores(router: Router, request: RouteRequest) -> dict[str, float]:
+    """The cost score recomputed from every pending request: the baseline running sums avoid."""
+    scores = {}
+    for backend_id in router.backend_ids():
+        rates = router.rates(backend_id)
+        entries = router.ledger(backend_id).entries.values()
+        prefill = sum(e.num_prefill_tokens_left() for e in entries) + request.num_prefill_tokens_on(backend_id)
+        decode = sum(e.num_decode_tokens_left() for e in entries) + request.max_tokens
+        scores[backend_id] = prefill / rates.prefill_tok_s + decode / rates.decode_tok_s
+    return scores
+
+
+def time_decisions(router: Router, decide: Callable[[RouteRequest], object], num_decisions: int,
+                   seed: int) -> list[float]:
+    """Microseconds per decision; each new request is forgotten afterwards (untimed)."""
+    rng = random.Random(seed)
+    ids = router.backend_ids()
+    requests = [random_request(rng, f"new{n}", ids) for n in range(num_decisions)]
+    samples = []
+    for request in requests:
+        start = time.perf_counter_ns()
+        decide(request)
+        samples.append((time.perf_counter_ns() - start) / 1000)
+        router.forget(request.req_id)
+    return samples
+
+
+def row(name: str, num_pending: int, samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {
+        "method": name,
+        "num_pending": num_pending,
+        "num_decisions": len(samples),
+        "median_us": round(statistics.median(ordered), 2),
+        "p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 2),
+        "mean_us": round(statistics.fmean(ordered), 2),
+    }
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for policy in POLICIES:
+        router = build_router(policy, args.num_backends, args.num_pending, args.seed)
+        rows.append(row(f"route ({policy})", args.num_pending, time_decisions(router, router.route, args.num_decisions, 1)))
+    for depth in (0, 10 * args.num_pending):
+        router = build_router("cost", args.num_backends, depth, args.seed)
+        rows.append(row("route (cost)", depth, time_decisions(router, router.route, args.num_decisions, 1)))
+    for depth in (args.num_pending, 10 * args.num_pending):
+        router = build_router("cost", args.num_backends, depth, args.seed)
+        walk = lambda request, router=router: walk_the_queue_scores(router, request)  # noqa: E731
+        # A tenth of the decisions: the walk is ~100x slower and its numbers settle quickly.
+        rows.append(row("walk the queue (cost)", depth, time_decisions(router, walk, args.num_decisions // 10, 1)))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'method':<28} {'pending':>8} {'median_us':>10} {'p99_us':>10} {'mean_us':>10}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['method']:<28} {r['num_pending']:>8} {r['median_us']:>10.2f} "
+                     f"{r['p99_us']:>10.2f} {r['mean_us']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.router_decision", description=__doc__.splitlines()[0])
+    parser.add_argument("--num-pending", type=int, default=1000)
+    parser.add_argument("--num-decisions", type=int, default=20_000)
+    parser.add_argument("--num-backends", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("out/router_decision.json"))
+    args = parser.parse_args(argv)
+    rows = run_all(args)
+    print(f"Router decision latency, {args.num_backends} backends, {args.num_decisions} decisions per row")
+    print(format_table(rows))
+    report = {
+        "benchmark": "router_decision",
+        "command": " ".join(["python", "-m", "bench.router_decision", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
