@@ -126,7 +126,8 @@ class RouterActor:
         return dict(self.known_rates)
 
     # -- decisions ---------------------------------------------------------------------------
-    async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> Decision:
+    async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
+        """Place a request. `attempt` > 1 means its previous backend failed before it started."""
         from routing import NoBackendError, RouteRequest
 
         num_cached = await self._query_cached(prompt_token_ids)
@@ -141,8 +142,10 @@ class RouterActor:
         now = time.time()
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
         record_dict = record.to_dict()
-        self._log_decision(now, record_dict, num_cached)
+        self._log_decision(now, record_dict, num_cached, attempt)
         self._export_decision(record)
+        if attempt > 1:
+            self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
         return Decision(req_id, record.backend_id, backend.info.instance_id, record_dict, chosen.score_s,
                         backend.handle)
 
@@ -168,10 +171,10 @@ class RouterActor:
         self.routed.pop(req_id, None)
         return self.router.forget(req_id)
 
-    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int]) -> None:
+    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
         if self._log is None:
             return
-        line = {"ts": round(now, 6), **record, "cache_answers": num_cached}
+        line = {"ts": round(now, 6), **record, "cache_answers": num_cached, "attempt": attempt}
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _export_decision(self, record: Any) -> None:

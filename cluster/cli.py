@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "run one request in-process and print the completion"),
     "route-sim": ("routing.sim_cli", "replay a routing scenario through the what-if simulator"),
+    "serve": ("cluster.serve_cli", "start the cluster and its OpenAI-compatible HTTP API"),
+    "profile": ("cluster.profile_cli", "measure each backend's rates alone and write the router's rates file"),
 }
 
 

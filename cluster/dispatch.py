@@ -75,9 +75,9 @@ class RequestStream:
             self.attempts += 1
             try:
                 self.decision = await self.router.route.remote(
-                    self.req_id, self.prompt_token_ids, self.params.max_tokens)
+                    self.req_id, self.prompt_token_ids, self.params.max_tokens, self.attempts)
             except NoBackendAvailable as exc:
-                raise BackendUnavailable(f"no backend can take this request: {exc}") from None
+                raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
             self._gen = self.decision.handle.generate.options(num_returns="streaming").remote(
                 self.req_id, self.prompt_token_ids, self.params, self.arrival_time)
             try:

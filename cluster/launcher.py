@@ -121,27 +121,24 @@ class Tandem:
         return self._loop
 
     def shutdown(self) -> None:
-        """Stop what `start` started: the Serve app, the actors, and Ray if we started it."""
+        """Stop what `start` started: Ray itself if we started it, else our app and actors only."""
         import ray
 
-        if self.owns_actors and ray.is_initialized():
-            if self.url:
-                from ray import serve
-
-                try:
-                    serve.shutdown()
-                except Exception:  # Serve already gone: nothing to stop
-                    logger.debug("serve.shutdown failed", exc_info=True)
-            for handle in [*self.backends.values(), self.router]:
-                try:
-                    ray.kill(handle, no_restart=True)
-                except Exception:  # already dead
-                    logger.debug("ray.kill failed", exc_info=True)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
+        if not ray.is_initialized():
+            return
+        if self.owns_ray:
+            ray.shutdown()  # takes Serve and every actor with it
+            return
+        if self.owns_actors:
+            if self.url:
+                from ray import serve
+
+                serve.delete(SERVE_APP_NAME)
+            for handle in [*self.backends.values(), self.router]:
+                ray.kill(handle, no_restart=True)
 
 
 def start(config: TandemConfig | None = None, *, serve_http: bool = True, log: Any = print,

@@ -1,0 +1,104 @@
+"""`tandem serve`: start the cluster and its OpenAI-compatible HTTP API, until Ctrl-C.
+
+Settings come from `--config FILE` (YAML, see cluster/config.py) and flags, flags winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from cluster.config import ConfigError, TandemConfig, parse_backends
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(parser)
+    parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
+                        "round-robin, least-requests")
+    parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus scrape port (default 8080)")
+    parser.add_argument("--rates", help="rates file (tandem profile --output); default: profile cache")
+    parser.add_argument("--profile", choices=["auto", "always", "never"],
+                        help="profile backends with no cached rates (auto, default), always, or never")
+    parser.add_argument("--routing-log", help="JSON-lines file of routing decisions (default tandem-routing.jsonl)")
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
+    parser.add_argument("--address", help="join this Ray cluster (e.g. auto or HOST:6379) instead of starting one")
+    parser.add_argument("--served-model-name", help="model name clients send (default: the model's name)")
+    parser.add_argument("--dashboard", action="store_true", default=None, help="start the Ray dashboard")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags `serve` and `profile` share."""
+    parser.add_argument("--config", help="YAML config file; flags override it")
+    parser.add_argument("--model", help="preset name, local HF directory or .gguf file (default smollm2-135m)")
+    parser.add_argument("--backends", help="comma-separated devices, cpu, cuda, mps or auto; id=device names "
+                        "one (default cpu,auto: auto is cuda, else mps, else a second cpu)")
+    parser.add_argument("--max-active", type=int, help="running requests per backend (default 4)")
+    parser.add_argument("--cpu-threads", type=int, help="torch threads per cpu backend (default cores / cpu backends)")
+
+
+def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
+    config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
+    overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads, **extra)
+    if args.backends:
+        overrides["backends"] = parse_backends(args.backends)
+    return config.with_overrides(**overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.launcher import start
+
+    try:
+        config = load_config(
+            args, policy=args.policy, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
+            address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"tandem: starting {config.model} on backends "
+          f"{', '.join(b.id or b.device for b in config.backends)} (policy {config.policy})", flush=True)
+    try:
+        tandem = start(config, log=lambda line: print(f"tandem: {line}", flush=True))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _print_urls(tandem)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("\ntandem: stopping", flush=True)
+    tandem.shutdown()
+    return 0
+
+
+def _print_urls(tandem) -> None:
+    config = tandem.config
+    model = config.served_model_name or _model_name(tandem)
+    print(f"tandem: OpenAI API  {tandem.url}/v1  (model {model!r})", flush=True)
+    print(f"tandem: health      {tandem.url}/health", flush=True)
+    if tandem.metrics_url:
+        print(f"tandem: metrics     {tandem.metrics_url}  (Prometheus; series appear ~10 s after use)", flush=True)
+    if tandem.dashboard_url:
+        print(f"tandem: dashboard   {tandem.dashboard_url}  (Ray)", flush=True)
+    if config.routing_log:
+        print(f"tandem: routing log {os.path.abspath(config.routing_log)}", flush=True)
+    print(f"tandem: try  curl {tandem.url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'", flush=True)
+    print("tandem: Ctrl-C stops the server", flush=True)
+
+
+def _model_name(tandem) -> str:
+    import ray
+
+    infos = ray.get(tandem.router.backend_infos.remote())
+    return next(iter(infos.values())).model_name if infos else tandem.config.model

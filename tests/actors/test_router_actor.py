@@ -1,0 +1,146 @@
+"""RouterActor as a plain object (no Ray): decisions, cache-query deadline, log, membership.
+
+Backends are fakes whose `.remote()` calls return awaitables, the way Ray object refs do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from actors.messages import BackendInfo
+from actors.router import NoBackendAvailable, RouterActor
+from engine.outputs import RequestProgress
+
+SPEC_RATES = {"cuda0": {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0},
+              "cpu0": {"prefill_tok_s": 73.0, "decode_tok_s": 45.0}}
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class FakeBackend:
+    def __init__(self, backend_id: str, num_cached: int = 0, delay_s: float = 0.0, instance_id: str = "i1"):
+        self.backend_id, self.instance, self.cached, self.delay_s = backend_id, instance_id, num_cached, delay_s
+
+        async def num_cached_tokens(ids):
+            await asyncio.sleep(self.delay_s)
+            return self.cached
+
+        async def ping():
+            return self.instance
+
+        self.num_cached_tokens = _Method(num_cached_tokens)
+        self.ping = _Method(ping)
+
+    def info(self, device_kind: str, with_rates: bool = True) -> BackendInfo:
+        return BackendInfo(self.backend_id, self.instance, device_kind, device_kind, device_kind, "float32", 1,
+                           4, 16, "m", 2048, rates=SPEC_RATES[self.backend_id] if with_rates else None)
+
+
+def progress(req_id, status, computed=0, output=0, cached=0, prompt=516, max_tokens=128):
+    return RequestProgress(req_id, status, prompt, cached, computed, output, max_tokens)
+
+
+def make_router(tmp_path, **kwargs) -> tuple[RouterActor, FakeBackend, FakeBackend]:
+    router = RouterActor("cost", str(tmp_path / "routing.jsonl"), **kwargs)
+    gpu, cpu = FakeBackend("cuda0", num_cached=496), FakeBackend("cpu0", num_cached=496)
+    return router, gpu, cpu
+
+
+def test_spec_worked_example_through_the_actor(tmp_path):
+    """Request 7 goes to the GPU (3.027 s < 3.118 s), request 8 to the CPU (3.444 s), as in the spec."""
+
+    async def run():
+        router, gpu, cpu = make_router(tmp_path)
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        prompt = list(range(516))
+        for i in range(6):
+            assert (await router.route(f"r{i}", prompt, 128)).backend_id == "cuda0"
+        # Four of them run and have generated 4 tokens each: 4 active, 2 queued (496 cached).
+        await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=4) for i in range(4)])
+        d7 = await router.route("r7", prompt, 128)
+        await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=6) for i in range(4)])
+        d8 = await router.route("r8", prompt, 128)
+        return d7, d8
+
+    d7, d8 = asyncio.run(run())
+    assert d7.backend_id == "cuda0"
+    assert d7.record["per_backend"]["cuda0"]["score_s"] == pytest.approx(60 / 2551 + 880 / 293, abs=1e-4)
+    assert d7.record["per_backend"]["cpu0"]["score_s"] == pytest.approx(20 / 73 + 128 / 45, abs=1e-4)
+    assert d8.backend_id == "cpu0"
+    assert d8.record["per_backend"]["cuda0"]["score_s"] == pytest.approx(80 / 2551 + 1000 / 293, abs=1e-4)
+    lines = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    assert [line["req_id"] for line in lines][-2:] == ["r7", "r8"]
+    assert lines[-1]["backend_id"] == "cpu0" and lines[-1]["cache_answers"] == {"cuda0": 496, "cpu0": 496}
+
+
+def test_slow_backend_does_not_block_a_decision(tmp_path):
+    async def run():
+        router, gpu, cpu = make_router(tmp_path, cache_query_timeout_s=0.05)
+        gpu.delay_s = 30.0  # never answers in time
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        start = time.perf_counter()
+        decision = await router.route("r0", list(range(516)), 128)
+        return decision, time.perf_counter() - start
+
+    decision, elapsed = asyncio.run(run())
+    assert elapsed < 1.0
+    # The stalled GPU counts as uncached: 516/2551 + 128/293 = 0.639 s, still below the CPU.
+    assert decision.record["per_backend"]["cuda0"]["num_cached_tokens"] == 0
+    assert decision.record["per_backend"]["cpu0"]["num_cached_tokens"] == 496
+
+
+def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
+    async def run():
+        router, gpu, cpu = make_router(tmp_path)
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        assert (await router.route("a", list(range(516)), 128)).backend_id == "cuda0"
+        assert not await router.backend_failed("cuda0", "some-older-instance")
+        assert await router.backend_failed("cuda0", "i1")
+        after_failure = await router.route("b", list(range(516)), 128)
+        # The restarted backend rejoins with a new instance id and no rates: the router keeps its rates.
+        gpu.instance = "i2"
+        await router.add_backend(gpu.info("cuda", with_rates=False), gpu)
+        assert await router.report("cuda0", "i1", [progress("a", "finished")]) == 0
+        rejoined = await router.route("c", list(range(516)), 128)
+        return after_failure, rejoined, await router.list_backends()
+
+    after_failure, rejoined, backends = asyncio.run(run())
+    assert after_failure.backend_id == "cpu0"
+    assert rejoined.backend_id == "cuda0" and rejoined.instance_id == "i2"
+    assert set(backends) == {"cuda0", "cpu0"}
+
+
+def test_no_backend_raises(tmp_path):
+    router = RouterActor("cost", None)
+    with pytest.raises(NoBackendAvailable):
+        asyncio.run(router.route("r", [1, 2, 3], 4))
+
+
+def test_health_check_drops_a_dead_backend(tmp_path):
+    async def run():
+        router = RouterActor("cost", None, health_check_period_s=0.05)
+        gpu, cpu = FakeBackend("cuda0"), FakeBackend("cpu0")
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+
+        async def dead():
+            raise RuntimeError("actor died")
+
+        gpu.ping = _Method(dead)
+        await asyncio.sleep(0.3)
+        return set(await router.list_backends())
+
+    assert asyncio.run(run()) == {"cpu0"}

@@ -1,0 +1,63 @@
+"""Config file, flag overrides, and backend planning (auto resolution, ids, threads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ConfigError, TandemConfig, parse_backends
+from cluster.plan import plan_backends
+
+
+def test_yaml_then_flags_override(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("model: tiny-llama-random\npolicy: round-robin\nport: 9000\n"
+                    "backends:\n  - device: cpu\n    threads: 1\n  - device: auto\n")
+    config = TandemConfig.from_yaml(path).with_overrides(port=9100, policy=None)
+    assert (config.model, config.policy, config.port) == ("tiny-llama-random", "round-robin", 9100)
+    assert [b.device for b in config.backends] == ["cpu", "auto"]
+
+
+@pytest.mark.parametrize("text, field", [
+    ("max_active: 0\n", "max_active"),
+    ("backends: []\n", "backends"),
+    ("backends:\n  - device: tpu\n", "backends.0.device"),
+    ("port: 'eighty'\n", "port"),
+    ("unknown_setting: 1\n", "unknown_setting"),
+])
+def test_bad_config_names_the_field(tmp_path, text, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field):
+        TandemConfig.from_yaml(path)
+
+
+def test_parse_backends():
+    assert parse_backends("cpu,auto") == [{"device": "cpu"}, {"device": "auto"}]
+    assert parse_backends("big=cpu, cuda") == [{"device": "cpu", "id": "big"}, {"device": "cuda"}]
+    with pytest.raises(ConfigError, match="tpu"):
+        parse_backends("cpu,tpu")
+
+
+def test_auto_prefers_cuda_then_mps_then_cpu():
+    config = TandemConfig(backends=[{"device": "cpu"}, {"device": "auto"}])
+    cuda = plan_backends(config, num_gpus=1, mps_available=True, num_cores=16)
+    assert [(p.backend_id, p.device, p.num_gpus) for p in cuda] == [("cpu0", "cpu", 0.0), ("cuda0", "cuda", 1.0)]
+    assert cuda[0].threads == 16 and cuda[1].threads == 1
+    mps = plan_backends(config, num_gpus=0, mps_available=True, num_cores=8)
+    assert [p.device for p in mps] == ["cpu", "mps"]
+    cpu = plan_backends(config, num_gpus=0, mps_available=False, num_cores=2)
+    assert [(p.backend_id, p.device, p.threads) for p in cpu] == [("cpu0", "cpu", 1), ("cpu1", "cpu", 1)]
+    assert "second cpu" in cpu[1].reason
+
+
+def test_explicit_cuda_claims_its_gpu_before_auto():
+    config = TandemConfig(backends=[{"device": "auto"}, {"device": "cuda"}])
+    plans = plan_backends(config, num_gpus=1, mps_available=False, num_cores=4)
+    assert [p.device for p in plans] == ["cpu", "cuda"]
+
+
+def test_explicit_ids_are_kept_and_not_reused():
+    config = TandemConfig(backends=[{"device": "cpu", "id": "cpu1"}, {"device": "cpu"}])
+    assert [p.backend_id for p in plan_backends(config, 0, False, 2)] == ["cpu1", "cpu0"]
+    with pytest.raises(ConfigError, match="unique"):
+        TandemConfig.validated({"backends": [{"id": "a"}, {"id": "a"}]})

@@ -1,0 +1,43 @@
+"""`measure_rates` on the tiny model, the profile cache, and the rates file routing loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.profile import load_cache, measure_rates, profile_key, store_in_cache, write_rates_file
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from routing import load_rate_profiles
+
+
+@pytest.fixture(scope="module")
+def rates():
+    engine = LLMEngine(EngineConfig(model="tiny-llama-random", max_active=3, num_threads=1))
+    result = measure_rates(engine, max_active=3, prompt_len=64, decode_tokens=4)
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().kv_cache_usage == 0.0
+    return result
+
+
+def test_rates_have_every_batch_size(rates):
+    assert rates["prefill_tok_s"] > 0 and rates["decode_tok_s"] > 0
+    assert sorted(rates["decode_tok_s_by_batch"]) == [1, 2, 3]
+    assert rates["decode_tok_s"] == rates["decode_tok_s_by_batch"][1]
+
+
+def test_rates_file_loads_in_the_router(tmp_path, rates):
+    path = tmp_path / "rates.json"
+    write_rates_file(path, {"cpu0": rates})
+    profile = load_rate_profiles(path)["cpu0"]
+    assert profile.is_batch_aware and profile.decode_rate(3) == pytest.approx(rates["decode_tok_s_by_batch"][3])
+
+
+def test_cache_round_trip(tmp_path, rates):
+    path = tmp_path / "cache" / "rates-cache.json"
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1)
+    store_in_cache(path, key, rates)
+    store_in_cache(path, "other|cpu|float32|threads=2", rates)
+    cache = load_cache(path)
+    assert set(cache) == {key, "other|cpu|float32|threads=2"}
+    assert cache[key]["prefill_tok_s"] == rates["prefill_tok_s"]
+    assert load_cache(tmp_path / "missing.json") == {}
