@@ -1,0 +1,143 @@
+"""Reference paged attention in plain PyTorch: scatter into the cache, gather, then SDPA.
+
+This is the path every device can run (cpu, cuda, mps) and the one fast paths are tested
+against, so it favours being obviously right: it writes the step's new K/V into the paged cache,
+then for each request gathers that request's whole context back out of its blocks and calls
+`scaled_dot_product_attention` with a causal mask shifted by the tokens already cached.
+
+It is still built to be quick on CPU, where it is the production path: per-request loops use the
+host copies of the lengths (no device sync), a request with no cached context attends straight
+to its fresh K/V (no gather), and a decode token attends to its whole context (no mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+_TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _native_gqa(device: torch.device) -> bool:
+    """SDPA's `enable_gqa` exists from torch 2.5; on MPS it crashes before torch 2.7."""
+    if device.type == "mps":
+        return _TORCH_VERSION >= (2, 7)
+    return _TORCH_VERSION >= (2, 5)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's K/V at its slot (block_id * block_size + offset); slots < 0 are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    flat_cache[0].index_copy_(0, slots, k[valid])
+    flat_cache[1].index_copy_(0, slots, v[valid])
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's context K and V, each [seq_len, num_kv_heads, head_dim], from its blocks."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, num_blocks, block_size, Hkv, D]
+    context = blocks.flatten(1, 2)[:, :seq_len]
+    return context[0], context[1]
+
+
+class TorchRefAttention:
+    """Paged attention over a flat varlen batch; stateless, so one instance serves every layer."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        num_decodes = _num_leading_decodes(meta.query_lens_cpu)
+        if num_decodes == meta.num_reqs:
+            return _decode_batch(q, kv_cache, meta, num_decodes, scale)
+        out = torch.empty_like(q)
+        if num_decodes:
+            out[:num_decodes] = _decode_batch(q[:num_decodes], kv_cache, meta, num_decodes, scale)
+        start = num_decodes
+        for i in range(num_decodes, meta.num_reqs):
+            query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            end = start + query_len
+            if query_len == seq_len:
+                # Nothing cached before this step: the fresh K/V are the whole context.
+                ctx_k, ctx_v = k[start:end], v[start:end]
+            else:
+                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            out[start:end] = _attend(q[start:end], ctx_k, ctx_v, scale)
+            start = end
+        return out
+
+    __call__ = forward
+
+
+def _num_leading_decodes(query_lens: list[int]) -> int:
+    """Schedulers put running decodes first; that run of one-token requests is batched together."""
+    for i, query_len in enumerate(query_lens):
+        if query_len != 1:
+            return i
+    return len(query_lens)
+
+
+def _decode_batch(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_reqs: int, scale: float
+) -> torch.Tensor:
+    """The first `num_reqs` requests, one query each, in a single SDPA over contexts padded to the longest.
+
+    One gather and one SDPA call for the whole batch instead of one per request: about half the
+    CPU time per layer at 4-8 requests. Each query is its request's newest token, so it sees its
+    whole context and no causal mask is needed; a padding mask is built only when lengths differ.
+    """
+    seq_lens_cpu = meta.seq_lens_cpu[:num_reqs]
+    max_len = max(seq_lens_cpu)
+    num_blocks = -(-max_len // kv_cache.shape[2])
+    blocks = kv_cache[:, meta.block_tables[:num_reqs, :num_blocks]]  # [2, B, nb, BS, Hkv, D]
+    context = blocks.flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # [2, B, Hkv, L, D]
+    mask = None
+    if min(seq_lens_cpu) != max_len:
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < meta.seq_lens[:num_reqs, None])[:, None, None, :]
+    out = _sdpa(q.unsqueeze(2), context[0], context[1], scale, attn_mask=mask)  # [B, Hq, 1, D]
+    return out.squeeze(2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last `len(q)` context positions: q [Q, Hq, D], k/v [S, Hkv, D]."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if query_len == 1:
+        # A single query is the newest position: it sees the whole context, no mask needed.
+        out = _sdpa(q, k, v, scale)
+    elif query_len == seq_len:
+        out = _sdpa(q, k, v, scale, is_causal=True)
+    else:
+        # Query j sits at absolute position seq_len - query_len + j and sees positions up to it.
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
+        out = _sdpa(q, k, v, scale, attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _sdpa(q, k, v, scale: float, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA with heads at dim -3; grouped-query K/V are shared natively or, on old torch/MPS, repeated."""
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    kwargs = {}
+    if num_heads != num_kv_heads:
+        if _native_gqa(q.device):
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(num_heads // num_kv_heads, dim=-3)
+            v = v.repeat_interleave(num_heads // num_kv_heads, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kwargs)

@@ -1,0 +1,46 @@
+"""Shared test fixtures: hand-built attention metadata for a flat varlen step.
+
+Model and attention tests drive a forward without a scheduler, so they need the metadata a
+runner would build. Blocks are handed out strided (request i's j-th block is 1 + i + j * B) so a
+request's blocks are never contiguous and block 0 is never used: a gather that ignores the
+block table, or reads the table's zero padding, gives wrong numbers instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def build_step(
+    reqs: list[tuple[int, int]], block_size: int = 4, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and metadata for requests given as (num_cached_tokens, num_new_tokens)."""
+    num_reqs = len(reqs)
+    seq_lens = [cached + new for cached, new in reqs]
+    tables = [[1 + i + j * num_reqs for j in range(-(-seq // block_size))] for i, seq in enumerate(seq_lens)]
+    width = max(len(t) for t in tables)
+    positions, slots, starts = [], [], [0]
+    for (cached, new), table in zip(reqs, tables):
+        for pos in range(cached, cached + new):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        starts.append(starts[-1] + new)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        query_lens_cpu=[new for _, new in reqs],
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+
+
+@pytest.fixture
+def make_step():
+    """`make_step(reqs, block_size=4, device="cpu") -> (positions, AttentionMetadata)`."""
+    return build_step
