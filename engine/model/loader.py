@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -40,7 +41,7 @@ _CONVERSION_FORMAT = 1
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
-    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase
     model_config: ModelConfig
     name: str
     hf_path: str | None  # local HF directory the weights came from; None for random weights
