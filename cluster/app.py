@@ -56,6 +56,7 @@ from cluster.tokenize import encode_chat, encode_prompt
 logger = logging.getLogger("tandem.app")
 
 BACKEND_HEADER = "x-tandem-backend"
+REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
@@ -82,9 +83,9 @@ class ApiError(Exception):
     def from_failure(cls, failure: RequestFailed) -> "ApiError":
         return cls(failure.status_code, failure.message, failure.error_type, failure.param, failure.code)
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.error_type, self.param, self.code),
-                            status_code=self.status_code)
+                            status_code=self.status_code, headers=headers)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -127,6 +128,13 @@ class _ChunkMaker:
             chunk = CompletionResponse(id=self.stream.req_id, created=self.created, model=self.model,
                                        choices=[], usage=usage, tandem=self.info(self.stream))
         return chunk.model_dump()
+
+
+def _headers(stream: RequestStream) -> dict[str, str]:
+    headers = {REQUEST_ID_HEADER: stream.req_id}
+    if stream.backend_id:
+        headers[BACKEND_HEADER] = stream.backend_id
+    return headers
 
 
 def _delta(text: str, chat: bool) -> Any:
@@ -200,7 +208,7 @@ class TandemIngress:
             return await self._full_response(stream, body, chat)
         except RequestFailed as exc:
             self._count(endpoint, exc.status_code)
-            return ApiError.from_failure(exc).response()
+            return ApiError.from_failure(exc).response(_headers(stream))
         finally:
             if not handed_over:
                 await stream.close()
@@ -303,11 +311,11 @@ class TandemIngress:
             response = CompletionResponse(
                 id=stream.req_id, model=body.model, usage=usage, tandem=self._info(stream),
                 choices=[CompletionChoice(text=text, finish_reason=reason)])
-        return JSONResponse(response.model_dump(), headers={BACKEND_HEADER: stream.backend_id})
+        return JSONResponse(response.model_dump(), headers=_headers(stream))
 
     def _streaming_response(self, stream: RequestStream, body: Any, chat: bool) -> StreamingResponse:
         return StreamingResponse(self._sse(stream, body, chat), media_type="text/event-stream",
-                                 headers={BACKEND_HEADER: stream.backend_id, "cache-control": "no-cache"})
+                                 headers={**_headers(stream), "cache-control": "no-cache"})
 
     async def _sse(self, stream: RequestStream, body: Any, chat: bool) -> AsyncIterator[str]:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""

