@@ -1,0 +1,90 @@
+"""What machine a benchmark ran on, recorded next to its numbers.
+
+A throughput figure means little without the CPU, core count, thread setting and library
+versions that produced it, so every benchmark's JSON carries this block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever platform reports."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> float | None:
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / (1 << 20), 1)
+    return None
+
+
+def git_revision(repo_dir: Path) -> str | None:
+    """HEAD's short hash, with "+dirty" when tracked files differ from it; None outside git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo_dir).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
+def source_digest(package_dir: Path) -> str:
+    """sha256 (12 hex) over a package's .py files: names the exact code even when it is uncommitted."""
+    digest = hashlib.sha256()
+    for file in sorted(package_dir.rglob("*.py")):
+        digest.update(str(file.relative_to(package_dir)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def machine_info(num_threads: int, device: str = "cpu") -> dict:
+    import torch
+    import transformers
+
+    info = {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": memory_gib(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": num_threads,
+        "device": device,
+        "git_revision": git_revision(Path(__file__).resolve().parent.parent),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def run_stamp() -> dict:
+    """The command line and the UTC time, so a table can be reproduced and dated."""
+    return {
+        "command": " ".join(["python", "-m", _module_name(), *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    }
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else Path(sys.argv[0]).stem

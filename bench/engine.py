@@ -1,0 +1,435 @@
+"""Engine benchmark: N concurrent requests through Tandem's engine and through HF transformers.
+
+The workload is the spec's: N requests (default 8) submitted at once, each a 516-token prompt
+made of one shared 496-token prefix of real text plus 20 tokens of its own, each generating
+exactly 128 tokens (EOS ignored), greedy. The same prompts go through
+
+  * the engine, `max_active = N` by default, twice: "cold" (nothing cached; the engine still
+    shares the prefix between the requests of the run, as soon as the first one's prefill is
+    scheduled) and "warm-prefix" (the shared prefix was computed by an earlier request, as in the
+    spec's experiment where a router sends repeat prefixes to the backend that holds them);
+  * HF transformers at the same concurrency: one batch of the N equal-length prompts through
+    `model.generate(do_sample=False, max_new_tokens=128)` with EOS disabled (no padding needed).
+
+Both run in this process on the same model weights, device, dtype and torch threads, after a
+short warm-up run each, so one-time costs (first allocations, kernel selection) are excluded.
+Each cold run uses a prefix rotated to a fresh position in the text, so no run hits blocks an
+earlier run left in the prefix cache unless it is the warm-prefix row.
+
+Metrics, all from one clock (`time.perf_counter`) started when the prompts are submitted:
+  output tok/s  total generated tokens / wall time from first submit to last finish
+  TTFT          per request, submit -> its first generated token is in the caller's hands
+                (engine: the `step()` that returns it; HF: a StoppingCriteria that timestamps
+                every generated step, so every request in the batch shares one TTFT)
+  E2E           per request, submit -> its last token
+Ratios compare each engine row with HF: throughput as engine/HF, TTFT as HF/engine, so a ratio
+above 1 means the engine is better.
+
+Run `python -m bench.engine --help` for the knobs; `--quick` is a seconds-long smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench._machine import machine_info, run_stamp, source_digest
+
+# Real text for the shared prefix (cycled when a run needs more tokens than it holds).
+PASSAGE = (
+    "The first lighthouses were not towers at all but fires lit on hilltops, tended through the night "
+    "by whoever lived closest to the harbour. Sailors coming home after dark learned to read them the "
+    "way a traveller reads a signpost: a fire to the left of the headland meant the channel was clear, "
+    "two fires meant the tide was too low to cross the bar. Over centuries the fires moved onto stone "
+    "towers, and the towers grew taller so that their light could clear the curve of the sea. Keeping "
+    "a light was slow, careful work. The keeper trimmed the wicks every few hours, polished the glass "
+    "until no film of soot dimmed it, wound the clockwork that turned the lens, and wrote in the log "
+    "the weather, the ships that passed and the hours the lamp was lit. A light that went out for even "
+    "an hour could cost a ship, so keepers lived by routine: the same stairs climbed at the same times, "
+    "the same checks made in the same order, whatever the season. Engineers, meanwhile, worked on the "
+    "light itself. Mirrors behind the flame gathered more of it toward the horizon; then the Fresnel "
+    "lens, built from rings of glass prisms, bent nearly all of it into a single flat beam that could "
+    "be seen more than twenty miles away. Each station was given its own pattern of flashes, so that "
+    "a navigator counting the seconds between them could tell one coast from another. Electric lamps "
+    "replaced oil, automatic switches replaced the keeper's rounds, and satellite positioning now tells "
+    "most ships where they are long before any light comes into view. Yet many towers still turn their "
+    "beams every night, because a signal that needs no receiver, no power on board and no software is "
+    "the one that still works when everything else has failed."
+)
+
+FULL = dict(num_requests=8, prompt_tokens=516, prefix_tokens=496, max_tokens=128, warmup_tokens=2, repeats=1)
+QUICK = dict(num_requests=4, prompt_tokens=48, prefix_tokens=32, max_tokens=8, warmup_tokens=1, repeats=1)
+COLD, WARM, HF = "engine (cold)", "engine (warm-prefix)", "HF transformers"
+
+
+@dataclass
+class RunResult:
+    """One timed run of one system over the N prompts; times in seconds from first submit."""
+
+    system: str
+    wall_s: float
+    num_output_tokens: int
+    ttft_s: list[float]
+    e2e_s: list[float]
+    extra: dict = field(default_factory=dict)
+    output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+
+# -- workload ------------------------------------------------------------------------------------
+def passage_tokens(encode, min_tokens: int) -> list[int]:
+    """The passage's token ids, cycled until there are at least `min_tokens`."""
+    one = encode(PASSAGE)
+    if not one:
+        raise RuntimeError("the tokenizer turned the benchmark passage into no tokens")
+    return one * (min_tokens // len(one) + 1)
+
+
+def build_prompts(encode, num_requests: int, prompt_tokens: int, prefix_tokens: int,
+                  run_index: int) -> list[list[int]]:
+    """N prompts of `prompt_tokens`: one shared prefix of real text, then a distinct tail each.
+
+    The prefix starts `run_index * 37` tokens into the passage, so each run has its own prefix
+    (no cross-run prefix-cache hits); each tail opens with its number so tails differ at once.
+    """
+    suffix_tokens = prompt_tokens - prefix_tokens
+    text = passage_tokens(encode, run_index * 37 + prefix_tokens + 2 * suffix_tokens * num_requests)
+    start = run_index * 37
+    prefix = text[start : start + prefix_tokens]
+    prompts = []
+    for i in range(num_requests):
+        filler = text[start + prefix_tokens + i * suffix_tokens :]
+        tail = (encode(f"\n{i + 1}. ") + filler)[:suffix_tokens]
+        prompts.append(prefix + tail)
+    return prompts
+
+
+# -- the two systems ----------------------------------------------------------------------------
+def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, tag: str,
+               preseed_prefix: list[int] | None = None, progress: bool = True) -> RunResult:
+    """Submit every prompt at once, step until all finish; optionally compute the prefix first."""
+    from engine.sampling_params import SamplingParams
+
+    if preseed_prefix is not None:
+        _preseed(engine, preseed_prefix, tag)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    stats_before = _engine_counters(engine)
+    load_before = _loadavg()
+    ttft, e2e, tokens = {}, {}, {}
+    bar = tqdm(total=len(prompts) * max_tokens, desc=system, unit="tok", leave=False, disable=not progress)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            ttft.setdefault(out.req_id, now)
+            if out.finished:
+                e2e[out.req_id] = now
+        bar.update(sum(len(o.new_token_ids) for o in outputs))
+    wall = time.perf_counter() - start
+    bar.close()
+    order = [f"{tag}-{i}" for i in range(len(prompts))]
+    extra = {k: v - stats_before[k] for k, v in _engine_counters(engine).items()} | _load(load_before)
+    return RunResult(system, wall, sum(len(t) for t in tokens.values()), [ttft[r] for r in order],
+                     [e2e[r] for r in order], extra, [tokens[r] for r in order])
+
+
+def _preseed(engine, prefix: list[int], tag: str) -> None:
+    """Compute the shared prefix with a throwaway request so its blocks sit in the prefix cache."""
+    from engine.sampling_params import SamplingParams
+
+    # One extra token: a hit is capped at prompt length - 1, and this keeps every prefix block full.
+    engine.add_request(f"{tag}-preseed", prefix + prefix[:1],
+                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _engine_counters(engine) -> dict:
+    st = engine.get_stats()
+    return {"prefix_cache_hit_tokens": st.prefix_cache_hits, "prefill_time_s": st.prefill_time_s,
+            "decode_time_s": st.decode_time_s, "prompt_tokens_computed": st.num_prompt_tokens_total,
+            "preemptions": st.num_preemptions}
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: int, progress: bool = True) -> RunResult:
+    """One batch of the N equal-length prompts through `generate`, greedy, EOS disabled."""
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("the HF baseline needs prompts of equal length (no padding)")
+    input_ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
+    attention_mask = torch.ones_like(input_ids)
+    # generate() fills unset (None) fields from model.generation_config, so EOS is switched
+    # off there; a config with eos_token_id=None passed in would get the model's EOS back.
+    model.generation_config.eos_token_id = None
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    bar = tqdm(total=len(prompts) * max_tokens, desc=HF, unit="tok", leave=False, disable=not progress)
+
+    class StepClock(StoppingCriteria):
+        """Called once per generated step, after the new tokens exist: timestamps them."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+            self.times.append(time.perf_counter())
+            bar.update(input_ids.shape[0])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    clock = StepClock()
+    load_before = _loadavg()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             stopping_criteria=StoppingCriteriaList([clock]))
+        wall = time.perf_counter() - start
+    bar.close()
+    if len(clock.times) != max_tokens:
+        raise RuntimeError(f"HF generate ran {len(clock.times)} steps, expected {max_tokens}")
+    n = len(prompts)
+    new_tokens = out[:, input_ids.shape[1]:].tolist()
+    return RunResult(HF, wall, n * max_tokens, [clock.times[0] - start] * n, [clock.times[-1] - start] * n,
+                     _load(load_before), new_tokens)
+
+
+def _loadavg() -> float | None:
+    """1-minute load average: other processes on a small machine move these numbers a lot."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _load(before: float | None) -> dict:
+    return {"loadavg_1m_before": before, "loadavg_1m_after": _loadavg()}
+
+
+def load_hf_model(model_name: str, device: str, dtype: torch.dtype):
+    """The HF transformers model with the engine's exact weights."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.loader import load_model
+    from engine.model.presets import PRESETS, RandomPreset, build_hf_model
+
+    if isinstance(PRESETS.get(model_name), RandomPreset):
+        model = build_hf_model(model_name)
+    else:
+        # Resolves (and on first use converts) the preset to the HF directory our loader reads.
+        hf_path = load_model(model_name, "cpu", dtype).hf_path
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# -- aggregation and report ---------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(runs: list[RunResult]) -> dict:
+    """One row from `repeats` runs: tokens over wall time summed, latencies pooled over requests."""
+    ttft = [t for r in runs for t in r.ttft_s]
+    e2e = [t for r in runs for t in r.e2e_s]
+    row = {
+        "system": runs[0].system,
+        "output_tok_s": sum(r.num_output_tokens for r in runs) / sum(r.wall_s for r in runs),
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p95_s": percentile(ttft, 95),
+        "e2e_p50_s": statistics.median(e2e),
+        "e2e_p95_s": percentile(e2e, 95),
+        "runs": [{k: v for k, v in asdict(r).items() if k != "output_token_ids"}
+                 | {"output_tok_s": r.num_output_tokens / r.wall_s} for r in runs],
+    }
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    hf = next((r for r in rows if r["system"] == HF), None)
+    for row in rows:
+        if hf is None:
+            continue
+        row["tok_s_vs_hf"] = row["output_tok_s"] / hf["output_tok_s"]
+        row["ttft_p50_vs_hf"] = hf["ttft_p50_s"] / row["ttft_p50_s"]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table (also readable in a terminal)."""
+    header = ["system", "output tok/s", "TTFT p50 (s)", "TTFT p95 (s)", "E2E p50 (s)", "E2E p95 (s)",
+              "tok/s vs HF", "TTFT p50 vs HF"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for r in rows:
+        ratios = [f"{r['tok_s_vs_hf']:.2f}x", f"{r['ttft_p50_vs_hf']:.2f}x"] if "tok_s_vs_hf" in r else ["-", "-"]
+        cells = [r["system"], f"{r['output_tok_s']:.1f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}",
+                 f"{r['e2e_p50_s']:.2f}", f"{r['e2e_p95_s']:.2f}", *ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def token_agreement(engine_runs: list[RunResult], hf_runs: list[RunResult]) -> dict:
+    """How many requests got exactly HF's greedy tokens (same prompts: cold run r vs HF run r)."""
+    same = total = 0
+    for e, h in zip(engine_runs, hf_runs):
+        for a, b in zip(e.output_token_ids, h.output_token_ids):
+            same += a == b
+            total += 1
+    return {"requests_identical": same, "requests_compared": total}
+
+
+# -- driver -------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Output tok/s and TTFT of Tandem's engine against HF transformers: same machine, model, device,
+dtype, torch threads and concurrency, in one process.
+
+Workload: N requests (default 8) submitted at once. Each prompt is 516 tokens: a 496-token
+prefix of real text shared by all, then 20 tokens of its own. Each generates exactly 128 new
+tokens, greedy, EOS ignored.
+
+Systems:
+  engine (cold)         the engine with max_active=N; nothing cached beforehand (requests of
+                        the run still share the prefix once the first one's prefill is scheduled)
+  engine (warm-prefix)  the same, after a throwaway request put the shared prefix in the cache
+  HF transformers       the N prompts as one batch through model.generate(do_sample=False,
+                        max_new_tokens=128), EOS disabled; TTFT from a StoppingCriteria that
+                        timestamps each generated step
+Both are warmed up with a short untimed run first.
+
+Reports (Markdown table + JSON with machine, command and date):
+  output tok/s  generated tokens / wall time from first submit to last finish
+  TTFT, E2E     per request, from submit to its first / last token (p50, p95)
+  vs HF         throughput engine/HF and TTFT HF/engine: above 1 means the engine is better""",
+    )
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="preset (smollm2-135m, qwen2.5-0.5b-random, tiny-llama-random, ...) or a local HF dir "
+             "(default: smollm2-135m)")
+    add("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: cpu)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on cpu/mps, bfloat16 on cuda (default: auto)")
+    add("--threads", type=int, default=None,
+        help="torch threads for both systems (default: torch's default, the physical cores)")
+    add("--num-requests", "-n", type=int, help=f"concurrent requests N (default: {FULL['num_requests']})")
+    add("--prompt-tokens", type=int, help=f"tokens per prompt (default: {FULL['prompt_tokens']})")
+    add("--prefix-tokens", type=int,
+        help=f"of which shared by all requests (default: {FULL['prefix_tokens']}); keep it a multiple "
+             "of the engine's 16-token block so exactly the prefix is shareable")
+    add("--max-tokens", type=int, help=f"new tokens per request (default: {FULL['max_tokens']})")
+    add("--max-active", type=int, default=None, help="engine max_active (default: N)")
+    add("--repeats", type=int,
+        help=f"timed runs per system, interleaved; rows pool them (default: {FULL['repeats']})")
+    add("--warmup-tokens", type=int,
+        help=f"new tokens per request in the untimed warm-up run (default: {FULL['warmup_tokens']})")
+    add("--no-warm-prefix", action="store_true", help="skip the warm-prefix engine row")
+    add("--no-hf", action="store_true", help="skip HF transformers (engine rows only, no ratios)")
+    add("--quick", action="store_true",
+        help="seconds-long smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    add("--out", default="out/bench_engine.json", help="where to write the JSON (default: %(default)s)")
+    add("--no-progress", action="store_true", help="hide the progress bars and log lines (stderr)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.num_requests < 1 or args.max_tokens < 1 or args.repeats < 1 or args.warmup_tokens < 1:
+        parser.error("--num-requests, --max-tokens, --repeats and --warmup-tokens must be >= 1")
+    if not 0 < args.prefix_tokens < args.prompt_tokens:
+        parser.error(f"--prefix-tokens must be in [1, --prompt-tokens); got {args.prefix_tokens} "
+                     f"and {args.prompt_tokens}")
+    if args.max_active is not None and args.max_active < 1:
+        parser.error("--max-active must be >= 1")
+
+
+def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunResult]]:
+    """Warm both systems up, then the timed runs, interleaved so drifting load hits all of them."""
+    progress = not args.no_progress
+
+    def prompts_for(run_index: int) -> list[list[int]]:
+        return build_prompts(engine.encode, args.num_requests, args.prompt_tokens, args.prefix_tokens, run_index)
+
+    def log(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
+
+    log(f"warm-up: {args.num_requests} requests x {args.warmup_tokens} tokens through each system")
+    warm = prompts_for(0)
+    run_engine(engine, warm, args.warmup_tokens, "warm-up engine", "warmup", progress=progress)
+    if hf_model is not None:
+        run_hf(hf_model, warm, args.warmup_tokens, progress=progress)
+    runs: dict[str, list[RunResult]] = {COLD: [], WARM: [], HF: []}
+    for rep in range(args.repeats):
+        log(f"repeat {rep + 1}/{args.repeats}")
+        prompts = prompts_for(1 + 2 * rep)
+        runs[COLD].append(run_engine(engine, prompts, args.max_tokens, COLD, f"cold{rep}", progress=progress))
+        if not args.no_warm_prefix:
+            seeded = prompts_for(2 + 2 * rep)
+            runs[WARM].append(run_engine(engine, seeded, args.max_tokens, WARM, f"warm{rep}",
+                                         preseed_prefix=seeded[0][: args.prefix_tokens], progress=progress))
+        if hf_model is not None:
+            runs[HF].append(run_hf(hf_model, prompts, args.max_tokens, progress=progress))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    hf_logging.set_verbosity_error()
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          max_active=args.max_active or args.num_requests, num_threads=threads)
+    engine = LLMEngine(config)
+    hf_model = None if args.no_hf else load_hf_model(args.model, args.device, config.torch_dtype)
+    runs = run_all(engine, hf_model, args)
+    rows = [summarize(r) for r in runs.values() if r]
+    add_ratios(rows)
+    result = {
+        "benchmark": "engine",
+        **run_stamp(),
+        "machine": machine_info(threads, args.device),
+        "engine_source_sha256": source_digest(Path(__file__).resolve().parent.parent / "engine"),
+        "config": {
+            "model": args.model, "device": args.device, "dtype": str(config.torch_dtype).removeprefix("torch."),
+            "threads": threads, "num_requests": args.num_requests, "prompt_tokens": args.prompt_tokens,
+            "prefix_tokens": args.prefix_tokens, "max_tokens": args.max_tokens, "max_active": config.max_active,
+            "max_num_batched_tokens": config.resolved_max_num_batched_tokens, "block_size": config.block_size,
+            "repeats": args.repeats, "warmup_tokens": args.warmup_tokens,
+        },
+        "results": rows,
+        "engine_vs_hf_tokens": token_agreement(runs[COLD], runs[HF]) if runs[HF] else None,
+    }
+    print(format_table(rows))
+    print(f"\n{result['machine']['cpu_model']}, {threads} torch threads, {args.model} "
+          f"{result['config']['dtype']} on {args.device}; {result['command']}; {result['date']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
