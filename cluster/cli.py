@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route-sim": ("routing.sim_cli", "replay a routing scenario through the what-if simulator"),
     "serve": ("cluster.serve_cli", "start the cluster and its OpenAI-compatible HTTP API"),
     "profile": ("cluster.profile_cli", "measure each backend's rates alone and write the router's rates file"),
+    "bench": ("bench.cli", "end-to-end benchmarks through the HTTP endpoint: seed experiment, sweep, report"),
 }
 
 

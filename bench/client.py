@@ -1,0 +1,143 @@
+"""The load generator: send a workload's requests to the HTTP API on schedule and time them.
+
+Open loop, as in the spec: request i is sent at `start + arrival_s[i]` whether or not earlier
+ones have answered, each on its own task and connection. Every request streams
+(`stream: true`, usage included), so the client sees its first text as it is produced.
+
+Per request, on one clock (`time.perf_counter`, seconds from the run's start):
+  send_s        when the POST was issued
+  first_text_s  when the first chunk carrying text arrived (TTFT = first_text_s - send_s)
+  end_s         when `[DONE]` arrived (E2E = end_s - send_s)
+plus the serving backend (the `x-tandem-backend` header), the request id (the chunks' `id`,
+which is the id in the routing log), the output tokens (the usage chunk) and any error.
+
+TTFT is what a client sees: the server sends a chunk only once its detokenizer has text, so a
+first token that is an incomplete UTF-8 sequence (common with the byte tokenizer of the
+random-weight presets) shows up one or more decode steps later. Reports say so where it applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.workload import Workload, WorkloadRequest
+
+BACKEND_HEADER = "x-tandem-backend"
+
+
+@dataclass
+class RequestResult:
+    index: int
+    send_s: float
+    req_id: str | None = None
+    backend: str | None = None
+    status: int = 0
+    first_text_s: float | None = None
+    end_s: float | None = None
+    num_output_tokens: int = 0
+    num_chunks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_text_s is None else self.first_text_s - self.send_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.send_s
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(ttft_s=self.ttft_s, e2e_s=self.e2e_s)
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def completion_body(model: str, request: WorkloadRequest, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The /v1/completions body: token-id prompt, exact length (ignore_eos), streamed with usage."""
+    return {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **sampling}
+
+
+def sampling_for(request: WorkloadRequest, temperature: float) -> dict[str, Any]:
+    """Greedy, or seeded sampling (seed = the request's index, so every arm samples alike)."""
+    if temperature == 0:
+        return {"temperature": 0.0}
+    return {"temperature": temperature, "seed": request.index}
+
+
+async def run_workload(url: str, model: str, workload: Workload, temperature: float = 0.0,
+                       timeout_s: float = 1800.0, on_done: Callable[[RequestResult], None] | None = None,
+                       transport: Any = None) -> list[RequestResult]:
+    """Send every request on schedule; return results in workload order (`transport`: for tests)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=workload.num_requests + 8, max_keepalive_connections=workload.num_requests + 8)
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, transport=transport) as client:
+        await client.get("/health")  # one warm connection; also fails fast if the server is down
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(_send_at(client, model, r, start, temperature, on_done))
+                 for r in workload.requests]
+        return list(await asyncio.gather(*tasks))
+
+
+async def _send_at(client: Any, model: str, request: WorkloadRequest, start: float, temperature: float,
+                   on_done: Callable[[RequestResult], None] | None) -> RequestResult:
+    delay = start + request.arrival_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    result = RequestResult(index=request.index, send_s=time.perf_counter() - start)
+    try:
+        await _stream_one(client, completion_body(model, request, sampling_for(request, temperature)), start, result)
+    except Exception as exc:  # recorded per request: one failure must not hide the others' timings
+        result.error = f"{type(exc).__name__}: {exc}"
+    if on_done is not None:
+        on_done(result)
+    return result
+
+
+async def _stream_one(client: Any, body: dict[str, Any], start: float, result: RequestResult) -> None:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        result.status = response.status_code
+        result.backend = response.headers.get(BACKEND_HEADER)
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                result.end_s = time.perf_counter() - start
+                return
+            _apply_chunk(json.loads(data), time.perf_counter() - start, result)
+    if result.error is None:
+        result.error = "stream ended without [DONE]"
+
+
+def _apply_chunk(chunk: dict[str, Any], now_s: float, result: RequestResult) -> None:
+    if "error" in chunk:
+        result.error = f"error event: {chunk['error'].get('message')}"
+        return
+    result.num_chunks += 1
+    result.req_id = result.req_id or chunk.get("id")
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") and result.first_text_s is None:
+            result.first_text_s = now_s
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+            if result.first_text_s is None:  # no text at all until the end: TTFT is the end
+                result.first_text_s = now_s
+    usage = chunk.get("usage")
+    if usage:
+        result.num_output_tokens = int(usage.get("completion_tokens", 0))

@@ -1,0 +1,325 @@
+"""The benchmark harness: clusters per arm, cache seeding, one measured run, its JSON record.
+
+Lifecycle. Ray starts once per `tandem bench` invocation (a local instance, loopback only,
+usage stats off). Each arm of each run then gets a fresh cluster through the driver API,
+`cluster.launcher.start`: a new router with the arm's policy, new backend actors (fresh engines,
+empty KV caches) and a new Serve app; `Tandem.shutdown()` removes them and we wait until the
+old actors are gone before the next start, so nothing from one arm runs into the next. Each
+start uses its own Ray namespace, so actor names never collide with a dying predecessor.
+
+Backends. `--backends cpu,auto` is resolved once (auto: cuda if the Ray cluster has a GPU, else
+mps, else a second cpu backend) and given fixed ids (cpu0 and cuda0, or cpu0 and cpu1), so
+every arm, the rates file and the reports name the same backends. The accelerator-only arm
+uses the `accelerator-only` policy when there is an accelerator; without one (the 2-core CPU
+machine) no policy can keep requests off a cpu backend, so that arm runs the `auto` backend
+alone and the record says so.
+
+Rates. Every cluster of an invocation loads one rates file: given with `--rates`, or measured
+first by `tandem profile` (a subprocess, each backend alone) with the accelerator's
+`max_active` set to the largest the invocation uses, so its batch table covers every cell.
+
+Seeding. Before a measurement the workload's seed prompts go to every backend directly through
+the backend actor handles (not through the router, which ignores progress about requests it
+did not route), then each backend is asked how much of the first request's prompt it can
+reuse; the answer is recorded next to the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.client import RequestResult, run_workload
+from bench.metrics import run_metrics
+from bench.workload import Workload
+
+logger = logging.getLogger("tandem.bench")
+
+ACCELERATOR_ONLY = "accelerator-only"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Layout:
+    """The resolved backends: ids, devices and per-backend settings, the same for every arm."""
+
+    model: str
+    backends: list[dict[str, Any]]  # BackendConfig dicts, explicit ids
+    accel_id: str  # the backend `auto` resolved to (the spec's "GPU")
+    has_accelerator: bool
+    cpu_threads: int | None
+
+    def arm_backends(self, arm: str, accel_max_active: int, cpu_max_active: int) -> list[dict[str, Any]]:
+        backends = [dict(b, max_active=accel_max_active if b["id"] == self.accel_id else cpu_max_active)
+                    for b in self.backends]
+        if arm == ACCELERATOR_ONLY and not self.has_accelerator:
+            backends = [b for b in backends if b["id"] == self.accel_id]
+        return backends
+
+    def arm_policy(self, arm: str) -> str:
+        if arm == ACCELERATOR_ONLY and not self.has_accelerator:
+            return "cost"  # one backend: every policy sends everything to it
+        return arm
+
+    def arm_note(self, arm: str) -> str | None:
+        if arm == ACCELERATOR_ONLY and not self.has_accelerator:
+            return (f"no accelerator on this machine: the accelerator-only arm runs backend {self.accel_id} "
+                    "(what `auto` resolved to, a cpu backend) alone")
+        return None
+
+
+def init_ray(log_to_driver: bool = False) -> None:
+    import ray
+
+    from cluster.launcher import ray_env_defaults
+
+    ray_env_defaults()
+    if not ray.is_initialized():
+        ray.init(address="local", namespace="tandem-bench", include_dashboard=False,
+                 _metrics_export_port=free_port(), logging_level=logging.WARNING, log_to_driver=log_to_driver)
+
+
+def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto") -> Layout:
+    """Resolve `auto` once (on the running Ray cluster) and pin every backend's id and device."""
+    import ray
+
+    import torch
+
+    from cluster.config import TandemConfig, parse_backends
+    from cluster.plan import plan_backends
+
+    config = TandemConfig.validated({"model": model, "backends": parse_backends(backends_spec),
+                                     "cpu_threads": cpu_threads})
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), mps)
+    auto = [p for p in plans if p.requested == "auto"] or [p for p in plans if p.device != "cpu"] or plans[-1:]
+    backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
+                 "dtype": cpu_dtype if p.device == "cpu" else "auto"} for p in plans]
+    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
+
+
+def profile_rates(layout: Layout, accel_max_active: int, cpu_max_active: int, out_dir: Path) -> Path:
+    """Run `tandem profile` (each backend alone, in a subprocess) and return the rates file."""
+    import yaml
+
+    config_path, rates_path = out_dir / "profile-config.yaml", out_dir / "rates.json"
+    config = {"model": layout.model, "rates_cache": str(out_dir / "rates-cache.json"),
+              "backends": layout.arm_backends("cost", accel_max_active, cpu_max_active)}
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    command = [sys.executable, "-m", "cluster.cli", "profile", "--config", str(config_path), "--output", str(rates_path)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    (out_dir / "profile.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"tandem profile failed (exit {done.returncode}); see {out_dir / 'profile.log'}:\n"
+                           + done.stderr[-2000:])
+    return rates_path
+
+
+@dataclass
+class BenchCluster:
+    """One fresh cluster for one arm: start on enter, shut down and wait for its actors on exit."""
+
+    layout: Layout
+    arm: str
+    accel_max_active: int
+    cpu_max_active: int
+    rates_path: Path
+    log_dir: Path
+    port: int  # Serve's HTTP proxy keeps the port of the first start: every cluster must use it
+    max_pending_requests: int = 256
+    tandem: Any = None
+    infos: dict[str, Any] = field(default_factory=dict)
+    routing_log: Path | None = None
+
+    def __enter__(self) -> BenchCluster:
+        import ray
+
+        from cluster.config import TandemConfig
+        from cluster.launcher import start
+
+        namespace = f"bench-{uuid.uuid4().hex[:8]}"
+        self.routing_log = self.log_dir / f"routing-{namespace}.jsonl"
+        config = TandemConfig.validated({
+            "model": self.layout.model, "policy": self.layout.arm_policy(self.arm),
+            "backends": self.layout.arm_backends(self.arm, self.accel_max_active, self.cpu_max_active),
+            "rates": str(self.rates_path), "profile": "never", "port": self.port,
+            "routing_log": str(self.routing_log), "namespace": namespace,
+            "max_pending_requests": self.max_pending_requests}, source="bench cluster")
+        self.tandem = start(config, log=lambda line: logger.info("%s", line))
+        self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tandem is None:
+            return
+        handles = [*self.tandem.backends.values(), self.tandem.router]
+        self.tandem.shutdown()
+        wait_until_dead(handles)
+
+    def describe(self) -> dict[str, Any]:
+        return {"arm": self.arm, "policy": self.layout.arm_policy(self.arm), "note": self.layout.arm_note(self.arm),
+                "backends": [{"backend_id": bid, "device": i.device, "device_kind": i.device_kind, "dtype": i.dtype,
+                              "threads": i.threads, "max_active": i.max_active} for bid, i in self.infos.items()],
+                "rates": json.loads(self.rates_path.read_text())}
+
+
+def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
+    """Block until every actor is gone (its process exited), so the next cluster runs alone."""
+    import ray
+    import ray.exceptions
+
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(handle.ping.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            time.sleep(0.2)
+
+
+def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
+    """Prefill every seed prompt on every backend; return each backend's reusable prefix for request 0."""
+    import ray
+
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step: warms it too
+    backends = cluster.tandem.backends
+    for handle in backends.values():
+        for prompt in workload.seed_prompts:
+            stream = handle.generate.options(num_returns="streaming").remote(
+                f"seed-{uuid.uuid4().hex}", prompt, params, time.time())
+            for ref in stream:
+                ray.get(ref)
+    probe = workload.requests[0].prompt_token_ids
+    return dict(zip(backends, ray.get([h.num_cached_tokens.remote(probe) for h in backends.values()])))
+
+
+def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_done: Any = None) -> dict[str, Any]:
+    """Seed, run the workload through HTTP, and return the run's JSON record."""
+    seeded = seed_caches(cluster, workload)
+    started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    results: list[RequestResult] = asyncio.run(run_workload(
+        cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done))
+    requests = [r.to_dict() for r in results]
+    return {
+        "workload": workload.summary(),
+        "cluster": cluster.describe(),
+        "temperature": temperature,
+        "seeded_cached_tokens": seeded,
+        "started_at": started_at,
+        "requests": requests,
+        "metrics": run_metrics(requests, list(cluster.infos)).to_dict(),
+        "decisions": read_decisions(cluster.routing_log, {r.req_id: r.index for r in results if r.req_id}),
+    }
+
+
+def read_decisions(routing_log: Path | None, index_by_req_id: dict[str, int]) -> list[dict[str, Any]]:
+    """This run's routing-log lines, in decision order, each tagged with its workload index."""
+    if routing_log is None or not routing_log.exists():
+        return []
+    decisions = []
+    for line in routing_log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("req_id") in index_by_req_id:
+            decisions.append({"index": index_by_req_id[record["req_id"]], **record})
+    return sorted(decisions, key=lambda d: d["ts"])
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers came from."""
+    import torch
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+class Budget:
+    """A wall-clock budget: benches stop starting new work once it is spent."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.deadline = None if not seconds else time.monotonic() + seconds
+
+    def left_s(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def spent(self) -> bool:
+        return self.left_s() <= 0
+
+
+@dataclass
+class BenchContext:
+    """What every measurement of one invocation shares: where output goes, backends, rates, sampling."""
+
+    out_dir: Path
+    layout: Layout
+    rates_path: Path
+    temperature: float
+    cpu_max_active: int
+    budget: Budget
+    meta: dict[str, Any]
+    port: int = field(default_factory=free_port)
+
+    def cluster(self, arm: str, accel_max_active: int, max_pending_requests: int) -> BenchCluster:
+        return BenchCluster(self.layout, arm, accel_max_active, self.cpu_max_active, self.rates_path,
+                            self.out_dir / "logs", self.port, max_pending_requests)
+
+
+def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, cpu_dtype: str,
+            cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
+            time_budget_s: float | None, verbose: bool, command: str) -> BenchContext:
+    """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
+    budget = Budget(time_budget_s)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    init_ray(log_to_driver=verbose)
+    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype)
+    rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
+    if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
+        temperature = 1.0 if model.endswith("-random") else 0.0
+    meta = {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine_info(), "model": model, "backends": layout.backends, "accel_id": layout.accel_id,
+            "has_accelerator": layout.has_accelerator, "cpu_max_active": cpu_max_active,
+            "rates_file": str(rates_path), "rates": json.loads(Path(rates_path).read_text()),
+            "temperature": temperature}
+    return BenchContext(out_dir, layout, Path(rates_path), temperature, cpu_max_active, budget, meta)

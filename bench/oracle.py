@@ -1,0 +1,181 @@
+"""The oracle for a benchmark cell: the best makespan over which requests go to the CPU.
+
+Measuring every split for real is far too slow (2^N assignments, each a full run), so the
+oracle comes from the what-if simulator, calibrated to the cell's own measurements:
+
+1. A route-sim scenario is built from the cell: the backends as they ran (ids, device kinds,
+   max_active), the rates file the clusters loaded (what the router believed), and the
+   workload's arrivals, prompt lengths, output lengths and the prefix each backend reported
+   reusable after seeding.
+2. Calibration, one number per backend: the simulated backend's rates (prefill, decode, the
+   whole batch table) are scaled by a factor so that the simulation reproduces the measured
+   time on that backend: for the accelerator, the accelerator-only arm's mean makespan; for a
+   CPU backend, the time at which it finished its requests in the hybrid runs that sent it any
+   (median over runs). A backend no run sent anything to keeps the profile's rates, unless it
+   is the same kind of device as the accelerator (the 2-core machine), which shares its factor.
+3. `routing.oracle.find_oracle` searches assignments on the calibrated scenario (exhaustively up
+   to 2^16 assignments, else by local search, which makes the oracle's gain a lower bound), with
+   the measured hybrid assignments among its seeds.
+
+The oracle's makespan is that search's result, rescaled by measured / simulated
+accelerator-only makespan (about 1 after calibration), and never worse than the measured hybrid
+arm (if the measured router beat the simulated oracle, the oracle is taken to be the router).
+The router's share of the attainable gain is then
+`(accelerator-only - hybrid) / (accelerator-only - oracle)`, from the means over runs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from routing.backend_spec import BackendSpec
+from routing.oracle import AssignmentEvaluator, find_oracle
+from routing.rates import RateProfile
+from routing.scenario import Scenario, SimBackendSpec, SimRequest
+from routing.simulator import simulate
+
+MIN_ORACLE_GAIN = 1e-3  # below this fraction of the baseline's makespan the share is undefined
+
+
+def scaled(profile: RateProfile, factor: float) -> RateProfile:
+    """The profile with every rate multiplied by `factor` (a uniformly faster or slower backend)."""
+    table = profile.decode_tok_s_by_batch
+    return replace(profile, prefill_tok_s=profile.prefill_tok_s * factor, decode_tok_s=profile.decode_tok_s * factor,
+                   decode_tok_s_by_batch=None if table is None else {b: r * factor for b, r in table.items()})
+
+
+def build_scenario(record: dict[str, Any], rates: dict[str, dict[str, Any]],
+                   factors: dict[str, float] | None = None, policy: str = "cost") -> Scenario:
+    """A route-sim scenario of one run record (hybrid cluster), actual rates scaled by `factors`."""
+    factors = factors or {}
+    backends = []
+    for b in record["cluster"]["backends"]:
+        profile = RateProfile(**rates[b["backend_id"]])
+        spec = BackendSpec(b["backend_id"], b["device_kind"], profile, b["max_active"])
+        backends.append(SimBackendSpec(spec, scaled(profile, factors.get(b["backend_id"], 1.0))))
+    workload = record["workload"]
+    cached = record["seeded_cached_tokens"]
+    requests = [SimRequest(f"r{i + 1}", t, workload["num_prompt_tokens"], workload["max_tokens"],
+                           workload["max_tokens"], {b: min(n, workload["num_prompt_tokens"]) for b, n in cached.items()})
+                for i, t in enumerate(workload["arrivals_s"])]
+    return Scenario(workload["name"], policy, backends, requests)
+
+
+def fit_factor(makespan_at: Callable[[float], float], target_s: float, lo: float = 1e-3, hi: float = 1e3) -> float:
+    """The factor f with makespan_at(f) == target_s (makespan falls as f grows), by bisection in log space."""
+    if not target_s > 0:
+        return 1.0
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if makespan_at(mid) > target_s:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def _makespan(scenario: Scenario, assignment: Sequence[str], backend_id: str | None = None) -> float:
+    """Makespan of a fixed assignment, or the time `backend_id` finishes its share (from the first arrival)."""
+    evaluator = AssignmentEvaluator(scenario)
+    index = {b: i for i, b in enumerate(evaluator.backend_ids)}
+    outcomes = evaluator.outcomes(tuple(index[b] for b in assignment))
+    chosen = [o for o in outcomes if backend_id is None or o.backend_id == backend_id]
+    return max(o.finish_s for o in chosen) - min(r.arrival_s for r in scenario.requests)
+
+
+def calibrate(template: dict[str, Any], rates: dict[str, dict[str, Any]], accel_id: str, baseline_makespan_s: float,
+              hybrid_runs: Sequence[dict[str, Any]]) -> tuple[dict[str, float], dict[str, str]]:
+    """Per-backend factors and, for each, where it came from."""
+    n = len(template["workload"]["arrivals_s"])
+    all_accel = [accel_id] * n
+    f_accel = fit_factor(lambda f: _makespan(build_scenario(template, rates, {accel_id: f}), all_accel),
+                         baseline_makespan_s)
+    factors, sources = {accel_id: f_accel}, {accel_id: "fitted to the accelerator-only arm's mean makespan"}
+    accel_kind = _kind(template, accel_id)
+    for b in (b["backend_id"] for b in template["cluster"]["backends"] if b["backend_id"] != accel_id):
+        fits = []
+        for run in hybrid_runs:
+            assignment = [r["backend"] for r in sorted(run["requests"], key=lambda r: r["index"])]
+            mine = [r for r in run["requests"] if r["backend"] == b and r.get("end_s") is not None]
+            if not mine or None in assignment:
+                continue
+            target = max(r["end_s"] for r in mine) - min(r["send_s"] for r in run["requests"])
+            fits.append(fit_factor(lambda f: _makespan(build_scenario(template, rates, {accel_id: f_accel, b: f}),
+                                                       assignment, b), target))
+        if fits:
+            factors[b], sources[b] = statistics.median(fits), f"fitted to its finish time in {len(fits)} hybrid run(s)"
+        elif _kind(template, b) == accel_kind:
+            factors[b], sources[b] = f_accel, "no hybrid run used it; same device kind as the accelerator: its factor"
+        else:
+            factors[b], sources[b] = 1.0, "no hybrid run used it: the profile's rates, not calibrated"
+    return factors, sources
+
+
+def _kind(record: dict[str, Any], backend_id: str) -> str:
+    return next(b["device_kind"] for b in record["cluster"]["backends"] if b["backend_id"] == backend_id)
+
+
+def _sim_summary(scenario: Scenario, accel_id: str, seeds: Sequence[Sequence[str]]) -> dict[str, Any]:
+    all_accel = [accel_id] * len(scenario.requests)
+    cost = simulate(scenario, "cost")
+    oracle = find_oracle(scenario, seeds=[*seeds, all_accel, cost.assignment])
+    span = max(o.finish_s for o in cost.outcomes) - min(o.arrival_s for o in cost.outcomes)
+    return {"accelerator_only_s": _makespan(scenario, all_accel), "cost_s": span,
+            "cost_requests_by_backend": _counts(cost.assignment), "oracle_s": oracle.makespan_s,
+            "oracle_requests_by_backend": _counts(oracle.assignment), "oracle_assignment": oracle.assignment,
+            "search": oracle.method}
+
+
+def _counts(assignment: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for b in assignment:
+        out[b] = out.get(b, 0) + 1
+    return out
+
+
+def cell_oracle(baseline_runs: Sequence[dict[str, Any]], hybrid_runs: Sequence[dict[str, Any]],
+                accel_id: str) -> dict[str, Any]:
+    """The oracle and the router's share of its gain for one cell (see the module docstring)."""
+    template = hybrid_runs[0]
+    rates = template["cluster"]["rates"]
+    measured_baseline = statistics.fmean(r["metrics"]["makespan_s"] for r in baseline_runs)
+    measured_hybrid = statistics.fmean(r["metrics"]["makespan_s"] for r in hybrid_runs)
+    seeds = [[r["backend"] for r in sorted(run["requests"], key=lambda r: r["index"])] for run in hybrid_runs]
+    seeds = [s for s in seeds if None not in s]
+    factors, sources = calibrate(template, rates, accel_id, measured_baseline, hybrid_runs)
+    profile_sim = _sim_summary(build_scenario(template, rates), accel_id, seeds)
+    calibrated_sim = _sim_summary(build_scenario(template, rates, factors), accel_id, seeds)
+    scale = measured_baseline / calibrated_sim["accelerator_only_s"]
+    oracle_s, note = calibrated_sim["oracle_s"] * scale, None
+    if measured_hybrid < oracle_s:
+        oracle_s, note = measured_hybrid, "the measured router beat the simulated oracle: oracle taken as the router"
+    return {
+        "method": "route-sim oracle (routing/oracle.py) on the cell's workload, each backend's rates from the rates "
+                  "file scaled to the measured runs",
+        "factors": {b: round(f, 4) for b, f in factors.items()}, "factor_sources": sources,
+        "sim_profile_rates": _rounded(profile_sim), "sim_calibrated": _rounded(calibrated_sim),
+        **share_of_oracle_gain(measured_baseline, measured_hybrid, oracle_s), "note": note,
+    }
+
+
+def share_of_oracle_gain(baseline_s: float, hybrid_s: float, oracle_s: float) -> dict[str, Any]:
+    """Gains as fractions of the baseline makespan, and the share of the oracle's gain captured."""
+    oracle_gain, router_gain = baseline_s - oracle_s, baseline_s - hybrid_s
+    share = router_gain / oracle_gain if oracle_gain > MIN_ORACLE_GAIN * baseline_s else None
+    return {"baseline_makespan_s": round(baseline_s, 6), "hybrid_makespan_s": round(hybrid_s, 6),
+            "oracle_makespan_s": round(oracle_s, 6), "oracle_gain": round(oracle_gain / baseline_s, 6),
+            "router_gain": round(router_gain / baseline_s, 6), "share": None if share is None else round(share, 6)}
+
+
+def meets_target(oracle: dict[str, Any], min_gain: float = 0.05, min_share: float = 0.8) -> bool | None:
+    """The issue's bar: where the oracle gains >= 5%, the router captures >= 80%. None if it does not apply."""
+    if oracle["oracle_gain"] < min_gain:
+        return None
+    return oracle["share"] is not None and oracle["share"] >= min_share
+
+
+def _rounded(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}

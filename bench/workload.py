@@ -1,0 +1,159 @@
+"""Benchmark workloads: which prompts arrive when, and what each backend's cache is seeded with.
+
+A workload is plain data (token ids and arrival offsets), built from a seeded RNG so every arm
+and run of a cell sees exactly the same requests. Prompts are token-id lists, sent to the HTTP
+API as `prompt: [ids]`, so prompt lengths and shared prefixes are exact in tokens whatever the
+tokenizer. Ids are drawn from 32..126: printable ASCII in the byte tokenizer of the random
+presets, and ordinary tokens in SmolLM2's vocabulary, so the same workload runs on any preset.
+
+Two shapes:
+
+- `spec_workload`: the spec's experiment. Every request has the same 516-token prompt; both
+  caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
+  (496 tokens) reusable, the number the spec's worked example reports.
+- `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded down to whole
+  blocks, since only full blocks are cached), then a suffix of its own per request, so each
+  request hits exactly the seeded prefix and nothing from the requests before it. Arrivals are
+  at a fixed interval or Poisson.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TOKEN_ID_LOW, TOKEN_ID_HIGH = 32, 127  # [low, high): printable ASCII bytes / common tokens
+
+
+@dataclass
+class WorkloadRequest:
+    index: int
+    arrival_s: float  # offset from the run's start at which the client sends it
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[WorkloadRequest]
+    seed_prompts: list[list[int]]  # sent once to every backend before the measurement
+    num_shared_prefix_tokens: int  # prompt tokens every request shares with the seed prompt
+    block_size: int = 16
+    description: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def expected_cached_tokens(self) -> int:
+        """Reusable prefix per request after seeding: the shared prefix in whole blocks."""
+        return (self.num_shared_prefix_tokens // self.block_size) * self.block_size
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able description without the token ids (those are reproducible from the seed)."""
+        first = self.requests[0] if self.requests else None
+        return {
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "arrivals_s": [round(r.arrival_s, 6) for r in self.requests],
+            "num_prompt_tokens": len(first.prompt_token_ids) if first else 0,
+            "max_tokens": first.max_tokens if first else 0,
+            "num_shared_prefix_tokens": self.num_shared_prefix_tokens,
+            "expected_cached_tokens": self.expected_cached_tokens,
+            "num_seed_prompt_tokens": [len(p) for p in self.seed_prompts],
+            **self.description,
+        }
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(n)]
+
+
+def fixed_arrivals(num_requests: int, interval_s: float) -> list[float]:
+    return [i * interval_s for i in range(num_requests)]
+
+
+def poisson_arrivals(num_requests: int, rate_per_s: float, rng: random.Random) -> list[float]:
+    """A Poisson process starting at 0: the first request at 0, then exponential gaps."""
+    if rate_per_s <= 0:
+        raise ValueError(f"arrival rate must be > 0 requests/s (got {rate_per_s})")
+    arrivals, t = [], 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.expovariate(rate_per_s)
+        arrivals.append(t)
+    return arrivals
+
+
+def spec_workload(num_requests: int, prompt_tokens: int = 516, seed_prefix_tokens: int = 508,
+                  max_tokens: int = 128, interval_s: float = 0.05, token_seed: int = 0,
+                  block_size: int = 16, name: str | None = None) -> Workload:
+    """The spec's setting: N identical prompts every `interval_s`, caches seeded with a prefix."""
+    if not 0 < seed_prefix_tokens <= prompt_tokens:
+        raise ValueError(f"seed prefix ({seed_prefix_tokens}) must be in 1..prompt tokens ({prompt_tokens})")
+    rng = random.Random(token_seed)
+    prompt = random_tokens(rng, prompt_tokens)
+    requests = [WorkloadRequest(i, t, list(prompt), max_tokens)
+                for i, t in enumerate(fixed_arrivals(num_requests, interval_s))]
+    return Workload(
+        name=name or f"spec-n{num_requests}", requests=requests, seed_prompts=[prompt[:seed_prefix_tokens]],
+        num_shared_prefix_tokens=seed_prefix_tokens, block_size=block_size,
+        description={"kind": "spec", "arrival": "fixed", "interval_s": interval_s, "identical_prompts": True,
+                     "token_seed": token_seed})
+
+
+def sweep_workload(num_requests: int, prompt_tokens: int, max_tokens: int, cache_hit: float,
+                   arrivals_s: list[float], token_seed: int = 0, block_size: int = 16,
+                   name: str = "cell", description: dict[str, Any] | None = None) -> Workload:
+    """A seeded shared prefix of `cache_hit` of the prompt (whole blocks), a unique suffix each."""
+    if not 0 <= cache_hit < 1:
+        raise ValueError(f"cache_hit must be in [0, 1) (got {cache_hit})")
+    if len(arrivals_s) != num_requests:
+        raise ValueError(f"{len(arrivals_s)} arrival times for {num_requests} requests")
+    rng = random.Random(token_seed)
+    num_shared = int(cache_hit * prompt_tokens) // block_size * block_size
+    prefix = random_tokens(rng, num_shared)
+    requests = [WorkloadRequest(i, t, prefix + random_tokens(rng, prompt_tokens - num_shared), max_tokens)
+                for i, t in enumerate(arrivals_s)]
+    return Workload(
+        name=name, requests=requests, seed_prompts=[prefix] if num_shared else [],
+        num_shared_prefix_tokens=num_shared, block_size=block_size,
+        description={"kind": "sweep", "cache_hit_target": cache_hit, "identical_prompts": False,
+                     "token_seed": token_seed, **(description or {})})
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    """One sweep cell: the cluster setting (GPU max_active) and the workload's parameters."""
+
+    num_requests: int
+    prompt_tokens: int = 516
+    max_tokens: int = 128
+    cache_hit: float = 0.96
+    arrival: str = "fixed"  # fixed | poisson
+    interval_s: float = 0.05  # fixed arrivals
+    rate_per_s: float = 0.0  # poisson arrivals
+    accel_max_active: int = 4
+
+    @property
+    def name(self) -> str:
+        arrival = f"every{self.interval_s * 1000:g}ms" if self.arrival == "fixed" else f"poisson{self.rate_per_s:g}"
+        return (f"n{self.num_requests}-ma{self.accel_max_active}-{arrival}-hit{round(self.cache_hit * 100)}"
+                f"-p{self.prompt_tokens}-o{self.max_tokens}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **asdict(self)}
+
+    def workload(self, token_seed: int, block_size: int = 16) -> Workload:
+        if self.arrival == "fixed":
+            arrivals = fixed_arrivals(self.num_requests, self.interval_s)
+        elif self.arrival == "poisson":
+            arrivals = poisson_arrivals(self.num_requests, self.rate_per_s, random.Random(token_seed + 7919))
+        else:
+            raise ValueError(f"unknown arrival process {self.arrival!r}; use fixed or poisson")
+        return sweep_workload(self.num_requests, self.prompt_tokens, self.max_tokens, self.cache_hit, arrivals,
+                              token_seed, block_size, self.name,
+                              {"arrival": self.arrival, "interval_s": self.interval_s, "rate_per_s": self.rate_per_s})
