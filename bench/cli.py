@@ -2,17 +2,18 @@
 
     tandem bench seed  --out out/seed  [--num-requests 8,48] [--runs 3] [--report docs/benchmarks/x.md]
     tandem bench sweep --out out/sweep [--accel-max-active 1,2,4,8,16,32] [--cache-hit 0,0.5,0.96] ...
-    tandem bench report out/seed --report docs/benchmarks/x.md      # re-render from the JSON
+                       [--with-seed --seed-report docs/benchmarks/seed-x.md] [--report docs/benchmarks/sweep-x.md]
+    tandem bench report out/sweep --report seed-x.md --sweep-report sweep-x.md   # re-render from the JSON
 
-`seed` and `sweep` write one JSON per run under OUT/runs/, then OUT/summary.json (cells, means
-and spreads, oracle), then the report if `--report` is given. See bench/seed.py and
-bench/sweep.py for what each measures, bench/report.py for what the report shows.
+`seed` and `sweep` write OUT/meta.json first, one JSON per run under OUT/runs/ as it finishes,
+then OUT/summary.json (cells, means and spreads, oracle) and the reports asked for, each with
+its plots and one JSON of everything it shows beside it. See bench/seed.py, bench/sweep.py and
+bench/runner.py for what runs where, bench/report.py for what the reports show.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -48,35 +49,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,report}", required=True)
     seed = sub.add_parser("seed", help="the spec's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
-    seed.add_argument("--num-requests", type=_ints, default=[8, 48], help="request counts (default 8,48)")
+    _seed_arguments(seed, "--num-requests")
     seed.add_argument("--runs", type=int, default=3, help="runs per arm, each on a fresh cluster (default 3)")
-    seed.add_argument("--seed-prefix-tokens", type=int, default=508,
-                      help="prompt tokens seeded into both caches (default 508: 496 reusable in 16-token blocks)")
     seed.add_argument("--max-active", type=int, default=4, help="accelerator max_active (default 4)")
+    seed.add_argument("--report", help="markdown report to write (plots and JSON go beside it)")
     sweep = sub.add_parser("sweep", help="GPU concurrency, Poisson arrivals, cache-hit rate, prompt/output lengths")
     _common(sweep)
+    _sweep_arguments(sweep)
+    report = sub.add_parser("report", help="render the reports from a finished bench's JSON")
+    report.add_argument("out", help="the bench's output folder (meta.json and runs/)")
+    report.add_argument("--report", help="seed report (markdown) to write")
+    report.add_argument("--sweep-report", help="sweep report (markdown) to write")
+
+
+def _seed_arguments(parser: argparse.ArgumentParser, *aliases: str) -> None:
+    parser.add_argument("--seed-num-requests", *aliases, dest="seed_num_requests", type=_ints,
+                        default=[8, 48], help="request counts of the spec's experiment (default 8,48)")
+    parser.add_argument("--seed-prefix-tokens", type=int, default=508,
+                        help="prompt tokens seeded into both caches (default 508: 496 reusable in 16-token blocks)")
+
+
+def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument("--num-requests", type=int, default=24, help="requests per cell (default 24)")
-    sweep.add_argument("--runs", type=int, default=2, help="runs per arm and cell (default 2)")
+    sweep.add_argument("--runs", type=int, default=2, help="runs per arm of the base max_active's cells (default 2)")
+    sweep.add_argument("--other-max-active-runs", type=int,
+                       help="runs per arm of the other max_active values' cells (default: --runs)")
     sweep.add_argument("--accel-max-active", type=_ints, default=[1, 2, 4, 8, 16, 32],
                        help="accelerator max_active values ('' skips; default 1,2,4,8,16,32)")
     sweep.add_argument("--arrival-rates", type=_floats, default=[5.0, 10.0, 20.0],
                        help="Poisson arrival rates, requests/s ('' skips; default 5,10,20)")
     sweep.add_argument("--cache-hit", type=_floats, default=[0.0, 0.5, 0.96],
                        help="seeded shared fraction of each prompt ('' skips; default 0,0.5,0.96)")
-    sweep.add_argument("--lengths", type=_lengths, default=[(516, 32), (516, 512), (128, 128)],
-                       help="PROMPT:OUTPUT token lengths ('' skips; default 516:32,516:512,128:128)")
+    sweep.add_argument("--lengths", type=_lengths, default=[(516, 32), (128, 128)],
+                       help="PROMPT:OUTPUT token lengths ('' skips; default 516:32,128:128)")
     sweep.add_argument("--base-cache-hit", type=float, default=0.96, help="the base cell's cache hit (default 0.96)")
     sweep.add_argument("--base-max-active", type=int, default=4, help="the base cell's accelerator max_active (4)")
-    report = sub.add_parser("report", help="render the markdown report and plots from a finished bench's JSON")
-    report.add_argument("out", help="the bench's output folder (holds summary.json and runs/)")
-    report.add_argument("--report", required=True, help="markdown file to write; plots go beside it")
-    report.add_argument("--json", help="also write one JSON with the summary and every run here")
+    sweep.add_argument("--report", help="sweep report (markdown) to write (plots and JSON go beside it)")
+    sweep.add_argument("--with-seed", action="store_true",
+                       help="also run the spec's experiment, in the base max_active's clusters")
+    sweep.add_argument("--seed-runs", type=int, default=3, help="runs of the spec's cells with --with-seed (3)")
+    sweep.add_argument("--seed-report", help="with --with-seed: the seed report (markdown) to write")
+    _seed_arguments(sweep)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output folder for the JSON (runs/, summary.json, logs/)")
-    parser.add_argument("--report", help="markdown report to write; plots go beside it")
-    parser.add_argument("--json", help="also write one JSON with the summary and every run here")
+    parser.add_argument("--out", required=True, help="output folder for the JSON (meta.json, runs/, summary.json)")
     parser.add_argument("--model", default="smollm2-135m", help="model preset (default smollm2-135m)")
     parser.add_argument("--backends", default="cpu,auto", help="backends (default cpu,auto)")
     parser.add_argument("--cpu-threads", type=int, help="torch threads per cpu backend (default cores / cpu backends)")
@@ -95,34 +112,45 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
 
 
+def plan(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    """The cells to run and the settings recorded in meta.json."""
+    from bench import seed, sweep
+
+    if args.bench_command == "seed":
+        return seed.seed_items(args, args.runs), {"seed": seed.settings(args, args.runs)}
+    cells, dims = sweep.build_cells(args)
+    items = sweep.sweep_items(cells, args.runs, args.other_max_active_runs, args.base_max_active)
+    settings = {"sweep": sweep.settings(args, dims)}
+    if args.with_seed:
+        args.max_active = args.base_max_active
+        items = seed.seed_items(args, args.seed_runs) + items
+        settings["seed"] = seed.settings(args, args.seed_runs)
+    return items, settings
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "report":
-        return _render(Path(args.out), args.report, args.json)
+        return _render(Path(args.out), args.report, args.sweep_report)
     from tqdm import tqdm
 
-    from bench import harness, seed, sweep
+    from bench import harness, runner
 
-    command = "tandem bench " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("bench") + 1:]) \
-        if "bench" in sys.argv else "tandem bench " + args.bench_command
+    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else [args.bench_command]
+    command = "tandem bench " + " ".join(shlex.quote(a) for a in argv)
     out_dir = Path(args.out)
-    if args.bench_command == "seed":
-        max_ma, cells, dims = args.max_active, None, None
-    else:
-        cells, dims = sweep.build_cells(args)
-        max_ma = max(c.accel_max_active for c in cells)
+    items, settings = plan(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
-                          max_ma, args.rates, args.temperature, args.time_budget_s, args.verbose, command)
-    if args.bench_command == "seed":
-        ctx.meta.update(bench="seed", settings=seed.settings(args))
-        with tqdm(total=seed.total_requests(args), unit="req", dynamic_ncols=True) as bar:
-            records = seed.run_seed(ctx, args, bar)
-    else:
-        ctx.meta.update(bench="sweep", settings=sweep.settings(args, dims))
-        with tqdm(total=sweep.total_requests(args, cells), unit="req", dynamic_ncols=True) as bar:
-            records = sweep.run_sweep(ctx, args, cells, bar)
+                          max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
+                          args.time_budget_s, args.verbose, command)
+    ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms)
+    harness.write_json(out_dir / "meta.json", ctx.meta)
+    with tqdm(total=runner.total_requests(items, args.arms), unit="req", dynamic_ncols=True) as bar:
+        records = runner.run_plan(ctx, items, args.arms, bar)
     _write_summary(out_dir, ctx.meta, records)
-    if args.report:
-        return _render(out_dir, args.report, args.json)
+    seed_report = args.report if args.bench_command == "seed" else getattr(args, "seed_report", None)
+    sweep_report = args.report if args.bench_command == "sweep" else None
+    if seed_report or sweep_report:
+        return _render(out_dir, seed_report, sweep_report)
     return 0
 
 
@@ -130,19 +158,17 @@ def _write_summary(out_dir: Path, meta: dict[str, Any], records: list[dict[str, 
     from bench.harness import write_json
     from bench.summary import summarize
 
-    summary = {"meta": meta, "cells": summarize(records, meta["accel_id"]),
-               "runs": sorted(f"{r['cell']}-{r['arm']}-run{r['run']}.json" for r in records)}
-    write_json(out_dir / "summary.json", summary)
+    write_json(out_dir / "summary.json", {"meta": meta, "cells": summarize(records, meta["accel_id"])})
     print(f"wrote {out_dir / 'summary.json'} ({len(records)} runs)")
 
 
-def _render(out_dir: Path, report_path: str, json_path: str | None) -> int:
+def _render(out_dir: Path, seed_report: str | None, sweep_report: str | None) -> int:
     from bench.report import load_bench, render_report
 
-    summary, runs = load_bench(out_dir)
-    written = render_report(summary, runs, Path(report_path))
-    if json_path:
-        Path(json_path).write_text(json.dumps({"summary": summary, "runs": runs}, separators=(",", ":")) + "\n")
-        written.append(Path(json_path))
+    meta, runs = load_bench(out_dir)
+    written: list[Path] = []
+    for which, path in (("seed", seed_report), ("sweep", sweep_report)):
+        if path:
+            written += render_report(meta, runs, Path(path), which)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

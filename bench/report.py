@@ -33,25 +33,37 @@ SPEC_M2 = {
 
 
 def load_bench(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    summary = json.loads((out_dir / "summary.json").read_text())
-    runs = [json.loads((out_dir / "runs" / name).read_text()) for name in summary["runs"]]
-    return summary, runs
+    """The bench's meta (meta.json, else summary.json's) and every run record under runs/."""
+    meta_path = out_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else \
+        json.loads((out_dir / "summary.json").read_text())["meta"]
+    runs = [json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))]
+    return meta, runs
 
 
-def render_report(summary: dict[str, Any], runs: Sequence[dict[str, Any]], path: Path,
+def settings_of(meta: dict[str, Any], which: str) -> dict[str, Any]:
+    settings = meta.get("settings", {})
+    return settings.get(which, settings)
+
+
+def render_report(meta: dict[str, Any], all_runs: Sequence[dict[str, Any]], path: Path, which: str = "seed",
                   title: str | None = None) -> list[Path]:
-    """Write the markdown (and its plots) to `path`; returns every file written."""
+    """Write the `which` ("seed" or "sweep") report's markdown, plots and JSON beside `path`."""
+    from bench.summary import summarize
+
+    runs = [r for r in all_runs if r.get("bench", meta.get("bench")) == which]
+    cells = summarize(runs, meta["accel_id"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    meta = summary["meta"]
+    meta = dict(meta, bench=which)
     lines = [f"# {title or default_title(meta)}", "", *header_lines(meta, runs)]
-    if meta.get("bench") == "sweep":
-        lines += sweep_lines(summary)
-        written += _plot(plot_gains, summary["cells"], path.with_name(path.stem + "-gain.png"))
+    written: list[Path] = []
+    if which == "sweep":
+        lines += sweep_lines(cells, meta)
+        written += _plot(plot_gains, cells, path.with_name(path.stem + "-gain.png"))
         lines += ["", f"![gain vs oracle]({path.stem}-gain.png)"]
     else:
-        lines += seed_lines(summary, meta)
-        for cell in summary["cells"]:
+        lines += seed_lines(cells, meta)
+        for cell in cells:
             png = path.with_name(f"{path.stem}-cdf-{cell['cell']}.png")
             written += _plot(plot_cdfs, [r for r in runs if r["cell"] == cell["cell"]], png)
             lines += ["", f"![TTFT and E2E CDFs, {cell['cell']}]({png.name})"]
@@ -62,7 +74,9 @@ def render_report(summary: dict[str, Any], runs: Sequence[dict[str, Any]], path:
         lines += ["", f"Per-backend request timeline ({timeline_runs[0]['cell']}, run {timeline_runs[0]['run']}):",
                   "", f"![timeline]({png.name})"]
     path.write_text("\n".join(lines) + "\n")
-    return [path, *written]
+    json_path = path.with_suffix(".json")
+    json_path.write_text(json.dumps({"meta": meta, "cells": cells, "runs": runs}, separators=(",", ":")) + "\n")
+    return [path, *written, json_path]
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -183,9 +197,9 @@ def decision_lines(cell: dict[str, Any]) -> list[str]:
     return lines
 
 
-def seed_lines(summary: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+def seed_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     accel = meta["accel_id"]
-    s = meta.get("settings", {})
+    s = settings_of(meta, "seed")
     lines = ["", "## Results", "",
              f"{s.get('runs')} runs per arm, each on a fresh cluster; {s.get('prompt_tokens')}-token prompts "
              f"(identical), one every {1000 * s.get('interval_s', 0):g} ms, {s.get('max_tokens')} output tokens "
@@ -193,7 +207,7 @@ def seed_lines(summary: dict[str, Any], meta: dict[str, Any]) -> list[str]:
              f"on the CPU, both caches seeded with the prompt's first {s.get('seed_prefix_tokens')} tokens. "
              "Values are mean ± sample standard deviation over runs; ✗ marks a change worse than the "
              "accelerator-only arm by more than the larger of the two arms' standard deviations."]
-    for cell in summary["cells"]:
+    for cell in cells:
         n = cell["workload"]["num_requests"]
         lines += ["", f"### {n} requests", "", *cell_table(cell, accel)]
         seeded = cell["workload"].get("expected_cached_tokens")
@@ -206,15 +220,14 @@ def seed_lines(summary: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     return lines
 
 
-def sweep_lines(summary: dict[str, Any]) -> list[str]:
-    meta = summary["meta"]
+def sweep_lines(cell_list: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     accel = meta["accel_id"]
-    cells = {c["cell"]: c for c in summary["cells"]}
+    cells = {c["cell"]: c for c in cell_list}
     lines = ["", "## Results", "",
              "One row per cell: means over runs (± sample sd). Δ is hybrid vs accelerator-only; ✗ marks worse "
              "beyond the run-to-run spread. Oracle gain and router gain are fractions of the accelerator-only "
              "makespan; share = router gain / oracle gain."]
-    for dim, names in meta["settings"]["dimensions"].items():
+    for dim, names in settings_of(meta, "sweep")["dimensions"].items():
         lines += ["", f"### {dim}", "", "| cell | accelerator-only makespan s | hybrid makespan s | Δ makespan | "
                   "Δ TTFT p95 | Δ E2E p95 | off the accelerator, per run | oracle gain | router gain | share | bar |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -127,7 +127,12 @@ def sweep_workload(num_requests: int, prompt_tokens: int, max_tokens: int, cache
 
 @dataclass(frozen=True)
 class CellSpec:
-    """One sweep cell: the cluster setting (GPU max_active) and the workload's parameters."""
+    """One benchmark cell: the cluster setting (accelerator max_active) and the workload's parameters.
+
+    `kind="spec"` is the spec's experiment (identical prompts, caches seeded with the prompt's
+    first `seed_prefix_tokens`); `kind="sweep"` is `sweep_workload` (a seeded shared prefix of
+    `cache_hit` of the prompt, a unique suffix per request).
+    """
 
     num_requests: int
     prompt_tokens: int = 516
@@ -137,9 +142,13 @@ class CellSpec:
     interval_s: float = 0.05  # fixed arrivals
     rate_per_s: float = 0.0  # poisson arrivals
     accel_max_active: int = 4
+    kind: str = "sweep"  # sweep | spec
+    seed_prefix_tokens: int = 508  # spec cells only
 
     @property
     def name(self) -> str:
+        if self.kind == "spec":
+            return f"n{self.num_requests}"
         arrival = f"every{self.interval_s * 1000:g}ms" if self.arrival == "fixed" else f"poisson{self.rate_per_s:g}"
         return (f"n{self.num_requests}-ma{self.accel_max_active}-{arrival}-hit{round(self.cache_hit * 100)}"
                 f"-p{self.prompt_tokens}-o{self.max_tokens}")
@@ -148,6 +157,9 @@ class CellSpec:
         return {"name": self.name, **asdict(self)}
 
     def workload(self, token_seed: int, block_size: int = 16) -> Workload:
+        if self.kind == "spec":
+            return spec_workload(self.num_requests, self.prompt_tokens, self.seed_prefix_tokens, self.max_tokens,
+                                 self.interval_s, token_seed, block_size, self.name)
         if self.arrival == "fixed":
             arrivals = fixed_arrivals(self.num_requests, self.interval_s)
         elif self.arrival == "poisson":

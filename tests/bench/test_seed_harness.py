@@ -218,14 +218,43 @@ def test_report_renders_tables_and_plots(tmp_path):
                          {"id": "cuda0", "device": "cuda", "threads": 1, "dtype": "auto"}],
             "settings": {"runs": 1, "prompt_tokens": 516, "interval_s": 0.05, "max_tokens": 128, "max_active": 4,
                          "seed_prefix_tokens": 508}}
-    summary = {"meta": meta, "cells": summarize(runs, "cuda0")}
-    written = render_report(summary, runs, tmp_path / "seed.md")
+    for r in runs:
+        r["bench"] = "seed"
+    written = render_report(meta, runs, tmp_path / "seed.md", "seed")
     text = (tmp_path / "seed.md").read_text()
     assert "### 8 requests" in text and "| hybrid (cost) |" in text and "11.47 → 10.35" in text
     assert "Backend `cpu0`: cpu, dtype float32, 14 torch threads" in text
-    assert {p.name for p in written} >= {"seed.md", "seed-timeline.png", "seed-cdf-n8.png"}
+    assert {p.name for p in written} >= {"seed.md", "seed-timeline.png", "seed-cdf-n8.png", "seed.json"}
     assert all(p.stat().st_size > 0 for p in written)
-    sweep_meta = dict(meta, bench="sweep", settings={"dimensions": {"cache_hit": ["n8", "missing"]}})
-    written = render_report({"meta": sweep_meta, "cells": summary["cells"]}, runs, tmp_path / "sweep.md")
+    assert len(json.loads((tmp_path / "seed.json").read_text())["runs"]) == 2
+    for r in runs:
+        r["bench"] = "sweep"
+    sweep_meta = dict(meta, settings={"sweep": {"dimensions": {"cache_hit": ["n8", "missing"]}}})
+    render_report(sweep_meta, runs, tmp_path / "sweep.md", "sweep")
     text = (tmp_path / "sweep.md").read_text()
     assert "### cache_hit" in text and "| missing | not run |" in text and (tmp_path / "sweep-gain.png").exists()
+
+
+# -- plans -------------------------------------------------------------------------------------
+
+
+def test_sweep_plan_with_seed_groups_cells_by_max_active():
+    from bench.cli import plan
+    from bench.runner import groups, total_requests
+    from cluster.cli import build_parser
+
+    argv = ["bench", "sweep", "--out", "x", "--with-seed", "--num-requests", "6", "--runs", "2",
+            "--other-max-active-runs", "1", "--accel-max-active", "1,4,8", "--arrival-rates", "10",
+            "--cache-hit", "0,0.96", "--lengths", "516:32"]
+    args = build_parser(argv).parse_args(argv)
+    items, settings = plan(args)
+    names = [i.cell.name for i in items]
+    assert names[:2] == ["n8", "n48"] and all(i.runs == 3 and i.bench == "seed" for i in items[:2])
+    assert len(names) == len(set(names)) == 2 + 6  # base cell (ma4, hit96, 516:128) appears once
+    by_ma = {ma: [i.cell.name for i in group] for ma, group in groups(items)}
+    assert list(by_ma) == [4, 1, 8]
+    assert by_ma[4][:3] == ["n8", "n48", "n6-ma4-every50ms-hit96-p516-o128"]
+    assert {i.runs for i in items if i.cell.accel_max_active != 4} == {1}
+    assert settings["sweep"]["dimensions"]["cache_hit"] == ["n6-ma4-every50ms-hit0-p516-o128",
+                                                            "n6-ma4-every50ms-hit96-p516-o128"]
+    assert total_requests(items, ["accelerator-only", "cost"]) == 2 * (3 * 56 + 2 * 6 * 4 + 1 * 6 * 2)

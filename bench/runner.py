@@ -1,0 +1,81 @@
+"""Run a plan of benchmark cells over fresh clusters, grouped so that clusters are few.
+
+A plan is a list of cells, each with how many runs it wants. A cluster's engines are fixed at
+start (policy, max_active), so cells are grouped by the accelerator's max_active; for each
+group, each run and each arm one fresh cluster is started (bench/harness.py) and every cell of
+the group that still wants that run is measured in it, one after another, each with its own
+prompts and seeded prefix. Groups run in plan order (the spec's cells and the sweep's base
+first), all runs of a group before the next group, so a time budget that runs out leaves the
+most important cells complete. Arms alternate their order from run to run, so slow drift
+(thermal, other load) does not always favour the same arm.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from bench.harness import BenchContext, measure, write_json
+from bench.workload import CellSpec
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    cell: CellSpec
+    runs: int
+    bench: str  # "seed" or "sweep": which report shows it
+
+
+def arm_order(arms: list[str], run: int) -> list[str]:
+    return list(arms) if run % 2 else list(reversed(arms))
+
+
+def groups(items: list[PlanItem]) -> list[tuple[int, list[PlanItem]]]:
+    """Items grouped by accelerator max_active, in first-appearance order."""
+    out: dict[int, list[PlanItem]] = {}
+    for item in items:
+        out.setdefault(item.cell.accel_max_active, []).append(item)
+    return list(out.items())
+
+
+def token_seed(cell: CellSpec, run: int) -> int:
+    """Same prompts for every arm of a run; different prompts for every cell and run."""
+    return zlib.crc32(cell.name.encode()) % 100_000 * 100 + run
+
+
+def total_requests(items: list[PlanItem], arms: list[str]) -> int:
+    return len(arms) * sum(i.runs * i.cell.num_requests for i in items)
+
+
+def run_plan(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any) -> list[dict[str, Any]]:
+    """Measure every item's runs under every arm; returns the run records (also written as JSON)."""
+    records: list[dict[str, Any]] = []
+    for max_active, group in groups(items):
+        for run in range(1, max(i.runs for i in group) + 1):
+            wanted = [i for i in group if i.runs >= run]
+            for arm in arm_order(arms, run):
+                if ctx.budget.spent():
+                    bar.write(f"time budget spent: stopping before max_active {max_active}, run {run}, {arm}")
+                    return records
+                bar.set_description(f"ma={max_active} run {run} {arm}: starting cluster")
+                pending = max(i.cell.num_requests for i in wanted) + 16
+                with ctx.cluster(arm, max_active, max_pending_requests=pending) as cluster:
+                    records += _run_cells(ctx, cluster, wanted, arm, run, bar)
+    return records
+
+
+def _run_cells(ctx: BenchContext, cluster: Any, items: list[PlanItem], arm: str, run: int,
+               bar: Any) -> list[dict[str, Any]]:
+    records = []
+    for item in items:
+        if ctx.budget.spent():
+            break
+        cell = item.cell
+        bar.set_description(f"run {run} {arm} {cell.name}")
+        record = measure(cluster, cell.workload(token_seed(cell, run)), ctx.temperature,
+                         on_done=lambda _: bar.update(1))
+        record.update(bench=item.bench, cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
+        write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
+        records.append(record)
+    return records
