@@ -16,7 +16,8 @@ late: the answer is an estimate either way (the router freezes it at routing tim
 
 Progress goes to the router in batches: the engine thread drains `engine.drain_progress()`
 after each step and sends it at most every `report_interval_s` (and whenever it goes idle) as
-one fire-and-forget `router.report.remote(...)`, never a per-token round trip.
+one fire-and-forget `router.report.remote(...)`, never a per-token round trip. The same message
+carries each step's token counts and time, which the router may use to calibrate its rates.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class BackendActor:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._pending_progress: list = []
+        self._pending_steps: list[tuple[int, int, int, float]] = []
         self._last_report = 0.0
         self._last_stats = 0.0
         self._stats_totals = (0, 0, 0, 0, 0)
@@ -205,26 +207,28 @@ class BackendActor:
     def _engine_loop(self) -> None:
         num_failures = 0
         while not self._stopping:
-            busy = self.engine.has_unfinished_requests()
-            self._apply_commands(block=not busy)
-            if not self.engine.has_unfinished_requests():
-                self._after_idle()
-                continue
             try:
-                start = time.perf_counter()
-                outputs = self.engine.step()
-                elapsed = time.perf_counter() - start
+                self._loop_once()
                 num_failures = 0
             except Exception:  # a bug or device error: fail the requests, keep serving
                 num_failures += 1
                 self._fail_all(traceback.format_exc())
                 if num_failures >= 3:
-                    logger.error("backend %s: engine failed 3 steps in a row; exiting so Ray restarts it",
+                    logger.error("backend %s: engine loop failed 3 times in a row; exiting so Ray restarts it",
                                  self.backend_id)
                     os._exit(1)
-                continue
-            self._deliver(outputs)
-            self._after_step(elapsed, outputs)
+
+    def _loop_once(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        self._apply_commands(block=not busy)
+        if not self.engine.has_unfinished_requests():
+            self._after_idle()
+            return
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        self._deliver(outputs)
+        self._after_step(elapsed, outputs)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -245,8 +249,8 @@ class BackendActor:
                 stream.put(out)
 
     def _fail_all(self, trace: str) -> None:
-        logger.error("backend %s: engine step failed:\n%s", self.backend_id, trace)
-        error = BackendError(f"backend {self.backend_id}: engine step failed: {trace.strip().splitlines()[-1]}")
+        logger.error("backend %s: engine loop failed:\n%s", self.backend_id, trace)
+        error = BackendError(f"backend {self.backend_id}: engine failed: {trace.strip().splitlines()[-1]}")
         for req_id, stream in list(self._streams.items()):
             stream.put(error)
             try:
@@ -260,6 +264,10 @@ class BackendActor:
         for out in outputs:
             if out.finished:
                 self._record_finished(out)
+        st = self.engine.get_stats()
+        # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
+        batch_size = st.step_decode_tokens or len(outputs)  # a decode step gives each request one token
+        self._pending_steps.append((st.step_prefill_tokens, st.step_decode_tokens, batch_size, elapsed))
         now = time.monotonic()
         self._pending_progress.extend(self.engine.drain_progress())
         if now - self._last_report >= self.report_interval_s:
@@ -270,18 +278,19 @@ class BackendActor:
     def _after_idle(self) -> None:
         now = time.monotonic()
         self._pending_progress.extend(self.engine.drain_progress())
-        if self._pending_progress:
+        if self._pending_progress or self._pending_steps:
             self._report(now)
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._record_stats(now)
 
     def _report(self, now: float) -> None:
         self._last_report = now
-        if not self._pending_progress:
+        if not self._pending_progress and not self._pending_steps:
             return
         progress, self._pending_progress = self._pending_progress, []
+        steps, self._pending_steps = self._pending_steps, []
         if self.router is not None:
-            self.router.report.remote(self.backend_id, self.instance_id, progress)
+            self.router.report.remote(self.backend_id, self.instance_id, progress, steps)
 
     def _record_finished(self, out: Any) -> None:
         self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})

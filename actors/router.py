@@ -60,10 +60,14 @@ class _Routed:
 class RouterActor:
     def __init__(self, policy: str = "cost", routing_log: str | None = None,
                  cache_query_timeout_s: float = 0.1, health_check_period_s: float = 1.0,
-                 rates_by_backend: dict[str, dict[str, Any]] | None = None) -> None:
-        from routing import Router
+                 rates_by_backend: dict[str, dict[str, Any]] | None = None,
+                 calibration_alpha: float | None = None, new_token_ratio: bool = False) -> None:
+        from routing import CalibrationConfig, NewTokenRatioConfig, Router
 
-        self.router = Router([], policy=policy)
+        self.router = Router(
+            [], policy=policy,
+            new_token_ratio=NewTokenRatioConfig() if new_token_ratio else None,
+            calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None)
         self.policy = self.router.policy
         self.cache_query_timeout_s = cache_query_timeout_s
         self.health_check_period_s = health_check_period_s
@@ -195,11 +199,16 @@ class RouterActor:
         self.metrics.set("tandem_router_backends_alive", len(self.backends))
 
     # -- progress ----------------------------------------------------------------------------
-    async def report(self, backend_id: str, instance_id: str, progress: list[Any]) -> int:
-        """A backend's batch of `engine.outputs.RequestProgress` (absolute counts)."""
+    async def report(self, backend_id: str, instance_id: str, progress: list[Any],
+                     steps: list[tuple[int, int, int, float]] = ()) -> int:
+        """A backend's batch of `engine.outputs.RequestProgress` (absolute counts) and of its
+        steps as (prefill tokens, decode tokens, batch size, seconds)."""
         backend = self.backends.get(backend_id)
         if backend is None or backend.info.instance_id != instance_id:
             return 0
+        for num_prefill, num_decode, batch_size, elapsed in steps:
+            if elapsed > 0:
+                self.router.observe_step(backend_id, num_prefill, num_decode, batch_size, elapsed)
         events = []
         for p in progress:
             events.extend(self._events_for(p))

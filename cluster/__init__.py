@@ -1,1 +1,20 @@
-"""Tandem's cluster layer: start/connect, the Serve app, the CLI, metrics and config."""
+"""Tandem's cluster layer: start/connect, the Serve app, the CLI, metrics and config.
+
+`cluster.start(...)` and `cluster.connect(...)` (see cluster/launcher.py) are the Python driver
+API; they are imported on first use so that `tandem --help` and `tandem generate` do not pay
+for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Tandem", "connect", "start"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from cluster import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'cluster' has no attribute {name!r}")

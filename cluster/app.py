@@ -130,6 +130,26 @@ class _ChunkMaker:
         return chunk.model_dump()
 
 
+class _OnceClosedStreamingResponse(StreamingResponse):
+    """Runs `cleanup` exactly once when the response ends, however it ends.
+
+    A generator's `finally` alone is not enough: if the client is gone before the first byte,
+    Starlette never starts the body generator, and its cleanup would never run.
+    """
+
+    def __init__(self, content: Any, cleanup: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cleanup, self._cleanup = self._cleanup, None
+            if cleanup is not None:
+                await cleanup()
+
+
 def _headers(stream: RequestStream) -> dict[str, str]:
     headers = {REQUEST_ID_HEADER: stream.req_id}
     if stream.backend_id:
@@ -314,8 +334,12 @@ class TandemIngress:
         return JSONResponse(response.model_dump(), headers=_headers(stream))
 
     def _streaming_response(self, stream: RequestStream, body: Any, chat: bool) -> StreamingResponse:
-        return StreamingResponse(self._sse(stream, body, chat), media_type="text/event-stream",
-                                 headers={**_headers(stream), "cache-control": "no-cache"})
+        async def cleanup() -> None:
+            await stream.close()
+            self._release()
+
+        return _OnceClosedStreamingResponse(self._sse(stream, body, chat), cleanup, media_type="text/event-stream",
+                                            headers={**_headers(stream), "cache-control": "no-cache"})
 
     async def _sse(self, stream: RequestStream, body: Any, chat: bool) -> AsyncIterator[str]:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
@@ -337,13 +361,15 @@ class TandemIngress:
                 yield _sse(error_body(exc.message, exc.error_type, exc.param, exc.code))
             yield "data: [DONE]\n\n"
         finally:
-            await stream.close()
-            self._release()
+            await stream.close()  # at once, not when the response object is torn down
 
 
-def build_app(router: Any, tokenizer: Any, settings: IngressSettings) -> Any:
+def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log: bool = True) -> Any:
     """The Serve application, ready for `serve.run`."""
-    return TandemIngress.bind(router, tokenizer, settings)
+    deployment = TandemIngress
+    if not access_log:
+        deployment = deployment.options(logging_config={"enable_access_log": False})
+    return deployment.bind(router, tokenizer, settings)
 
 
 __all__ = ["BACKEND_HEADER", "ApiError", "IngressSettings", "TandemIngress", "build_app",

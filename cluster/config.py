@@ -57,6 +57,8 @@ class TandemConfig(BaseModel):
     backends: list[BackendConfig] = Field(
         default_factory=lambda: [BackendConfig(device="cpu"), BackendConfig(device="auto")])
     policy: str = "cost"
+    calibration_alpha: float | None = Field(default=None, gt=0, le=1)  # EWMA weight of observed steps; None: off
+    new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
     max_active: int = Field(default=4, ge=1)
     block_size: int = Field(default=16, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
@@ -84,6 +86,7 @@ class TandemConfig(BaseModel):
     max_route_attempts: int = Field(default=3, ge=1)
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
+    access_log: bool = True  # Serve's per-request log lines
 
     @field_validator("backends")
     @classmethod

@@ -212,7 +212,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
         scheduling_strategy=_this_node(),
     ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
-             config.cache_query_timeout_s, config.health_check_period_s)
+             config.cache_query_timeout_s, config.health_check_period_s,
+             calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio)
     backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router) for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
     rates = _resolve_rates(config, plans, infos, backends, log)
@@ -293,7 +294,8 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any) -> 
         api_key=config.api_key, max_pending_requests=config.max_pending_requests,
         max_request_bytes=config.max_request_bytes, max_route_attempts=config.max_route_attempts)
     serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_app(router, tokenizer, settings), name=SERVE_APP_NAME, route_prefix="/", blocking=False)
+    app = build_app(router, tokenizer, settings, access_log=config.access_log)
+    serve.run(app, name=SERVE_APP_NAME, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     return f"http://{host}:{config.port}"
 

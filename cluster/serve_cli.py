@@ -18,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
                         "round-robin, least-requests")
+    parser.add_argument("--calibration-alpha", type=float,
+                        help="calibrate rates online from observed steps with this EWMA weight (default off)")
+    parser.add_argument("--new-token-ratio", action="store_true", default=None,
+                        help="discount queued decode budgets with SGLang's decaying new_token_ratio")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus scrape port (default 8080)")
@@ -55,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(
-            args, policy=args.policy, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            args, policy=args.policy, calibration_alpha=args.calibration_alpha,
+            new_token_ratio=args.new_token_ratio, host=args.host, port=args.port, metrics_port=args.metrics_port,
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
             address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard)
     except ConfigError as exc:

@@ -24,7 +24,7 @@ class FakeRouter:
         self.reports: list[tuple[str, str, list]] = []
         self.report = self
 
-    def remote(self, backend_id, instance_id, progress):
+    def remote(self, backend_id, instance_id, progress, steps=()):
         self.reports.append((backend_id, instance_id, progress))
 
 
@@ -32,7 +32,12 @@ class FakeRouter:
 def backend():
     actor = BackendActor("cpu0", ENGINE, threads=1)
     yield actor
-    asyncio.run(actor.shutdown())
+    run(actor.shutdown())
+
+
+def run(coro, timeout_s: float = 60.0):
+    """asyncio.run with a deadline, so a stuck engine thread fails the test instead of hanging it."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
 async def collect(actor, req_id, ids, params):
@@ -43,7 +48,7 @@ async def collect(actor, req_id, ids, params):
 
 def test_generate_streams_deltas_and_finishes(backend):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = asyncio.run(collect(backend, "a", list(range(10, 30)), params))
+    outs = run(collect(backend, "a", list(range(10, 30)), params))
     assert [len(o.new_token_ids) for o in outs] == [1] * 6
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
@@ -56,8 +61,8 @@ def test_concurrent_streams_interleave_and_match_solo_greedy(backend):
     async def run_all():
         return await asyncio.gather(*(collect(backend, r, ids, params) for r, ids in prompts.items()))
 
-    together = asyncio.run(run_all())
-    solo = [asyncio.run(collect(backend, f"solo-{r}", ids, params)) for r, ids in prompts.items()]
+    together = run(run_all())
+    solo = [run(collect(backend, f"solo-{r}", ids, params)) for r, ids in prompts.items()]
     for batched, alone in zip(together, solo):
         assert [t for o in batched for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
 
@@ -69,7 +74,7 @@ def test_rejected_request_raises_before_admitted(backend):
         return await backend.generate("too-long", [1, 2, 3], params).__anext__()
 
     with pytest.raises(InvalidRequestError, match="context length"):
-        asyncio.run(first())
+        run(first())
 
 
 def test_closing_a_stream_aborts_and_frees_blocks(backend):
@@ -87,7 +92,7 @@ def test_closing_a_stream_aborts_and_frees_blocks(backend):
             await asyncio.sleep(0.02)
         return stats
 
-    stats = asyncio.run(read_two_then_close())
+    stats = run(read_two_then_close())
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_cache_usage == 0.0
 
@@ -95,21 +100,21 @@ def test_closing_a_stream_aborts_and_frees_blocks(backend):
 def test_abort_ends_the_stream_with_reason_abort(backend):
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
-    async def run():
+    async def abort_midway():
         gen = backend.generate("to-abort", list(range(70, 90)), params)
         await gen.__anext__()
         assert await backend.abort("to-abort")
         return [item async for item in gen]
 
-    outs = asyncio.run(run())
+    outs = run(abort_midway())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
 
 
 def test_num_cached_tokens_sees_a_finished_prompt(backend):
     ids = list(range(100, 150))  # 50 tokens: 3 full blocks of 16
-    assert asyncio.run(backend.num_cached_tokens(ids)) == 0
-    asyncio.run(collect(backend, "warm", ids, SamplingParams(max_tokens=2, temperature=0.0)))
-    assert asyncio.run(backend.num_cached_tokens(ids)) == 48
+    assert run(backend.num_cached_tokens(ids)) == 0
+    run(collect(backend, "warm", ids, SamplingParams(max_tokens=2, temperature=0.0)))
+    assert run(backend.num_cached_tokens(ids)) == 48
 
 
 def test_progress_reaches_the_router_in_batches():
@@ -118,10 +123,10 @@ def test_progress_reaches_the_router_in_batches():
     actor.router = router  # set after start: outside Ray there is no registration to do
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        asyncio.run(collect(actor, "p", list(range(10, 40)), params))
+        run(collect(actor, "p", list(range(10, 40)), params))
         asyncio.run(asyncio.sleep(0.2))  # the idle loop flushes what is left
     finally:
-        asyncio.run(actor.shutdown())
+        run(actor.shutdown())
     events = [p for _, _, batch in router.reports for p in batch if p.req_id == "p"]
     assert events[-1].status == "finished" and events[-1].num_output_tokens == 10
     assert {b for b, _, _ in router.reports} == {"cpu9"}

@@ -46,6 +46,10 @@ class FakeBackend:
                            4, 16, "m", 2048, rates=SPEC_RATES[self.backend_id] if with_rates else None)
 
 
+def run(coro, timeout_s: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
 def progress(req_id, status, computed=0, output=0, cached=0, prompt=516, max_tokens=128):
     return RequestProgress(req_id, status, prompt, cached, computed, output, max_tokens)
 
@@ -59,7 +63,7 @@ def make_router(tmp_path, **kwargs) -> tuple[RouterActor, FakeBackend, FakeBacke
 def test_spec_worked_example_through_the_actor(tmp_path):
     """Request 7 goes to the GPU (3.027 s < 3.118 s), request 8 to the CPU (3.444 s), as in the spec."""
 
-    async def run():
+    async def scenario():
         router, gpu, cpu = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
@@ -73,7 +77,7 @@ def test_spec_worked_example_through_the_actor(tmp_path):
         d8 = await router.route("r8", prompt, 128)
         return d7, d8
 
-    d7, d8 = asyncio.run(run())
+    d7, d8 = run(scenario())
     assert d7.backend_id == "cuda0"
     assert d7.record["per_backend"]["cuda0"]["score_s"] == pytest.approx(60 / 2551 + 880 / 293, abs=1e-4)
     assert d7.record["per_backend"]["cpu0"]["score_s"] == pytest.approx(20 / 73 + 128 / 45, abs=1e-4)
@@ -85,7 +89,7 @@ def test_spec_worked_example_through_the_actor(tmp_path):
 
 
 def test_slow_backend_does_not_block_a_decision(tmp_path):
-    async def run():
+    async def scenario():
         router, gpu, cpu = make_router(tmp_path, cache_query_timeout_s=0.05)
         gpu.delay_s = 30.0  # never answers in time
         await router.add_backend(gpu.info("cuda"), gpu)
@@ -94,7 +98,7 @@ def test_slow_backend_does_not_block_a_decision(tmp_path):
         decision = await router.route("r0", list(range(516)), 128)
         return decision, time.perf_counter() - start
 
-    decision, elapsed = asyncio.run(run())
+    decision, elapsed = run(scenario())
     assert elapsed < 1.0
     # The stalled GPU counts as uncached: 516/2551 + 128/293 = 0.639 s, still below the CPU.
     assert decision.record["per_backend"]["cuda0"]["num_cached_tokens"] == 0
@@ -102,7 +106,7 @@ def test_slow_backend_does_not_block_a_decision(tmp_path):
 
 
 def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
-    async def run():
+    async def scenario():
         router, gpu, cpu = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
@@ -117,7 +121,7 @@ def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
         rejoined = await router.route("c", list(range(516)), 128)
         return after_failure, rejoined, await router.list_backends()
 
-    after_failure, rejoined, backends = asyncio.run(run())
+    after_failure, rejoined, backends = run(scenario())
     assert after_failure.backend_id == "cpu0"
     assert rejoined.backend_id == "cuda0" and rejoined.instance_id == "i2"
     assert set(backends) == {"cuda0", "cpu0"}
@@ -126,11 +130,11 @@ def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
 def test_no_backend_raises(tmp_path):
     router = RouterActor("cost", None)
     with pytest.raises(NoBackendAvailable):
-        asyncio.run(router.route("r", [1, 2, 3], 4))
+        run(router.route("r", [1, 2, 3], 4))
 
 
 def test_health_check_drops_a_dead_backend(tmp_path):
-    async def run():
+    async def scenario():
         router = RouterActor("cost", None, health_check_period_s=0.05)
         gpu, cpu = FakeBackend("cuda0"), FakeBackend("cpu0")
         await router.add_backend(gpu.info("cuda"), gpu)
@@ -143,4 +147,4 @@ def test_health_check_drops_a_dead_backend(tmp_path):
         await asyncio.sleep(0.3)
         return set(await router.list_backends())
 
-    assert asyncio.run(run()) == {"cpu0"}
+    assert run(scenario()) == {"cpu0"}

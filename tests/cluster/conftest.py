@@ -62,12 +62,13 @@ def tandem(tmp_path_factory):
         model=MODEL, backends=["cpu", "auto"], cpu_threads=1, max_active=2, max_pending_requests=8,
         port=free_port(), metrics_port=free_port(), routing_log=str(tmp / "routing.jsonl"),
         rates=str(rates), rates_cache=str(tmp / "rates-cache.json"), profile="never",
-        health_check_period_s=0.5, log=lambda line: None)
+        health_check_period_s=0.5, access_log=False, log=lambda line: None)
     # A second ingress on the same cluster that requires an API key, for the 401 tests.
     backend = next(iter(handle.backends.values()))
     tokenizer, info = ray.get([backend.tokenizer.remote(), backend.info.remote()])
     settings = IngressSettings(served_model_name=MODEL, max_model_len=info.max_model_len, api_key="sekret")
-    serve.run(build_app(handle.router, tokenizer, settings), name="secure", route_prefix="/secure", blocking=False)
+    serve.run(build_app(handle.router, tokenizer, settings, access_log=False), name="secure",
+              route_prefix="/secure", blocking=False)
     wait_for(lambda: _status(handle.url + "/secure/v1/models") == 401, what="the secure app")
     try:
         yield handle

@@ -134,7 +134,7 @@ def test_driver_api_generates_without_http(tandem, reference):
 
 
 def test_connect_from_another_process(tandem):
-    script = ("import cluster.launcher as l; t = l.connect(); "
+    script = ("import cluster; t = cluster.connect(); "
               "print(sorted(t.backends)); t.shutdown()")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
