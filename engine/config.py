@@ -27,7 +27,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 512 on cpu, 2048 elsewhere
     num_threads: int | None = None  # torch threads for a cpu engine; None leaves torch's default
     seed: int = 0
-    attention_backend: str = "auto"  # auto | torch (the reference path)
+    attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
+    enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
 
     @property
     def device_type(self) -> str:

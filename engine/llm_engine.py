@@ -60,7 +60,9 @@ class LLMEngine:
                             num_blocks, self.max_model_len),
             self.kv_cache_manager,
         )
-        self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size)
+        self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
+                                        cfg.attention_backend, cfg.max_active, self.max_model_len,
+                                        cfg.enforce_eager)
         self._tracked: dict[str, _Tracked] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._changed: dict[str, Request] = {}

@@ -1,0 +1,296 @@
+"""Paged attention in Triton: one kernel for decode, prefill, prefix hits and mixed batches.
+
+The reference path gathers each request's context out of its blocks and calls SDPA once per
+request; that costs a Python loop, a copy of the context and a host-side length per request,
+none of which can live inside a CUDA graph. This backend reads the block table directly from
+the kernel, so a decode step is two launches whatever the batch (write the new K/V, attend),
+and the launch grid depends only on host-side sizes the runner fixes per graph bucket.
+
+One program handles one request, one KV head and a tile of that request's new tokens. All
+query heads that share the KV head (grouped-query attention) are packed into the rows of one
+`tl.dot`, so each K/V tile is loaded once for the whole group: a decode step's 7 Qwen2.5 query
+heads fill 7 of the 16 rows the tensor cores need, instead of 7 separate passes over the cache.
+The context is walked in tiles with an online softmax (flash attention), and the causal limit
+(query j of a request with `L` context tokens and `Q` new ones sees positions up to
+`L - Q + j`) covers a fresh prefill, a chunk on top of a cached prefix and a decode alike.
+
+Padded rows of a CUDA-graph bucket carry slot -1 (the write skips them) and a context of one
+token in the null block 0, so they read defined memory and their output is simply ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
+    mask = (offs < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)  # slot -1: a padded row, writes nowhere
+    dst = slot * stride_cache_slot + head * stride_cache_head + dim
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dim, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+    block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    req, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the grid is sized for the longest query in the batch
+    num_before = seq_len - q_len  # context tokens that precede this step's new tokens
+
+    # Row m of the tile is query token q_tile * BLOCK_Q + m // GROUP, head m % GROUP of the group.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    m_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    q_pos = num_before + q_idx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # The tile's last query sees positions < kv_end; nothing past it is loaded.
+    kv_end = tl.minimum(seq_len, num_before + (q_tile + 1) * BLOCK_Q)
+    table = block_tables_ptr + req.to(tl.int64) * stride_table
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        block_ids = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        kv_offs = block_ids * stride_cache_block + (offs_n % block_size) * stride_cache_slot
+        kv_offs += kv_head * stride_cache_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        s = tl.where(n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
+    block_size,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One split of one decode token's context for one KV head's query group: unnormalised acc, max, sum."""
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    kv_start = split * tiles_per_split * BLOCK_N
+    kv_end = tl.minimum(seq_len, kv_start + tiles_per_split * BLOCK_N)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + offs_m
+    m_valid = offs_m < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_table
+    for start in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        block_ids = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+        kv_offs = block_ids * stride_cache_block + (offs_n % block_size) * stride_cache_slot
+        kv_offs += kv_head * stride_cache_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    # partials are [T, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + part * 2)
+    l = tl.load(part_ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0; a decode token always sees itself
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each new token's K/V [T, Hkv, D] at its slot in kv_cache [2, NB, BS, Hkv, D]; slot -1 skips."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_cache_layout(kv_cache)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, kv_cache[0], kv_cache[1], slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(num_kv_heads * head_dim),
+    )
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    max_query_len: int) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over each request's cached context."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    # Decode packs a lone token's query heads into the 16 rows a tensor-core dot needs; longer
+    # queries stack several tokens' groups into 64 rows so each K/V tile serves them all.
+    block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_attention_kernel[grid](
+        q, kv_cache[0], kv_cache[1], out,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        meta.block_size,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    return out
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 num_splits: int) -> torch.Tensor:
+    """Flash-decoding: one query token per request, its context split over `num_splits` programs.
+
+    A decode batch has too few (request, KV head) pairs to fill 132 SMs, and one program walking
+    a 600-token context tile by tile is latency-bound (block-table load, then K, then V, each a
+    round trip to memory). Splitting the context runs those tiles side by side; a second small
+    kernel merges the partial softmaxes.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    part_acc = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(meta.num_reqs, num_kv_heads, num_splits)](
+        q, kv_cache[0], kv_cache[1], part_acc, part_ml,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * _LOG2E, q.stride(0), q.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        meta.block_size,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        part_acc, part_ml, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    )
+    return out
+
+
+def num_decode_splits(num_reqs: int, num_kv_heads: int, target_programs: int = 1024) -> int:
+    """Splits per context so a decode launch has ~8 programs per SM (a program is latency-bound:
+    more in flight hide more of it); 1 once the batch alone fills the GPU."""
+    splits = max(1, target_programs // max(1, num_reqs * num_kv_heads))
+    return min(16, 1 << (splits.bit_length() - 1))
+
+
+def _check_cache_layout(kv_cache: torch.Tensor) -> None:
+    """The kernels index slots as block * block_size + offset over a dense last three dims."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    s = kv_cache.stride()
+    if s[4] != 1 or s[3] != head_dim or s[2] != num_kv_heads * head_dim or s[1] != block_size * s[2]:
+        raise ValueError(f"kv_cache must be dense in its last four dims, got strides {s}")
+
+
+class TritonPagedAttention:
+    """Same interface as `TorchRefAttention`; stateless, so one instance serves every layer.
+
+    It reads only device tensors and the host-side maximum query length (which sizes the grid),
+    never a per-request host list, so the runner can capture it in a CUDA graph.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        max_query_len = max(meta.query_lens_cpu)
+        if max_query_len == 1 and q.shape[0] == meta.num_reqs:
+            num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])
+            if num_splits > 1:
+                return paged_decode(q, kv_cache, meta, scale, num_splits)
+        return paged_attention(q, kv_cache, meta, scale, max_query_len)
+
+    __call__ = forward
