@@ -221,11 +221,13 @@ class TandemIngress:
         handed_over = False
         try:
             await stream.open()
-            self._count(endpoint, 200)
             if body.stream:
                 handed_over = True
-                return self._streaming_response(stream, body, chat)
-            return await self._full_response(stream, body, chat)
+                response = self._streaming_response(stream, body, chat)
+            else:
+                response = await self._full_response(stream, body, chat)
+            self._count(endpoint, 200)
+            return response
         except RequestFailed as exc:
             self._count(endpoint, exc.status_code)
             return ApiError.from_failure(exc).response(_headers(stream))
