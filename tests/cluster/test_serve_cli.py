@@ -1,0 +1,59 @@
+"""`tandem serve` as a user runs it: a subprocess that profiles on first start, prints its
+URLs, answers HTTP, and stops cleanly on Ctrl-C (SIGINT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.conftest import TIMEOUT_S, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", "tiny-llama-random", "--backends", "cpu,auto",
+               "--cpu-threads", "1", "--port", str(port), "--metrics-port", str(free_port()),
+               "--routing-log", str(tmp_path / "routing.jsonl")]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Ctrl-C stops" in line for line in seen):
+            assert proc.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "tandem serve did not start:\n" + "".join(seen)
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        output = "".join(seen)
+        assert "profiling backend cpu0" in output and "profiling backend cpu1" in output
+        assert "auto -> cpu" in output and f"http://127.0.0.1:{port}/v1" in output
+        body = {"model": "tiny-llama-random", "prompt": "hello", "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            returncode = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert returncode == 0
+    cache = json.loads((tmp_path / "cache" / "tandem" / "rates-cache.json").read_text())
+    assert list(cache) == ["tiny-llama-random|cpu|float32|threads=1"]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
