@@ -74,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _print_urls(tandem)
+    # Ctrl-C and SIGTERM only set an event: a KeyboardInterrupt raised inside Event.wait can
+    # escape as "release unlocked lock". A second Ctrl-C during shutdown interrupts as usual.
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(0.5):
         pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print("\ntandem: stopping", flush=True)
     tandem.shutdown()
     return 0
