@@ -62,6 +62,7 @@ def render_report(meta: dict[str, Any], all_runs: Sequence[dict[str, Any]], path
         written += _plot(plot_gains, cells, path.with_name(path.stem + "-gain.png"))
         lines += ["", f"![gain vs oracle]({path.stem}-gain.png)"]
     else:
+        cells.sort(key=lambda c: c["workload"]["num_requests"])
         lines += seed_lines(cells, meta)
         for cell in cells:
             png = path.with_name(f"{path.stem}-cdf-{cell['cell']}.png")

@@ -11,8 +11,8 @@ Two shapes:
 - `spec_workload`: the spec's experiment. Every request has the same 516-token prompt; both
   caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
   (496 tokens) reusable, the number the spec's worked example reports.
-- `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded down to whole
-  blocks, since only full blocks are cached), then a suffix of its own per request, so each
+- `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded to whole blocks,
+  since only full blocks are cached: 96% of 516 is 496 tokens), then a suffix of its own per request, so each
   request hits exactly the seeded prefix and nothing from the requests before it. Arrivals are
   at a fixed interval or Poisson.
 """
@@ -114,7 +114,8 @@ def sweep_workload(num_requests: int, prompt_tokens: int, max_tokens: int, cache
     if len(arrivals_s) != num_requests:
         raise ValueError(f"{len(arrivals_s)} arrival times for {num_requests} requests")
     rng = random.Random(token_seed)
-    num_shared = int(cache_hit * prompt_tokens) // block_size * block_size
+    num_shared = round(cache_hit * prompt_tokens / block_size) * block_size  # the nearest whole block
+    num_shared = min(num_shared, (prompt_tokens - 1) // block_size * block_size)  # a suffix of its own stays
     prefix = random_tokens(rng, num_shared)
     requests = [WorkloadRequest(i, t, prefix + random_tokens(rng, prompt_tokens - num_shared), max_tokens)
                 for i, t in enumerate(arrivals_s)]

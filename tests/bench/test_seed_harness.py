@@ -36,7 +36,7 @@ def test_spec_workload_is_the_spec_setting():
 
 def test_sweep_workload_shares_only_the_seeded_prefix():
     w = sweep_workload(4, prompt_tokens=516, max_tokens=32, cache_hit=0.5, arrivals_s=[0, 1, 2, 3], token_seed=3)
-    assert w.num_shared_prefix_tokens == 256  # 0.5 * 516 = 258, rounded down to whole blocks
+    assert w.num_shared_prefix_tokens == 256  # 0.5 * 516 = 258, to the nearest whole block
     prefix = w.seed_prompts[0]
     assert all(r.prompt_token_ids[:256] == prefix and len(r.prompt_token_ids) == 516 for r in w.requests)
     assert len({tuple(r.prompt_token_ids[256:]) for r in w.requests}) == 4
@@ -51,7 +51,7 @@ def test_poisson_arrivals_and_cells():
     cell = CellSpec(num_requests=5, arrival="poisson", rate_per_s=5, cache_hit=0.96, accel_max_active=8)
     assert cell.name == "n5-ma8-poisson5-hit96-p516-o128"
     w = cell.workload(token_seed=1)
-    assert w.num_requests == 5 and w.expected_cached_tokens == 480 and w.summary()["arrival"] == "poisson"
+    assert w.num_requests == 5 and w.expected_cached_tokens == 496 and w.summary()["arrival"] == "poisson"
     assert [r.arrival_s for r in w.requests] == [r.arrival_s for r in cell.workload(token_seed=1).requests]
 
 
