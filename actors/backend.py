@@ -81,7 +81,7 @@ class BackendActor:
         config = EngineConfig(**{**engine_kwargs, "num_threads": threads})
         start = time.perf_counter()
         self.engine = LLMEngine(config)
-        logger.warning(
+        logger.warning(  # warning: shown under Python's default log level, and said once per start
             "backend %s: device %s (%s), dtype %s, %d torch threads, model %s loaded in %.1f s",
             backend_id, config.device, device_reason or f"requested {requested_device}",
             str(self.engine.dtype).removeprefix("torch."), threads, self.engine.model_name,
@@ -129,8 +129,14 @@ class BackendActor:
 
         if self._streams:
             raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
-        fn = lambda: measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)  # noqa: E731
-        return await self._call(fn)
+        def measure() -> dict[str, Any]:
+            rates = measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)
+            st = self.engine.get_stats()  # profile tokens are not served tokens: not in the counters
+            self._stats_totals = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_prompt_tokens_total,
+                                  st.num_generation_tokens_total, st.num_preemptions)
+            return rates
+
+        return await self._call(measure)
 
     async def register(self, rates: dict[str, Any] | None) -> BackendInfo:
         """Join routing with these rates (routing's RateProfile fields)."""

@@ -134,7 +134,11 @@ def test_driver_api_generates_without_http(tandem, reference):
 
 
 def test_connect_from_another_process(tandem):
-    script = ("import cluster; t = cluster.connect(); "
+    import ray
+
+    # The explicit address, not "auto": other Ray instances may run on this machine.
+    address = ray.get_runtime_context().gcs_address
+    script = (f"import cluster; t = cluster.connect({address!r}); "
               "print(sorted(t.backends)); t.shutdown()")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
