@@ -114,6 +114,13 @@ def test_metrics_on_the_scrape_endpoint(tandem):
               "ray_tandem_router_estimated_cost_seconds", "ray_tandem_router_realised_completion_seconds_bucket",
               "ray_tandem_http_requests_total"]
 
+    def complete(i: int) -> str:  # traffic of its own, on both backends, so the test stands alone
+        body = {"model": MODEL, "prompt": f"Metrics {i}", "max_tokens": 2}
+        return httpx.post(tandem.url + "/v1/completions", json=body, timeout=TIMEOUT_S).headers["x-tandem-backend"]
+
+    with ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(complete, range(4))) == {"cpu0", "cpu1"}
+
     def scrape() -> str | None:
         text = httpx.get(tandem.metrics_url, timeout=10).text
         present = all(name in text for name in wanted)
