@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
+from cluster.dispatch import RequestFailed, RequestStream
 from cluster.metrics import INGRESS_METRICS, Recorder
 from cluster.protocol import (
     AssistantMessage,
@@ -374,5 +374,4 @@ def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log
     return deployment.bind(router, tokenizer, settings)
 
 
-__all__ = ["BACKEND_HEADER", "ApiError", "IngressSettings", "TandemIngress", "build_app",
-           "BackendUnavailable", "InvalidRequest"]
+__all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ApiError", "IngressSettings", "TandemIngress", "build_app"]

@@ -5,7 +5,6 @@ and the server is healthy and correct afterwards."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
