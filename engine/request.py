@@ -84,8 +84,7 @@ class Request:
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of every full block of the tokens known so far (memoized)."""
-        self._block_hashes = hash_request_blocks(self.all_token_ids, block_size, self._block_hashes)
-        return self._block_hashes
+        return hash_request_blocks(self.all_token_ids, block_size, self._block_hashes)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -27,6 +27,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, on_evict=on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already published, so each step only
+        # publishes the blocks that just became full.
+        self.req_to_num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -91,13 +94,16 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         hashes = request.block_hashes(self.block_size)
         num_full = min(num_tokens // self.block_size, len(hashes))
-        for block, block_hash in zip(req_blocks[:num_full], hashes[:num_full]):
-            self.block_pool.cache_block(block, block_hash)
+        num_cached = self.req_to_num_cached_blocks.get(request.req_id, 0)
+        for i in range(num_cached, num_full):
+            self.block_pool.cache_block(req_blocks[i], hashes[i])
+        self.req_to_num_cached_blocks[request.req_id] = max(num_cached, num_full)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, last block first, so its tail is evicted before its
         (more shareable) head."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
+        self.req_to_num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, req_id: str) -> list[int]:
