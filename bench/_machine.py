@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -88,3 +89,49 @@ def _module_name() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name if spec is not None else Path(sys.argv[0]).stem
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, steal) clock ticks summed over all CPUs since boot, from /proc/stat; None elsewhere."""
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return None
+    fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal
+
+
+class CpuInterference:
+    """How much CPU *other* processes used while a run was timed, in cores (0.0 = had the box to itself).
+
+    On a small shared machine another process's burst can slow a run several-fold (torch's OpenMP
+    threads wait on each other at every op), so every timed run records this next to its numbers.
+    Machine-wide busy time comes from /proc/stat; this process's own share (all its threads) from
+    `time.process_time`.
+    """
+
+    def __init__(self) -> None:
+        self._start = (_cpu_ticks(), time.process_time(), time.perf_counter())
+
+    def stop(self) -> dict:
+        ticks, own, wall = _cpu_ticks(), time.process_time(), time.perf_counter()
+        (ticks0, own0, wall0), elapsed = self._start, max(wall - self._start[2], 1e-9)
+        if ticks is None or ticks0 is None:
+            return {"other_cpu_cores": None, "steal_cpu_cores": None}
+        hz = os.sysconf("SC_CLK_TCK")
+        other = (ticks[0] - ticks0[0]) / hz - (own - own0)
+        return {"other_cpu_cores": round(max(other, 0.0) / elapsed, 3),
+                "steal_cpu_cores": round((ticks[1] - ticks0[1]) / hz / elapsed, 3)}
+
+
+def wait_until_idle(max_other_cores: float, timeout_s: float, window_s: float = 2.0) -> float:
+    """Block until other processes use under `max_other_cores` over a `window_s` window, or until
+    `timeout_s` has passed; returns the seconds waited. Call it between runs, when we are idle."""
+    start = time.perf_counter()
+    while True:
+        probe = CpuInterference()
+        time.sleep(window_s)
+        other = probe.stop()["other_cpu_cores"]
+        waited = time.perf_counter() - start
+        if other is None or other < max_other_cores or waited >= timeout_s:
+            return waited

@@ -22,8 +22,13 @@ Metrics, all from one clock (`time.perf_counter`) started when the prompts are s
                 (engine: the `step()` that returns it; HF: a StoppingCriteria that timestamps
                 every generated step, so every request in the batch shares one TTFT)
   E2E           per request, submit -> its last token
+With --repeats, each row's metric is the median over runs (runs interleave the systems).
 Ratios compare each engine row with HF: throughput as engine/HF, TTFT as HF/engine, so a ratio
 above 1 means the engine is better.
+
+On a small shared machine another process's burst can slow a run several-fold, so every run
+records how many CPU cores other processes used meanwhile (`other_cpu_cores`), the table gets a
+note when that was above --idle-cores, and --wait-idle S holds each run until the machine is quiet.
 
 Run `python -m bench.engine --help` for the knobs; `--quick` is a seconds-long smoke run.
 """
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -42,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench._machine import machine_info, run_stamp, source_digest
+from bench._machine import CpuInterference, machine_info, run_stamp, source_digest, wait_until_idle
 
 # Real text for the shared prefix (cycled when a run needs more tokens than it holds).
 PASSAGE = (
@@ -122,9 +126,9 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, t
         _preseed(engine, preseed_prefix, tag)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     stats_before = _engine_counters(engine)
-    load_before = _loadavg()
     ttft, e2e, tokens = {}, {}, {}
     bar = tqdm(total=len(prompts) * max_tokens, desc=system, unit="tok", leave=False, disable=not progress)
+    probe = CpuInterference()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -138,9 +142,10 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, t
                 e2e[out.req_id] = now
         bar.update(sum(len(o.new_token_ids) for o in outputs))
     wall = time.perf_counter() - start
+    interference = probe.stop()
     bar.close()
     order = [f"{tag}-{i}" for i in range(len(prompts))]
-    extra = {k: v - stats_before[k] for k, v in _engine_counters(engine).items()} | _load(load_before)
+    extra = {k: v - stats_before[k] for k, v in _engine_counters(engine).items()} | interference
     return RunResult(system, wall, sum(len(t) for t in tokens.values()), [ttft[r] for r in order],
                      [e2e[r] for r in order], extra, [tokens[r] for r in order])
 
@@ -189,28 +194,20 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, progress: bool = Tr
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     clock = StepClock()
-    load_before = _loadavg()
     with torch.inference_mode():
+        probe = CpuInterference()
         start = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                              stopping_criteria=StoppingCriteriaList([clock]))
         wall = time.perf_counter() - start
+        interference = probe.stop()
     bar.close()
     if len(clock.times) != max_tokens:
         raise RuntimeError(f"HF generate ran {len(clock.times)} steps, expected {max_tokens}")
     n = len(prompts)
     new_tokens = out[:, input_ids.shape[1]:].tolist()
     return RunResult(HF, wall, n * max_tokens, [clock.times[0] - start] * n, [clock.times[-1] - start] * n,
-                     _load(load_before), new_tokens)
-
-
-def _loadavg() -> float | None:
-    """1-minute load average: other processes on a small machine move these numbers a lot."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def _load(before: float | None) -> dict:
-    return {"loadavg_1m_before": before, "loadavg_1m_after": _loadavg()}
+                     interference, new_tokens)
 
 
 def load_hf_model(model_name: str, device: str, dtype: torch.dtype):
@@ -239,21 +236,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(runs: list[RunResult]) -> dict:
-    """One row from `repeats` runs: tokens over wall time summed, latencies pooled over requests."""
-    ttft = [t for r in runs for t in r.ttft_s]
-    e2e = [t for r in runs for t in r.e2e_s]
-    row = {
-        "system": runs[0].system,
-        "output_tok_s": sum(r.num_output_tokens for r in runs) / sum(r.wall_s for r in runs),
-        "ttft_p50_s": statistics.median(ttft),
-        "ttft_p95_s": percentile(ttft, 95),
-        "e2e_p50_s": statistics.median(e2e),
-        "e2e_p95_s": percentile(e2e, 95),
-        "runs": [{k: v for k, v in asdict(r).items() if k != "output_token_ids"}
-                 | {"output_tok_s": r.num_output_tokens / r.wall_s} for r in runs],
+def run_metrics(run: RunResult) -> dict:
+    return {
+        "output_tok_s": run.num_output_tokens / run.wall_s,
+        "ttft_p50_s": statistics.median(run.ttft_s),
+        "ttft_p95_s": percentile(run.ttft_s, 95),
+        "e2e_p50_s": statistics.median(run.e2e_s),
+        "e2e_p95_s": percentile(run.e2e_s, 95),
     }
+
+
+def summarize(runs: list[RunResult]) -> dict:
+    """One row from `repeats` runs: each metric is the median over runs of that run's value, so
+    one run slowed by another process's burst does not move the row."""
+    per_run = [run_metrics(r) for r in runs]
+    row = {"system": runs[0].system}
+    row |= {key: statistics.median(m[key] for m in per_run) for key in per_run[0]}
+    row["runs"] = [{k: v for k, v in asdict(r).items() if k != "output_token_ids"} | m
+                   for r, m in zip(runs, per_run)]
     return row
+
+
+def max_interference(rows: list[dict]) -> float:
+    """The most CPU (in cores) other processes took during any timed run."""
+    values = [run["extra"].get("other_cpu_cores") for row in rows for run in row["runs"]]
+    return max((v for v in values if v is not None), default=0.0)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -272,8 +279,8 @@ def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for r in rows:
         ratios = [f"{r['tok_s_vs_hf']:.2f}x", f"{r['ttft_p50_vs_hf']:.2f}x"] if "tok_s_vs_hf" in r else ["-", "-"]
-        cells = [r["system"], f"{r['output_tok_s']:.1f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}",
-                 f"{r['e2e_p50_s']:.2f}", f"{r['e2e_p95_s']:.2f}", *ratios]
+        times = [f"{r[key]:.3g}" for key in ("ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s")]
+        cells = [r["system"], f"{r['output_tok_s']:.1f}", *times, *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -332,9 +339,14 @@ Reports (Markdown table + JSON with machine, command and date):
     add("--max-tokens", type=int, help=f"new tokens per request (default: {FULL['max_tokens']})")
     add("--max-active", type=int, default=None, help="engine max_active (default: N)")
     add("--repeats", type=int,
-        help=f"timed runs per system, interleaved; rows pool them (default: {FULL['repeats']})")
+        help=f"timed runs per system, interleaved; rows show medians (default: {FULL['repeats']})")
     add("--warmup-tokens", type=int,
         help=f"new tokens per request in the untimed warm-up run (default: {FULL['warmup_tokens']})")
+    add("--wait-idle", type=float, default=0.0, metavar="S",
+        help="before each timed run, wait up to S seconds until other processes use under --idle-cores "
+             "(for shared machines; default: 0, no wait)")
+    add("--idle-cores", type=float, default=0.2,
+        help="what --wait-idle counts as idle: CPU cores used by other processes (default: 0.2)")
     add("--no-warm-prefix", action="store_true", help="skip the warm-prefix engine row")
     add("--no-hf", action="store_true", help="skip HF transformers (engine rows only, no ratios)")
     add("--quick", action="store_true",
@@ -375,17 +387,25 @@ def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunRes
     run_engine(engine, warm, args.warmup_tokens, "warm-up engine", "warmup", progress=progress)
     if hf_model is not None:
         run_hf(hf_model, warm, args.warmup_tokens, progress=progress)
+    def timed(run) -> RunResult:
+        waited = wait_until_idle(args.idle_cores, args.wait_idle) if args.wait_idle > 0 else 0.0
+        result = run()
+        result.extra["waited_for_idle_s"] = round(waited, 1)
+        return result
+
     runs: dict[str, list[RunResult]] = {COLD: [], WARM: [], HF: []}
     for rep in range(args.repeats):
         log(f"repeat {rep + 1}/{args.repeats}")
         prompts = prompts_for(1 + 2 * rep)
-        runs[COLD].append(run_engine(engine, prompts, args.max_tokens, COLD, f"cold{rep}", progress=progress))
+        runs[COLD].append(timed(lambda: run_engine(engine, prompts, args.max_tokens, COLD, f"cold{rep}",
+                                                   progress=progress)))
         if not args.no_warm_prefix:
             seeded = prompts_for(2 + 2 * rep)
-            runs[WARM].append(run_engine(engine, seeded, args.max_tokens, WARM, f"warm{rep}",
-                                         preseed_prefix=seeded[0][: args.prefix_tokens], progress=progress))
+            runs[WARM].append(timed(lambda: run_engine(engine, seeded, args.max_tokens, WARM, f"warm{rep}",
+                                                       preseed_prefix=seeded[0][: args.prefix_tokens],
+                                                       progress=progress)))
         if hf_model is not None:
-            runs[HF].append(run_hf(hf_model, prompts, args.max_tokens, progress=progress))
+            runs[HF].append(timed(lambda: run_hf(hf_model, prompts, args.max_tokens, progress=progress)))
     return runs
 
 
@@ -416,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
             "threads": threads, "num_requests": args.num_requests, "prompt_tokens": args.prompt_tokens,
             "prefix_tokens": args.prefix_tokens, "max_tokens": args.max_tokens, "max_active": config.max_active,
             "max_num_batched_tokens": config.resolved_max_num_batched_tokens, "block_size": config.block_size,
-            "repeats": args.repeats, "warmup_tokens": args.warmup_tokens,
+            "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "wait_idle_s": args.wait_idle,
+            "idle_cores": args.idle_cores,
         },
         "results": rows,
         "engine_vs_hf_tokens": token_agreement(runs[COLD], runs[HF]) if runs[HF] else None,
@@ -427,6 +448,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    busiest = max_interference(rows)
+    if busiest > args.idle_cores:
+        print(f"note: other processes used up to {busiest:.2f} CPU cores during a timed run (per-run "
+              f"'other_cpu_cores' in the JSON); the numbers above are contended")
     print(f"wrote {out}")
     return result
 

@@ -40,7 +40,9 @@ def test_bench_engine_writes_json(tmp_path, capsys):
         assert {"output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "tok_s_vs_hf",
                 "ttft_p50_vs_hf", "runs"} <= row.keys()
         assert row["runs"][0]["num_output_tokens"] == 2 * 4
-    assert rows["engine (warm-prefix)"]["runs"][0]["extra"]["prefix_cache_hit_tokens"] == 2 * 32
+    warm_run = rows["engine (warm-prefix)"]["runs"][0]["extra"]
+    assert warm_run["prefix_cache_hit_tokens"] == 2 * 32
+    assert {"other_cpu_cores", "waited_for_idle_s"} <= warm_run.keys()
     # Greedy decoding of the same fp32 weights: the engine reproduces HF's tokens.
     assert result["engine_vs_hf_tokens"] == {"requests_identical": 2, "requests_compared": 2}
     assert "| engine (cold) |" in capsys.readouterr().out
