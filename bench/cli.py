@@ -110,6 +110,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
     parser.add_argument("--time-budget-s", type=float, help="stop starting clusters/cells after this many seconds")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    parser.add_argument("--only", type=_only, help="run only these clusters, RUN:ARM,... (e.g. 2:accelerator-only), "
+                        "to complete a bench that ran out of time")
+
+
+def _only(text: str) -> set[tuple[int, str]]:
+    pairs = set()
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        run, _, arm = item.partition(":")
+        if not arm:
+            raise argparse.ArgumentTypeError(f"--only wants RUN:ARM pairs, got {item!r}")
+        pairs.add((int(run), arm))
+    return pairs
 
 
 def plan(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
@@ -142,10 +154,11 @@ def run(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
                           args.time_budget_s, args.verbose, command)
-    ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms)
+    ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms,
+                    only=sorted(f"{run}:{arm}" for run, arm in args.only) if args.only else None)
     harness.write_json(out_dir / "meta.json", ctx.meta)
     with tqdm(total=runner.total_requests(items, args.arms), unit="req", dynamic_ncols=True) as bar:
-        records = runner.run_plan(ctx, items, args.arms, bar)
+        records = runner.run_plan(ctx, items, args.arms, bar, args.only)
     _write_summary(out_dir, ctx.meta, records)
     seed_report = args.report if args.bench_command == "seed" else getattr(args, "seed_report", None)
     sweep_report = args.report if args.bench_command == "sweep" else None

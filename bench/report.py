@@ -107,6 +107,7 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> l
         role = "the accelerator slot (`auto`)" if b["backend_id"] == meta.get("accel_id") else "the CPU backend"
         lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {b['threads']} torch threads "
                      f"— {role}")
+    lines += [f"- {note}" for note in meta.get("notes", [])]
     if not meta.get("has_accelerator", True):
         lines.append("- **No accelerator on this machine**: `auto` resolved to a second cpu backend, so this is "
                      "CPU + CPU, not CPU + GPU. The accelerator-only arm runs that backend alone.")

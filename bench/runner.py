@@ -48,13 +48,19 @@ def total_requests(items: list[PlanItem], arms: list[str]) -> int:
     return len(arms) * sum(i.runs * i.cell.num_requests for i in items)
 
 
-def run_plan(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any) -> list[dict[str, Any]]:
-    """Measure every item's runs under every arm; returns the run records (also written as JSON)."""
+def run_plan(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any,
+             only: set[tuple[int, str]] | None = None) -> list[dict[str, Any]]:
+    """Measure every item's runs under every arm; returns the run records (also written as JSON).
+
+    `only`, if given, limits the clusters to these (run, arm) pairs, to complete a bench whose
+    first invocation ran out of time."""
     records: list[dict[str, Any]] = []
     for max_active, group in groups(items):
         for run in range(1, max(i.runs for i in group) + 1):
             wanted = [i for i in group if i.runs >= run]
             for arm in arm_order(arms, run):
+                if only is not None and (run, arm) not in only:
+                    continue
                 if ctx.budget.spent():
                     bar.write(f"time budget spent: stopping before max_active {max_active}, run {run}, {arm}")
                     return records
