@@ -27,6 +27,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, on_evict=on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks as ids, kept in step so the runner's per-step block tables cost nothing.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are already published, so each step only
         # publishes the blocks that just became full.
         self.req_to_num_cached_blocks: dict[str, int] = {}
@@ -77,6 +79,7 @@ class KVCacheManager:
         after `new_computed_blocks`, a prefix hit being taken now). Returns the newly
         allocated blocks, or None, changing nothing, when the pool cannot supply them."""
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        req_block_ids = self.req_to_block_ids.setdefault(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
@@ -85,9 +88,10 @@ class KVCacheManager:
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_hits_free:
             return None
         self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
+        for block in (*new_computed_blocks, *new_blocks):
+            req_blocks.append(block)
+            req_block_ids.append(block.block_id)
         self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
 
@@ -104,7 +108,9 @@ class KVCacheManager:
         (more shareable) head."""
         blocks = self.req_to_blocks.pop(request.req_id, [])
         self.req_to_num_cached_blocks.pop(request.req_id, None)
+        self.req_to_block_ids.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+        """The request's block table (a live list: copy it to keep a snapshot)."""
+        return self.req_to_block_ids.get(req_id, [])
