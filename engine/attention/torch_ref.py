@@ -31,6 +31,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     """Store each new token's K/V at its slot (block_id * block_size + offset); slots < 0 are skipped."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    if slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all()):
+        # The common case on the CPU path (the runner pads nothing): no boolean indexing, whose
+        # `nonzero` costs a thread-pool round trip per layer.
+        flat_cache[0].index_copy_(0, slot_mapping, k)
+        flat_cache[1].index_copy_(0, slot_mapping, v)
+        return
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     flat_cache[0].index_copy_(0, slots, k[valid])
