@@ -8,16 +8,12 @@ the coroutine awaits. Torch releases the GIL inside kernels, so the event loop k
 (new requests, cache queries, pings) while a step runs, and every generate stream is just an
 `asyncio.Queue` the engine thread feeds with `call_soon_threadsafe`.
 
-The one exception is `num_cached_tokens`: it is answered straight from the event loop without
-waiting for the current step, because the router asks it on the decision path. It only hashes
-the prompt and does dict lookups in the block pool's hash index (single bytecode-level
-operations under the GIL) and changes nothing, so at worst it sees the index a step early or
-late: the answer is an estimate either way (the router freezes it at routing time).
-
 Progress goes to the router in batches: the engine thread drains `engine.drain_progress()`
 after each step and sends it at most every `report_interval_s` (and whenever it goes idle) as
 one fire-and-forget `router.report.remote(...)`, never a per-token round trip. The same message
-carries each step's token counts and time, which the router may use to calibrate its rates.
+carries each step's token counts and time, which the router may use to calibrate its rates,
+and the block hashes the prefix cache published or evicted, which keep the router's mirror of
+this backend's cache current: the router never asks a backend anything on its decision path.
 """
 
 from __future__ import annotations
@@ -92,6 +88,7 @@ class BackendActor:
         self._streams: dict[str, _Stream] = {}
         self._pending_progress: list = []
         self._pending_steps: list[tuple[int, int, int, float]] = []
+        self._pending_cache_changes: dict[int, bool] = {}  # block hash -> published / evicted
         self._last_report = 0.0
         self._last_stats = 0.0
         self._stats_totals = (0, 0, 0, 0, 0)
@@ -139,12 +136,19 @@ class BackendActor:
         return await self._call(measure)
 
     async def register(self, rates: dict[str, Any] | None) -> BackendInfo:
-        """Join routing with these rates (routing's RateProfile fields)."""
+        """Join routing with these rates (routing's RateProfile fields) and a snapshot of the
+        prefix cache, which later reports update."""
         self.rates = rates
         info = self._info()
         if self.router is not None:
-            await self.router.add_backend.remote(info, _self_handle())
+            snapshot = await self._call(self._cache_snapshot)
+            await self.router.add_backend.remote(info, _self_handle(), snapshot)
         return info
+
+    def _cache_snapshot(self) -> list[int]:
+        self.engine.drain_cache_changes()  # the snapshot supersedes them
+        self._pending_cache_changes = {}
+        return self.engine.cached_block_hashes()
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -184,11 +188,8 @@ class BackendActor:
         return await self._call(lambda: self.engine.abort_request(req_id))
 
     async def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
-        # Lock-free on purpose; see the module docstring.
-        try:
-            return self.engine.num_cached_tokens(prompt_token_ids)
-        except RuntimeError:  # the index changed size under us: report no hit rather than block
-            return 0
+        """This engine's own prefix-hit answer (diagnostics; the router uses its mirror)."""
+        return await self._call(lambda: self.engine.num_cached_tokens(prompt_token_ids))
 
     async def stats(self) -> Any:
         return await self._call(lambda: copy.deepcopy(self.engine.get_stats()))
@@ -276,6 +277,7 @@ class BackendActor:
         self._pending_steps.append((st.step_prefill_tokens, st.step_decode_tokens, batch_size, elapsed))
         now = time.monotonic()
         self._pending_progress.extend(self.engine.drain_progress())
+        self._pending_cache_changes.update(self.engine.drain_cache_changes())
         if now - self._last_report >= self.report_interval_s:
             self._report(now)
         if now - self._last_stats >= STATS_INTERVAL_S:
@@ -284,19 +286,21 @@ class BackendActor:
     def _after_idle(self) -> None:
         now = time.monotonic()
         self._pending_progress.extend(self.engine.drain_progress())
-        if self._pending_progress or self._pending_steps:
+        self._pending_cache_changes.update(self.engine.drain_cache_changes())
+        if self._pending_progress or self._pending_steps or self._pending_cache_changes:
             self._report(now)
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._record_stats(now)
 
     def _report(self, now: float) -> None:
         self._last_report = now
-        if not self._pending_progress and not self._pending_steps:
+        if not (self._pending_progress or self._pending_steps or self._pending_cache_changes):
             return
         progress, self._pending_progress = self._pending_progress, []
         steps, self._pending_steps = self._pending_steps, []
+        cache_changes, self._pending_cache_changes = self._pending_cache_changes, {}
         if self.router is not None:
-            self.router.report.remote(self.backend_id, self.instance_id, progress, steps)
+            self.router.report.remote(self.backend_id, self.instance_id, progress, steps, cache_changes)
 
     def _record_finished(self, out: Any) -> None:
         self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})

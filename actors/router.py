@@ -1,14 +1,10 @@
 """`RouterActor`: routing's `Router` and its ledgers behind a Ray actor, plus backend health.
 
 Prefix-cache hits on the decision path. The cost model needs each backend's reusable prefix
-for the new prompt. The router asks every live backend at once (`num_cached_tokens`, which a
-backend answers from its event loop without waiting for its engine step) and waits at most
-`cache_query_timeout_s` (default 0.1 s); a backend that has not answered by then counts as
-having no cached prefix (a pessimistic estimate that steers work away from a stalled
-backend) and the timeout is counted in a metric. So a decision costs one concurrent fan-out,
-and a slow or dead backend delays it by the deadline at most, never indefinitely. We chose
-asking over a router-side mirror of every backend's block hashes because the engine's own
-answer also reflects evictions, and on one machine the fan-out costs about a millisecond.
+for the new prompt. The router never asks a backend for it: each backend's batched progress
+reports also carry the block hashes it published or evicted, and the router keeps a mirror of
+every backend's prefix-cache index (actors/cache_mirror.py). A decision hashes the prompt once
+and looks it up locally, so no backend round trip, slow or dead backend, sits in front of it.
 
 Backends come and go. A backend registers itself (`add_backend`) when it starts, and again
 after Ray restarts it. It is dropped at once when a caller reports that a call to it failed
@@ -32,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.cache_mirror import CacheMirror, prompt_block_hashes
 from actors.messages import BackendInfo, Decision
 from cluster.metrics import ROUTER_METRICS, Recorder
 
@@ -47,6 +44,7 @@ class _Backend:
     info: BackendInfo
     handle: Any
     rates: Any  # routing.RateProfile
+    cache: CacheMirror
 
 
 @dataclass
@@ -59,7 +57,7 @@ class _Routed:
 
 class RouterActor:
     def __init__(self, policy: str = "cost", routing_log: str | None = None,
-                 cache_query_timeout_s: float = 0.1, health_check_period_s: float = 1.0,
+                 health_check_period_s: float = 1.0,
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False) -> None:
         from routing import CalibrationConfig, NewTokenRatioConfig, Router
@@ -69,7 +67,6 @@ class RouterActor:
             new_token_ratio=NewTokenRatioConfig() if new_token_ratio else None,
             calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None)
         self.policy = self.router.policy
-        self.cache_query_timeout_s = cache_query_timeout_s
         self.health_check_period_s = health_check_period_s
         self.backends: dict[str, _Backend] = {}
         self.known_rates: dict[str, dict[str, Any]] = dict(rates_by_backend or {})
@@ -83,7 +80,8 @@ class RouterActor:
         self._health_task: asyncio.Task | None = None
 
     # -- membership --------------------------------------------------------------------------
-    async def add_backend(self, info: BackendInfo, handle: Any) -> None:
+    async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
+        """(Re)join routing; `cached_hashes` is the backend's prefix-cache index right now."""
         from routing import BackendSpec, RateProfile
 
         rates = info.rates or self.known_rates.get(info.backend_id)
@@ -95,7 +93,8 @@ class RouterActor:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
         self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active))
-        self.backends[info.backend_id] = _Backend(info, handle, profile)
+        self.backends[info.backend_id] = _Backend(info, handle, profile,
+                                                  CacheMirror(info.block_size, cached_hashes))
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
                        info.instance_id, "rejoined" if info.reconstructed else "joined")
         self._export_membership()
@@ -134,7 +133,7 @@ class RouterActor:
         """Place a request. `attempt` > 1 means its previous backend failed before it started."""
         from routing import NoBackendError, RouteRequest
 
-        num_cached = await self._query_cached(prompt_token_ids)
+        num_cached = self._num_cached(prompt_token_ids)
         if not self.backends:
             raise NoBackendAvailable("no backend is alive")
         try:
@@ -153,22 +152,10 @@ class RouterActor:
         return Decision(req_id, record.backend_id, backend.info.instance_id, record_dict, chosen.score_s,
                         backend.handle)
 
-    async def _query_cached(self, prompt_token_ids: list[int]) -> dict[str, int]:
-        backends = list(self.backends.items())
-        if not backends:
-            return {}
-        futures = {backend_id: asyncio.ensure_future(_await_ref(b.handle.num_cached_tokens.remote(prompt_token_ids)))
-                   for backend_id, b in backends}
-        done, pending = await asyncio.wait(futures.values(), timeout=self.cache_query_timeout_s)
-        for future in pending:
-            future.cancel()
-        num_cached = {}
-        for backend_id, future in futures.items():
-            if future in done and future.exception() is None:
-                num_cached[backend_id] = int(future.result())
-            else:
-                self.metrics.inc("tandem_router_cache_query_timeouts", tags={"backend": backend_id})
-        return num_cached
+    def _num_cached(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
+        return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], len(prompt_token_ids))
+                for backend_id, b in self.backends.items()}
 
     async def forget(self, req_id: str) -> bool:
         """The caller gave up on a request before its backend reported it finished."""
@@ -200,12 +187,18 @@ class RouterActor:
 
     # -- progress ----------------------------------------------------------------------------
     async def report(self, backend_id: str, instance_id: str, progress: list[Any],
-                     steps: list[tuple[int, int, int, float]] = ()) -> int:
-        """A backend's batch of `engine.outputs.RequestProgress` (absolute counts) and of its
-        steps as (prefill tokens, decode tokens, batch size, seconds)."""
+                     steps: list[tuple[int, int, int, float]] = (),
+                     cache_changes: dict[int, bool] | None = None) -> int:
+        """A backend's batch of `engine.outputs.RequestProgress` (absolute counts), of its
+        steps as (prefill tokens, decode tokens, batch size, seconds), and of its prefix-cache
+        index changes (block hash -> published or evicted)."""
         backend = self.backends.get(backend_id)
         if backend is None or backend.info.instance_id != instance_id:
             return 0
+        if cache_changes:
+            backend.cache.apply(cache_changes)
+            self.metrics.set("tandem_router_mirrored_cached_blocks", len(backend.cache.cached),
+                             tags={"backend": backend_id})
         for num_prefill, num_decode, batch_size, elapsed in steps:
             if elapsed > 0:
                 self.router.observe_step(backend_id, num_prefill, num_decode, batch_size, elapsed)

@@ -212,7 +212,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
         scheduling_strategy=_this_node(),
     ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
-             config.cache_query_timeout_s, config.health_check_period_s,
+             config.health_check_period_s,
              calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio)
     backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router) for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load

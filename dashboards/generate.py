@@ -65,8 +65,8 @@ ROUTING = [
     ("Backend failures and re-routes (5m)", "short", [
         ("sum by (backend) (increase(ray_tandem_router_backend_failures_total[5m]))", "failures {{backend}}"),
         ("sum by (backend) (increase(ray_tandem_router_reroutes_total[5m]))", "re-routed to {{backend}}")]),
-    ("Cache queries past the deadline/s", "short", [(
-        f"sum by (backend) (rate(ray_tandem_router_cache_query_timeouts_total{RATE}))", "{{backend}}")]),
+    ("Prefix-cache blocks the router mirrors", "short", [(
+        "max by (backend) (ray_tandem_router_mirrored_cached_blocks)", "{{backend}}")]),
     ("HTTP requests/s by status", "short", [(
         f"sum by (endpoint, status) (rate(ray_tandem_http_requests_total{RATE}))", "{{endpoint}} {{status}}")]),
     ("HTTP requests in flight", "short", [("sum(ray_tandem_http_pending_requests)", "pending")]),

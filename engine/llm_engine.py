@@ -54,7 +54,9 @@ class LLMEngine:
                                  cfg.max_model_len or MAX_DEFAULT_MODEL_LEN)
         num_blocks = self._num_kv_blocks()
         self._evicted = False
-        self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=self._on_evict)
+        self._cache_changes: dict[int, bool] = {}
+        self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=self._on_evict,
+                                               on_publish=self._on_publish)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size,
                             num_blocks, self.max_model_len),
@@ -82,6 +84,10 @@ class LLMEngine:
 
     def _on_evict(self, block_hash: int) -> None:
         self._evicted = True
+        self._cache_changes[block_hash] = False
+
+    def _on_publish(self, block_hash: int) -> None:
+        self._cache_changes[block_hash] = True
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -223,6 +229,17 @@ class LLMEngine:
         st.prefix_cache_hits = kv.prefix_cache_hits
         st.num_preemptions = self.scheduler.num_preemptions
         return st
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (a snapshot for a new mirror)."""
+        return list(self.kv_cache_manager.block_pool.cached_blocks)
+
+    def drain_cache_changes(self) -> dict[int, bool]:
+        """Block hashes published (True) or evicted (False) since the last call, latest state
+        per hash. Applied in order to a snapshot, they let a router mirror this cache's index
+        and answer prefix-hit queries without a round trip to this engine."""
+        changes, self._cache_changes = self._cache_changes, {}
+        return changes
 
     def drain_progress(self) -> list[RequestProgress]:
         """State of every request that changed since the last call, as absolute counts (so a

@@ -70,7 +70,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: Callable[[int], None] | None = None,
+        on_publish: Callable[[int], None] | None = None,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -79,6 +84,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[int, KVCacheBlock] = {}
         self._on_evict = on_evict
+        self._on_publish = on_publish
         self.num_evictions = 0
 
     @property
@@ -123,7 +129,8 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached_blocks.setdefault(block_hash, block)
+        if self.cached_blocks.setdefault(block_hash, block) is block and self._on_publish is not None:
+            self._on_publish(block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

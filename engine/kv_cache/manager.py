@@ -20,12 +20,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def num_cached_prefix_tokens(
+    block_hashes: Sequence[int], num_tokens: int, block_size: int, is_cached: Callable[[int], bool]
+) -> int:
+    """Tokens covered by the longest run of cached leading blocks, capped at num_tokens - 1 so
+    the last token is always computed (its logits are what the next token is sampled from).
+    Shared by the engine and by anyone mirroring its cache index (the router)."""
+    max_blocks = (num_tokens - 1) // block_size
+    num_hits = 0
+    for block_hash in block_hashes[:max_blocks]:
+        if not is_cached(block_hash):
+            break
+        num_hits += 1
+    return num_hits * block_size
+
+
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, on_evict: Callable[[int], None] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_evict: Callable[[int], None] | None = None,
+        on_publish: Callable[[int], None] | None = None,
     ) -> None:
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks, on_evict=on_evict)
+        self.block_pool = BlockPool(num_blocks, on_evict=on_evict, on_publish=on_publish)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same blocks as ids, kept in step so the runner's per-step block tables cost nothing.
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -67,7 +86,8 @@ class KVCacheManager:
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many tokens of this prompt would hit now. Changes no cache state or stats."""
         hashes = hash_request_blocks(token_ids, self.block_size)
-        return len(self._longest_cached_prefix(hashes, len(token_ids))) * self.block_size
+        return num_cached_prefix_tokens(hashes, len(token_ids), self.block_size,
+                                        self.block_pool.cached_blocks.__contains__)
 
     def allocate_slots(
         self,

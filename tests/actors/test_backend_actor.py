@@ -22,10 +22,12 @@ class FakeRouter:
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, str, list]] = []
+        self.cache_changes: dict[int, bool] = {}
         self.report = self
 
-    def remote(self, backend_id, instance_id, progress, steps=()):
+    def remote(self, backend_id, instance_id, progress, steps=(), cache_changes=None):
         self.reports.append((backend_id, instance_id, progress))
+        self.cache_changes.update(cache_changes or {})
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +133,29 @@ def test_progress_reaches_the_router_in_batches():
     assert events[-1].status == "finished" and events[-1].num_output_tokens == 10
     assert {b for b, _, _ in router.reports} == {"cpu9"}
     assert len(router.reports) < 11  # batched: fewer reports than tokens
+
+
+def test_reported_cache_changes_mirror_the_engine_prefix_cache():
+    """The router answers prefix hits from the hashes backends report; they must agree with
+    the engine's own answer, without asking it."""
+    from actors.cache_mirror import CacheMirror, prompt_block_hashes
+
+    router = FakeRouter()
+    actor = BackendActor("cpu8", ENGINE, threads=1, router=None)
+    actor.router = router
+    try:
+        shared = list(range(200, 240))  # 40 tokens: 2 full blocks of 16
+        run(collect(actor, "m0", shared + [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)))
+        run(collect(actor, "m1", [9] * 20, SamplingParams(max_tokens=2, temperature=0.0)))
+        for _ in range(100):
+            if len(router.cache_changes) >= 3:
+                break
+            run(asyncio.sleep(0.02))
+        mirror = CacheMirror(16)
+        mirror.apply(router.cache_changes)
+        for probe in (shared + [7] * 30, shared[:20] + [5], [9] * 20 + [4], [1, 2, 3]):
+            hashes = prompt_block_hashes(probe, [16])[16]
+            assert mirror.num_cached_tokens(hashes, len(probe)) == run(actor.num_cached_tokens(probe))
+        assert mirror.num_cached_tokens(prompt_block_hashes(shared + [7] * 30, [16])[16], 70) == 32
+    finally:
+        run(actor.shutdown())
