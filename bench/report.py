@@ -55,7 +55,11 @@ def render_report(meta: dict[str, Any], all_runs: Sequence[dict[str, Any]], path
     cells = summarize(runs, meta["accel_id"])
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(meta, bench=which)
-    lines = [f"# {title or default_title(meta)}", "", *header_lines(meta, runs)]
+    lines = [f"# {title or default_title(meta)}", ""]
+    notes = path.with_name(path.stem + ".notes.md")  # hand-written findings, kept across re-renders
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
+    lines += header_lines(meta, runs)
     written: list[Path] = []
     if which == "sweep":
         lines += sweep_lines(cells, meta)
@@ -154,8 +158,9 @@ def cell_table(cell: dict[str, Any], accel_id: str) -> list[str]:
 
 
 def _change_cell(c: dict[str, Any]) -> str:
-    mark = {True: " ✗", False: "", None: ""}[c["worse"]]
-    return pct(c["change"]) + mark
+    if c["worse"] is None:  # an arm with one run: no spread to judge by
+        return pct(c["change"]) + (" †" if c["worse_by"] > 0 else "")
+    return pct(c["change"]) + (" ✗" if c["worse"] else "")
 
 
 def oracle_lines(cell: dict[str, Any]) -> list[str]:
@@ -167,10 +172,11 @@ def oracle_lines(cell: dict[str, Any]) -> list[str]:
     share = "undefined (no attainable gain)" if o["share"] is None else f"{100 * o['share']:.0f}%"
     target = {True: "meets the bar (≥80% of a ≥5% gain)", False: "**misses the bar** (<80% of a ≥5% gain)",
               None: "bar not applicable (oracle gain < 5%)"}[o["meets_target"]]
-    lines = ["", f"Oracle: {o['oracle_makespan_s']:.3f} s (calibrated route-sim split {counts}; {sim['search']}). "
-             f"Oracle gain {pct(o['oracle_gain'])} of the accelerator-only makespan, the router's {pct(o['router_gain'])}: "
-             f"share {share}; {target}.",
-             f"Calibration factors (simulated rate / profiled rate): "
+    lines = ["", f"Oracle (calibrated route-sim; {sim['search']}): split {counts}, "
+             f"{o['oracle_makespan_s']:.3f} s, a gain of {pct(o['oracle_gain'])}. The router's own assignments, "
+             f"replayed in the same simulation, gain {pct(o['router_gain'])}: share {share}; {target}. "
+             f"Measured hybrid vs accelerator-only (means): {pct(o['measured_router_gain'])}.",
+             "Calibration factors (simulated rate / profiled rate): "
              + ", ".join(f"{b} {f:.3f} ({o['factor_sources'][b]})" for b, f in o["factors"].items()) + "."]
     if o.get("note"):
         lines.append(f"Note: {o['note']}.")
@@ -203,15 +209,18 @@ def seed_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[st
     accel = meta["accel_id"]
     s = settings_of(meta, "seed")
     lines = ["", "## Results", "",
-             f"{s.get('runs')} runs per arm, each on a fresh cluster; {s.get('prompt_tokens')}-token prompts "
+             f"Up to {s.get('runs')} runs per arm (the tables give each arm's count), each on a fresh cluster; "
+             f"{s.get('prompt_tokens')}-token prompts "
              f"(identical), one every {1000 * s.get('interval_s', 0):g} ms, {s.get('max_tokens')} output tokens "
              f"(EOS ignored), max_active {s.get('max_active')} on the accelerator and {meta.get('cpu_max_active')} "
              f"on the CPU, both caches seeded with the prompt's first {s.get('seed_prefix_tokens')} tokens. "
              "Values are mean ± sample standard deviation over runs; ✗ marks a change worse than the "
-             "accelerator-only arm by more than the larger of the two arms' standard deviations."]
+             "accelerator-only arm by more than the larger of the two arms' standard deviations; † a worse change "
+             "where an arm has a single run, so there is no spread to judge it by."]
     for cell in cells:
         n = cell["workload"]["num_requests"]
-        lines += ["", f"### {n} requests", "", *cell_table(cell, accel)]
+        runs = ", ".join(f"{arm_label(a)} {len(r)}" for a, r in cell["runs"].items())
+        lines += ["", f"### {n} requests", "", f"Runs: {runs}.", "", *cell_table(cell, accel)]
         seeded = cell["workload"].get("expected_cached_tokens")
         lines += ["", f"Reusable prefix after seeding: {seeded} tokens expected."]
         if n in SPEC_M2:
@@ -226,13 +235,15 @@ def sweep_lines(cell_list: Sequence[dict[str, Any]], meta: dict[str, Any]) -> li
     accel = meta["accel_id"]
     cells = {c["cell"]: c for c in cell_list}
     lines = ["", "## Results", "",
-             "One row per cell: means over runs (± sample sd). Δ is hybrid vs accelerator-only; ✗ marks worse "
-             "beyond the run-to-run spread. Oracle gain and router gain are fractions of the accelerator-only "
-             "makespan; share = router gain / oracle gain."]
+             "One row per cell: means over runs (± sample sd), runs per arm in the last column. Δ is measured "
+             "hybrid vs accelerator-only; ✗ marks worse beyond the run-to-run spread (needs 2+ runs per arm), † worse "
+             "with a single-run arm (no spread to judge by). "
+             "Oracle gain and router gain are fractions of the accelerator-only makespan in the calibrated "
+             "simulation (the router's measured assignments replayed); share = router gain / oracle gain."]
     for dim, names in settings_of(meta, "sweep")["dimensions"].items():
         lines += ["", f"### {dim}", "", "| cell | accelerator-only makespan s | hybrid makespan s | Δ makespan | "
-                  "Δ TTFT p95 | Δ E2E p95 | off the accelerator, per run | oracle gain | router gain | share | bar |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "Δ TTFT p95 | Δ E2E p95 | off the accelerator, per run | oracle gain | router gain | share | bar | runs (acc-only/hybrid) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in names:
             lines.append(sweep_row(cells.get(name), name, accel))
     return lines
@@ -240,7 +251,7 @@ def sweep_lines(cell_list: Sequence[dict[str, Any]], meta: dict[str, Any]) -> li
 
 def sweep_row(cell: dict[str, Any] | None, name: str, accel: str) -> str:
     if cell is None or BASELINE_ARM not in cell["arms"] or HYBRID_ARM not in cell["arms"]:
-        return f"| {name} | not run | | | | | | | | | |"
+        return f"| {name} | not run | | | | | | | | | | |"
     cmp = cell["vs_baseline"][HYBRID_ARM]
     o = cell.get("oracle") or {}
     share = "–" if o.get("share") is None else f"{100 * o['share']:.0f}%"
@@ -248,7 +259,7 @@ def sweep_row(cell: dict[str, Any] | None, name: str, accel: str) -> str:
     return (f"| {name} | {fmt(cell['arms'][BASELINE_ARM]['makespan_s'], 3)} | {fmt(cell['arms'][HYBRID_ARM]['makespan_s'], 3)}"
             f" | {_change_cell(cmp['makespan_s'])} | {_change_cell(cmp['ttft_p95_s'])} | {_change_cell(cmp['e2e_p95_s'])}"
             f" | {offloaded(cell, HYBRID_ARM, accel)} | {pct(o.get('oracle_gain'))} | {pct(o.get('router_gain'))}"
-            f" | {share} | {bar} |")
+            f" | {share} | {bar} | {'/'.join(str(len(v)) for v in cell['runs'].values())} |")
 
 
 # -- plots -----------------------------------------------------------------------------------
@@ -267,10 +278,13 @@ def _plot(fn: Any, data: Any, path: Path, *extra: Any) -> list[Path]:
 
 
 def pick_timeline_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run 1 of each arm, of the cell with the most requests (the seed's 48, or the sweep's base)."""
+    """Run 1 of each arm, of the cell with the most requests, preferring one where the hybrid offloaded."""
     if not runs:
         return []
-    biggest = max(runs, key=lambda r: (r["workload"]["num_requests"], r["cell"]))["cell"]
+    def offloads(r: dict[str, Any]) -> int:  # requests a hybrid run sent off its most-used backend
+        counts = sorted(r["metrics"]["requests_by_backend"].values())
+        return sum(counts[:-1]) if r["arm"] != BASELINE_ARM else 0
+    biggest = max(runs, key=lambda r: (r["workload"]["num_requests"], offloads(r), r["cell"]))["cell"]
     chosen = {}
     for r in sorted(runs, key=lambda r: r["run"]):
         if r["cell"] == biggest:

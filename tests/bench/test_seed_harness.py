@@ -176,6 +176,8 @@ def test_oracle_on_simulated_measurements_matches_route_sim():
     assert o["oracle_makespan_s"] == pytest.approx(3.139, abs=2e-3)
     assert o["share"] == pytest.approx(0.215, abs=0.01)
     assert o["sim_calibrated"]["oracle_requests_by_backend"] == {"cpu0": 1, "cuda0": 7}
+    assert o["sim_calibrated"]["router_replay_s"] == pytest.approx(3.446, abs=1e-3)
+    assert o["measured_router_gain"] == pytest.approx(1 - 3.446 / 3.530, abs=1e-3)
     assert meets_target(o) is False  # oracle gains 11%, the router captures 21% of it
 
 
@@ -183,6 +185,7 @@ def test_fit_factor_and_share():
     assert fit_factor(lambda f: 10.0 / f, 4.0) == pytest.approx(2.5, rel=1e-6)
     s = share_of_oracle_gain(10.0, 9.0, 8.0)
     assert s["oracle_gain"] == pytest.approx(0.2) and s["router_gain"] == pytest.approx(0.1) and s["share"] == pytest.approx(0.5)
+    assert share_of_oracle_gain(10.0, 10.0, 8.0)["share"] == 0  # all on the accelerator: none of the gain
     assert share_of_oracle_gain(10.0, 10.5, 10.0)["share"] is None
     assert meets_target({"oracle_gain": 0.02, "share": 0.1}) is None
     assert meets_target({"oracle_gain": 0.1, "share": 0.85}) is True
