@@ -4,7 +4,10 @@
 model reads rates: prefill tok/s on a long prompt that cannot hit the prefix cache, and
 aggregate decode tok/s at each batch size from 1 to `max_active` (the batch-aware table; its
 batch-1 entry is the spec's isolated decode rate). Times come from the engine's own per-step
-timer, and a step counts as prefill or decode only if it did nothing else.
+timer, and a step counts as prefill or decode only if it did nothing else. Every shape is run
+once untimed first: a GPU backend compiles kernels and captures graphs on first use, and
+timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
+that the GPU would have finished sooner.
 
 Results are cached in one JSON file keyed by what changes them (`profile_key`), so `tandem
 serve` profiles a backend once per model/device/dtype/threads and starts at once afterwards.
@@ -26,8 +29,8 @@ def profile_key(model: str, device_kind: str, dtype: str, threads: int) -> str:
     return f"{model}|{device_kind}|{dtype}|threads={threads}"
 
 
-def measure_rates(engine: Any, max_active: int, prompt_len: int = 256, decode_tokens: int = 16,
-                  seed: int = 0) -> dict[str, Any]:
+def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
+                  seed: int = 0, prefill_repeats: int = 3) -> dict[str, Any]:
     """Rates in routing's RateProfile fields: prefill_tok_s, decode_tok_s, decode_tok_s_by_batch."""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
@@ -36,15 +39,16 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 256, decode_to
     def prompt(n: int) -> list[int]:  # random ids: no two prompts share a first block
         return [rng.randrange(3, num_tokens) for _ in range(n)]
 
-    _run(engine, [prompt(32)], max_tokens=2)  # warm-up: first-call allocations, lazy inits
-    prefill = [_run(engine, [prompt(prompt_len)], max_tokens=1)[0] for _ in range(2)]
-    prefill_tokens, prefill_s = sum(t for t, _ in prefill), sum(s for _, s in prefill)
+    _run(engine, [prompt(prompt_len)], max_tokens=2)  # warm-up: kernels for this prefill shape
+    prefill_rates = sorted(tokens / seconds for tokens, seconds in
+                           (_run(engine, [prompt(prompt_len)], max_tokens=1)[0] for _ in range(prefill_repeats)))
     by_batch = {}
     for batch in range(1, max_active + 1):
+        _run(engine, [prompt(16) for _ in range(batch)], max_tokens=3)  # warm-up: this batch size
         _, (decode_tok, decode_s) = _run(engine, [prompt(16) for _ in range(batch)], max_tokens=decode_tokens)
         by_batch[batch] = round(decode_tok / decode_s, 3)
     engine.drain_progress()  # profile requests are nobody's business
-    return {"prefill_tok_s": round(prefill_tokens / prefill_s, 3), "decode_tok_s": by_batch[1],
+    return {"prefill_tok_s": round(prefill_rates[len(prefill_rates) // 2], 3), "decode_tok_s": by_batch[1],
             "decode_tok_s_by_batch": by_batch}
 
 
