@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench._machine import cpu_model
 from bench.client import RequestResult, run_workload
 from bench.metrics import run_metrics
 from bench.workload import Workload
@@ -249,19 +250,10 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "torch": torch.__version__}
+                            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def write_json(path: Path, data: Any) -> None:
