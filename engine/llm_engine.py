@@ -182,8 +182,11 @@ class LLMEngine:
         for request in progressed:
             tracked = self._tracked[request.req_id]
             new_token = request.output_token_ids[-1]
-            if tracked.detokenizer.add_tokens([new_token]) and not request.is_finished:
-                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+            if tracked.detokenizer.add_tokens([new_token]):
+                if request.is_finished:  # hit max_tokens on the same token: the stop string wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
             text = tracked.detokenizer.take_new_text(request.is_finished)
             outputs.append(self._make_output(request, [new_token], text))
             if request.is_finished:

@@ -166,3 +166,16 @@ def test_abort_frees_blocks_and_emits_final_output(tiny):
     pool = tiny.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
     assert not tiny.abort_request("ab")
+
+
+@pytest.mark.slow
+def test_stop_string_ends_the_request_and_is_not_returned(smollm2):
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop=[" Paris"])
+    smollm2.add_request("stop", "The capital of France is", params)
+    text, final = "", None
+    while smollm2.has_unfinished_requests():
+        for out in smollm2.step():
+            text += out.new_text
+            final = out
+    assert final.finish_reason == "stop" and "Paris" not in text
+    assert final.usage.completion_tokens < 32
