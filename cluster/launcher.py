@@ -214,7 +214,9 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
              config.health_check_period_s,
              calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio)
-    backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router) for plan in plans}
+    placements = _cpu_backend_placements(plans) if config.address else {}
+    backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router, placements.get(plan.backend_id))
+                for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
     rates = _resolve_rates(config, plans, infos, backends, log)
     ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
@@ -229,7 +231,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     return tandem
 
 
-def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, router: Any) -> Any:
+def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, router: Any,
+                    placement: Any = None) -> Any:
     import ray
 
     engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
@@ -239,8 +242,8 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, ro
     options: dict[str, Any] = dict(
         name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
         max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
-    if config.address:
-        options["scheduling_strategy"] = "SPREAD"  # use the cluster's other nodes too
+    if placement is not None:
+        options["scheduling_strategy"] = placement
     return ray.remote(actor_cls).options(**options).remote(
         plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, router)
 
@@ -300,12 +303,28 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any) -> 
     return f"http://{host}:{config.port}"
 
 
+def _cpu_backend_placements(plans: list[BackendPlan]) -> dict[str, Any]:
+    """In a joined cluster, CPU backends take its alive nodes in turn, this node first, so each
+    machine's CPU serves; a GPU backend goes wherever Ray finds a free GPU. The affinity is hard:
+    for actors that reserve no resources, as ours do not, Ray 2.60 ignores both "SPREAD" and a
+    soft node affinity and packs them onto one node (seen in tests/cluster/test_multinode.py)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    node_ids = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda node_id: node_id != here)
+    cpu_plans = [plan for plan in plans if not plan.num_gpus]
+    return {plan.backend_id: NodeAffinitySchedulingStrategy(node_ids[i % len(node_ids)], soft=False)
+            for i, plan in enumerate(cpu_plans)}
+
+
 def _this_node() -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # The router writes the routing log: keep it on the machine the user started Tandem on.
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # The router writes the routing log: keep it on the machine the user started Tandem on
+    # (hard affinity: a soft one is not honoured for actors that reserve no resources).
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def _mps_available(config: TandemConfig) -> bool:
