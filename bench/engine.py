@@ -47,6 +47,7 @@ import torch
 from tqdm import tqdm
 
 from bench._machine import CpuInterference, machine_info, run_stamp, source_digest, wait_until_idle
+from routing.sim_report import percentile
 
 # Real text for the shared prefix (cycled when a run needs more tokens than it holds).
 PASSAGE = (
@@ -227,15 +228,6 @@ def load_hf_model(model_name: str, device: str, dtype: torch.dtype):
 
 
 # -- aggregation and report ---------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def run_metrics(run: RunResult) -> dict:
     return {
         "output_tok_s": run.num_output_tokens / run.wall_s,
