@@ -108,21 +108,25 @@ class ModelRunner:
                 keep = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
                 logits = logits[keep]
         else:
-            ids, pos, meta = self.prepare_inputs(sched, kv_manager)
-            hidden = self.model(ids, pos, self.kv_caches, meta)
-            last_rows, offset = [], 0
-            for s in sched.scheduled:
-                offset += s.num_scheduled_tokens
-                if s.completes_prefill:
-                    last_rows.append(offset - 1)
-            if not sample_reqs:
-                return {}
-            index = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+            logits = self._execute_eager(sched, kv_manager)
         if not sample_reqs:
             return {}
         tokens = self.sampler(logits, [rows[r] for r in sample_reqs])
         return dict(zip(sample_reqs, tokens))
+
+    def _execute_eager(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor | None:
+        """The flat varlen forward; logits at each sampling request's last token (None if none)."""
+        ids, pos, meta = self.prepare_inputs(sched, kv_manager)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        last_rows, offset = [], 0
+        for s in sched.scheduled:
+            offset += s.num_scheduled_tokens
+            if s.completes_prefill:
+                last_rows.append(offset - 1)
+        if not last_rows:
+            return None
+        index = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
 
     def _replays_graph(self, sched: SchedulerOutput) -> bool:
         return (self.graph_runner is not None and len(sched.scheduled) <= self.graph_runner.max_batch_size
