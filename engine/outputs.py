@@ -7,7 +7,7 @@ non-streaming response.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -34,6 +34,12 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output and a later one of the same request as a single delta: a consumer that
+        fell behind gets one message where it would have had several."""
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text)
 
 
 @dataclass

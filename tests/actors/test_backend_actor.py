@@ -51,9 +51,33 @@ async def collect(actor, req_id, ids, params):
 def test_generate_streams_deltas_and_finishes(backend):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = run(collect(backend, "a", list(range(10, 30)), params))
-    assert [len(o.new_token_ids) for o in outs] == [1] * 6
+    assert len(outs[0].new_token_ids) == 1  # the first token goes out at once (TTFT)
+    # Later steps' tokens may share a message (stream_interval_s), but none is lost or empty.
+    assert sum(len(o.new_token_ids) for o in outs) == 6 and all(o.new_token_ids for o in outs)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
+
+
+def test_waiting_outputs_merge_into_one_message_and_an_error_stops_the_merge():
+    from actors.backend import _coalesce
+    from engine.outputs import RequestOutput, Usage
+
+    def out(token, text, done=False):
+        return RequestOutput("m", [token], text, done, "length" if done else None, Usage(3, token, 0))
+
+    async def drain(items):
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        first = await queue.get()
+        return _coalesce(first, queue), queue.qsize()
+
+    (merged, error), left = run(drain([out(1, "a"), out(2, "b"), out(3, "c", done=True), out(9, "x")]))
+    assert merged.new_token_ids == [1, 2, 3] and merged.new_text == "abc"
+    assert merged.finished and merged.usage.completion_tokens == 3 and error is None and left == 1
+    boom = RuntimeError("backend died")
+    (merged, error), left = run(drain([out(1, "a"), out(2, "b"), boom, out(3, "c")]))
+    assert merged.new_token_ids == [1, 2] and error is boom and left == 1
 
 
 def test_concurrent_streams_interleave_and_match_solo_greedy(backend):
