@@ -51,8 +51,8 @@ async def collect(actor, req_id, ids, params):
 def test_generate_streams_deltas_and_finishes(backend):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = run(collect(backend, "a", list(range(10, 30)), params))
-    assert len(outs[0].new_token_ids) == 1  # the first token goes out at once (TTFT)
-    # Later steps' tokens may share a message (stream_interval_s), but none is lost or empty.
+    # Steps' tokens may share a message (stream_interval_s, or a consumer that fell behind),
+    # but none is lost and no message is empty.
     assert sum(len(o.new_token_ids) for o in outs) == 6 and all(o.new_token_ids for o in outs)
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
