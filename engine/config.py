@@ -29,7 +29,6 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
     enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
-    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
