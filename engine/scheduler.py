@@ -25,7 +25,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     num_blocks: int = 1024
-    max_model_len: int = 2048
 
 
 @dataclass

@@ -14,7 +14,7 @@ EOS = 0
 
 def make_scheduler(num_blocks=32, max_active=4, budget=64):
     return Scheduler(SchedulerConfig(max_active=max_active, max_num_batched_tokens=budget,
-                                     block_size=BS, num_blocks=num_blocks, max_model_len=256))
+                                     block_size=BS, num_blocks=num_blocks))
 
 
 def add(sched, req_id, prompt, max_tokens=4, **kw):
