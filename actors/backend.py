@@ -208,9 +208,6 @@ class BackendActor:
     async def stats(self) -> Any:
         return await self._call(lambda: copy.deepcopy(self.engine.get_stats()))
 
-    async def num_active_streams(self) -> int:
-        return len(self._streams)
-
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps and return its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -33,7 +33,3 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens_cpu)

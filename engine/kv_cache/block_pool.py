@@ -85,7 +85,6 @@ class BlockPool:
         self.cached_blocks: dict[int, KVCacheBlock] = {}
         self._on_evict = on_evict
         self._on_publish = on_publish
-        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -137,7 +136,6 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
-            self.num_evictions += 1
             if self._on_evict is not None:
                 self._on_evict(block.block_hash)
         block.block_hash = None
