@@ -244,9 +244,10 @@ class BackendActor:
             return
         start = time.perf_counter()
         outputs = self.engine.step()
-        elapsed = time.perf_counter() - start
         self._deliver(outputs)
-        self._after_step(elapsed, outputs)
+        # Timed with the hand-off: the router's calibration wants how fast this backend drains
+        # work as served (the step loop's whole turn), not the model alone.
+        self._after_step(time.perf_counter() - start, outputs)
 
     def _apply_commands(self, block: bool) -> None:
         try:

@@ -59,13 +59,15 @@ class RouterActor:
     def __init__(self, policy: str = "cost", routing_log: str | None = None,
                  health_check_period_s: float = 1.0,
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
-                 calibration_alpha: float | None = None, new_token_ratio: bool = False) -> None:
-        from routing import CalibrationConfig, NewTokenRatioConfig, Router
+                 calibration_alpha: float | None = None, new_token_ratio: bool = False,
+                 spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
+        from routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(
             [], policy=policy,
             new_token_ratio=NewTokenRatioConfig() if new_token_ratio else None,
-            calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None)
+            calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None,
+            spill_guard=SpillGuard(spill_margin, spill_allow_queue))
         self.policy = self.router.policy
         self.health_check_period_s = health_check_period_s
         self.backends: dict[str, _Backend] = {}

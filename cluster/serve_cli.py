@@ -19,7 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
                         "round-robin, least-requests")
     parser.add_argument("--calibration-alpha", type=float,
-                        help="calibrate rates online from observed steps with this EWMA weight (default off)")
+                        help="EWMA weight of each observed engine step when calibrating the router's rates "
+                             "online (default 0.2; 0 turns calibration off and keeps the profiled rates)")
+    parser.add_argument("--spill-margin", type=float,
+                        help="with an accelerator present, a CPU backend takes a request only if its score is "
+                             "lower than the accelerator's by this fraction (default 0.05; 0: the spec's rule)")
+    parser.add_argument("--spill-allow-queue", action="store_true", default=None,
+                        help="let a CPU backend queue requests beyond its max_active while an accelerator "
+                             "could take them (default: spill only to a free CPU slot, which guards p95 TTFT)")
     parser.add_argument("--new-token-ratio", action="store_true", default=None,
                         help="discount queued decode budgets with SGLang's decaying new_token_ratio")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
@@ -59,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(
-            args, policy=args.policy, calibration_alpha=args.calibration_alpha,
+            args, policy=args.policy, calibration_alpha=args.calibration_alpha, spill_margin=args.spill_margin,
+            spill_allow_queue=args.spill_allow_queue,
             new_token_ratio=args.new_token_ratio, host=args.host, port=args.port, metrics_port=args.metrics_port,
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
             address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard)

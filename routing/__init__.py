@@ -12,7 +12,7 @@ from routing.errors import ConfigError, NoBackendError
 from routing.ledger import Ledger, LedgerEntry
 from routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
 from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from routing.policies import POLICIES, make_policy
+from routing.policies import POLICIES, SpillGuard, make_policy
 from routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
 from routing.router import PendingSummary, RemovedRequests, Router
 
@@ -35,6 +35,7 @@ __all__ = [
     "RemovedRequests",
     "RouteRequest",
     "Router",
+    "SpillGuard",
     "calibrate",
     "load_rate_profiles",
     "make_policy",

@@ -59,6 +59,7 @@ def score_backend(
         score_s=prefill_term_s + decode_term_s,
         num_active=ledger.num_active,
         num_queued=ledger.num_queued,
+        max_active=spec.max_active,
         new_token_ratio=new_token_ratio,
         prefill_tok_s=rates.prefill_tok_s,
         decode_tok_s=decode_rate,

@@ -26,6 +26,7 @@ class BackendScore:
     score_s: float
     num_active: int
     num_queued: int
+    max_active: int = 4  # the backend's slots (the spill guard asks whether one is free)
     new_token_ratio: float = 1.0
     prefill_tok_s: float = 0.0  # rates used (after calibration, if on)
     decode_tok_s: float = 0.0

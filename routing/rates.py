@@ -12,7 +12,8 @@ higher aggregate rate at 4). Between listed sizes the rate is interpolated linea
 them it is clamped to the nearest listed size.
 
 Calibration blends observed step throughput into the profile with an EWMA
-(`new = (1 - alpha) * old + alpha * observed`). A step that did both prefill and decode is
+(`new = (1 - alpha) * old + alpha * observed`); a decode step rescales the whole batch table by
+the factor it implies for its own batch size. A step that did both prefill and decode is
 skipped: one elapsed time cannot be split between two unknown rates.
 
 The file format is a JSON object mapping a name (backend id or device kind) to a profile:
@@ -103,7 +104,12 @@ def calibrate(
     batch_size: int,
     elapsed_s: float,
 ) -> RateProfile:
-    """Return `profile` with one observed step blended in (or unchanged for mixed/empty steps)."""
+    """Return `profile` with one observed step blended in (or unchanged for mixed/empty steps).
+
+    A decode step observed at one batch size rescales the whole batch table by the same
+    factor: what slows a backend down (a busy neighbour on the same cores, the serving path
+    around the engine) slows every batch size, and the next decision is often made at a batch
+    size that has not run lately (an idle backend is scored at batch 1)."""
     if elapsed_s <= 0:
         raise ValueError(f"elapsed_s must be > 0 (got {elapsed_s!r})")
     alpha = config.alpha
@@ -111,14 +117,17 @@ def calibrate(
         observed = num_prefill_tokens / elapsed_s
         return replace(profile, prefill_tok_s=(1 - alpha) * profile.prefill_tok_s + alpha * observed)
     if num_decode_tokens > 0 and num_prefill_tokens == 0:
-        observed = num_decode_tokens / elapsed_s
-        if profile.decode_tok_s_by_batch is None:
-            return replace(profile, decode_tok_s=(1 - alpha) * profile.decode_tok_s + alpha * observed)
-        batch_size = max(1, batch_size)
-        table = dict(profile.decode_tok_s_by_batch)
-        table[batch_size] = (1 - alpha) * profile.decode_rate(batch_size) + alpha * observed
-        return replace(profile, decode_tok_s_by_batch=table)
+        expected = profile.decode_rate(max(1, batch_size))
+        factor = (1 - alpha) + alpha * (num_decode_tokens / elapsed_s) / expected
+        return scale_decode(profile, factor)
     return profile
+
+
+def scale_decode(profile: RateProfile, factor: float) -> RateProfile:
+    """`profile` with every decode rate (the batch table's too) multiplied by `factor`."""
+    table = profile.decode_tok_s_by_batch
+    return replace(profile, decode_tok_s=profile.decode_tok_s * factor,
+                   decode_tok_s_by_batch=None if table is None else {b: r * factor for b, r in table.items()})
 
 
 class RateProfileModel(BaseModel):

@@ -22,7 +22,7 @@ from routing.decision import BackendScore, DecisionRecord
 from routing.ledger import ACTIVE, Ledger, LedgerEntry
 from routing.messages import ProgressEvent, RouteRequest
 from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from routing.policies import make_policy
+from routing.policies import SpillGuard, make_policy
 from routing.rates import CalibrationConfig, RateProfile, calibrate
 
 
@@ -63,8 +63,9 @@ class Router:
         policy: str = "cost",
         new_token_ratio: NewTokenRatioConfig | None = None,
         calibration: CalibrationConfig | None = None,
+        spill_guard: SpillGuard | None = None,
     ) -> None:
-        self._policy = make_policy(policy)
+        self._policy = make_policy(policy, spill_guard)
         self._new_token_ratio_config = new_token_ratio
         self._calibration = calibration
         self._backends: dict[str, _BackendState] = {}  # kept in preference order

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from routing.backend_spec import BackendSpec
 from routing.errors import ConfigError, format_validation_errors
 from routing.new_token_ratio import NewTokenRatioConfig
-from routing.policies import POLICIES
+from routing.policies import POLICIES, SpillGuard
 from routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
 
 
@@ -52,6 +52,7 @@ class Scenario:
     requests: list[SimRequest]  # sorted by arrival_s (stable)
     new_token_ratio: NewTokenRatioConfig | None = None
     calibration: CalibrationConfig | None = None
+    spill_guard: SpillGuard | None = None
 
     @property
     def backend_specs(self) -> list[BackendSpec]:
@@ -122,10 +123,17 @@ class _CalibrationModel(BaseModel):
     alpha: float = Field(0.1, gt=0, le=1)
 
 
+class _SpillGuardModel(BaseModel):
+    model_config = _STRICT
+    margin: float = Field(0.0, ge=0, lt=1)
+    allow_queue: bool = True
+
+
 class _RouterModel(BaseModel):
     model_config = _STRICT
     new_token_ratio: _NewTokenRatioModel | None = None
     calibration: _CalibrationModel | None = None
+    spill_guard: _SpillGuardModel | None = None
 
 
 class _ScenarioModel(BaseModel):
@@ -191,6 +199,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         requests=requests,
         new_token_ratio=_new_token_ratio(model.router.new_token_ratio),
         calibration=CalibrationConfig(model.router.calibration.alpha) if model.router.calibration else None,
+        spill_guard=SpillGuard(**model.router.spill_guard.model_dump()) if model.router.spill_guard else None,
     )
 
 

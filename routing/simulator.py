@@ -83,7 +83,7 @@ def make_job(index: int, request: SimRequest, backend_id: str) -> SimJob:
 def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
     """Run the scenario under `policy` (default: the scenario's)."""
     router = Router(scenario.backend_specs, policy or scenario.policy,
-                    scenario.new_token_ratio, scenario.calibration)
+                    scenario.new_token_ratio, scenario.calibration, scenario.spill_guard)
     reporter = _RouterReporter(router)
     backends = {
         b.spec.backend_id: SimBackend(b.spec.backend_id, b.actual_rates, b.spec.max_active, reporter)

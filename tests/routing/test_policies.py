@@ -52,3 +52,41 @@ def test_least_requests_counts_active_and_queued():
     router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", RateProfile(1e6, 1e6))],
                     policy="least-requests")
     assert [router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cpu0", "cuda0", "cpu0"]
+
+
+def _scores(cpu_score: float, accel_score: float, cpu_active: int = 0, cpu_queued: int = 0):
+    from routing import BackendScore
+
+    def score(backend_id, kind, value, active, queued):
+        return BackendScore(backend_id, kind, 0, 0, 0, 0.0, value, value, active, queued, max_active=4)
+
+    return [score("cuda0", "cuda", accel_score, 4, 10), score("cpu0", "cpu", cpu_score, cpu_active, cpu_queued)]
+
+
+def test_spill_guard_margin_and_free_slot():
+    from routing import SpillGuard
+    from routing.policies import CostPolicy
+
+    plain = CostPolicy()
+    assert plain.choose(_scores(3.0, 3.1)) == "cpu0"  # the spec's rule: any lower score wins
+    guarded = CostPolicy(SpillGuard(margin=0.05))
+    assert guarded.choose(_scores(3.0, 3.1)) == "cuda0"  # 3.0 is not below 0.95 x 3.1 = 2.945
+    assert guarded.choose(_scores(2.9, 3.1)) == "cpu0"
+    assert guarded.choose(_scores(2.9, 3.1, cpu_active=4, cpu_queued=1)) == "cpu0"  # queueing allowed
+    no_queue = CostPolicy(SpillGuard(margin=0.05, allow_queue=False))
+    assert no_queue.choose(_scores(2.9, 3.1, cpu_active=3)) == "cpu0"
+    assert no_queue.choose(_scores(2.9, 3.1, cpu_active=3, cpu_queued=1)) == "cuda0"  # no free slot
+    assert no_queue.choose(_scores(3.2, 3.1)) == "cuda0"  # the accelerator is simply better
+    with pytest.raises(ValueError, match="spill margin"):
+        SpillGuard(margin=1.0)
+
+
+def test_spill_guard_needs_an_accelerator_to_act():
+    from routing import SpillGuard
+
+    guard = SpillGuard(margin=0.5, allow_queue=False)
+    router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cpu1", "cpu", SAME)], spill_guard=guard)
+    assert [router.route(req(n)).backend_id for n in range(4)] == ["cpu0", "cpu1", "cpu0", "cpu1"]
+    gpu_router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", SAME)], spill_guard=guard)
+    # Each request is 1.1 s of work on either; the CPU needs a score below half the GPU's.
+    assert [gpu_router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cuda0", "cpu0", "cuda0"]

@@ -27,7 +27,10 @@ def test_calibration_ewma():
     config = CalibrationConfig(alpha=0.25)
     assert calibrate(rates, config, 300, 0, 2, 1.0).prefill_tok_s == 150
     updated = calibrate(rates, config, 0, 100, 2, 2.0)  # 50 tok/s observed at batch 2 (table: 20)
-    assert updated.decode_tok_s_by_batch == {1: 10, 2: 27.5, 3: 30}
+    # factor 0.75 + 0.25 * 50 / 20 = 1.375, applied to every batch size
+    assert updated.decode_tok_s_by_batch == pytest.approx({1: 13.75, 3: 41.25})
+    assert updated.decode_rate(2) == pytest.approx(27.5)
+    assert updated.decode_tok_s == pytest.approx(13.75)
     assert calibrate(RateProfile(100, 10), config, 0, 50, 1, 1.0).decode_tok_s == 20
     assert calibrate(rates, config, 10, 10, 2, 1.0) is rates  # mixed step: skipped
     with pytest.raises(ValueError, match="elapsed_s"):

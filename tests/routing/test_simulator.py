@@ -55,3 +55,42 @@ def test_router_driven_run_and_fixed_assignment_replay_agree_exactly(seed, polic
     index_of = {b: i for i, b in enumerate(evaluator.backend_ids)}
     replayed = evaluator.outcomes(tuple(index_of[b] for b in result.assignment))
     assert replayed == result.outcomes  # bit-identical times
+
+
+def _h200_ma1(cpu_slowdown: float, believe_actual: bool, **router) -> dict:
+    """The H200 sweep's GPU max_active 1 cell: profiled rates, and a CPU that really runs
+    `cpu_slowdown` times slower next to the busy GPU (measured: about 2.4x)."""
+    cpu = {1: 31.9, 2: 60.1, 3: 99.4, 4: 93.7}
+    actual = {"prefill_tok_s": 817 / cpu_slowdown, "decode_tok_s": 31.9 / cpu_slowdown,
+              "decode_tok_s_by_batch": {b: r / cpu_slowdown for b, r in cpu.items()}}
+    profiled = {"prefill_tok_s": 817, "decode_tok_s": 31.9, "decode_tok_s_by_batch": cpu}
+    return {
+        "backends": [
+            {"backend_id": "cuda0", "device_kind": "cuda", "max_active": 1,
+             "rates": {"prefill_tok_s": 56224, "decode_tok_s": 848}},
+            {"backend_id": "cpu0", "device_kind": "cpu", "max_active": 4,
+             "rates": actual if believe_actual else profiled, "actual_rates": actual},
+        ],
+        "generate": {"num_requests": 48, "interval_s": 0.05, "num_prompt_tokens": 516,
+                     "num_cached_tokens": 496, "max_tokens": 128},
+        "router": router,
+    }
+
+
+def _makespan(result) -> float:
+    return max(o.finish_s for o in result.outcomes)
+
+
+def test_isolated_cpu_rates_make_hybrid_worse_and_calibrated_ones_do_not():
+    """Why the cluster calibrates online and the bench warms both backends up together: with
+    the isolated profile the router spills to a CPU that is really 2.4x slower and the batch
+    ends later than on the GPU alone; with the rates it would have learnt, it keeps the GPU."""
+    baseline = _makespan(simulate(parse_scenario(_h200_ma1(2.4, False)), "accelerator-only"))
+    fooled = simulate(parse_scenario(_h200_ma1(2.4, False)), "cost")
+    assert fooled.assignment.count("cpu0") > 0 and _makespan(fooled) > 1.3 * baseline
+    guarded = {"spill_guard": {"margin": 0.05, "allow_queue": False}}
+    informed = simulate(parse_scenario(_h200_ma1(2.4, True, **guarded)), "cost")
+    assert informed.assignment.count("cpu0") == 0 and _makespan(informed) == pytest.approx(baseline)
+    # And where the CPU really is as fast as profiled, the guarded router still spills and gains.
+    fast = simulate(parse_scenario(_h200_ma1(1.0, True, **guarded)), "cost")
+    assert fast.assignment.count("cpu0") > 0 and _makespan(fast) < 0.97 * baseline
