@@ -151,6 +151,14 @@ class BackendActor:
             await self.router.add_backend.remote(info, _self_handle(), snapshot)
         return info
 
+    async def set_max_active(self, max_active: int) -> BackendInfo:
+        """Run at most `max_active` requests at once from now on (up to the limit this engine was
+        built with), and tell the router so its cost model uses the new batch size."""
+        await self._call(lambda: self.engine.set_max_active(max_active))
+        if self.router is not None:
+            await self.router.set_max_active.remote(self.backend_id, max_active)
+        return self._info()
+
     def _cache_snapshot(self) -> list[int]:
         self.engine.drain_cache_changes()  # the snapshot supersedes them
         self._pending_cache_changes = {}

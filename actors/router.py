@@ -21,6 +21,7 @@ completion time (decision to the backend's "finished" report).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -120,6 +121,21 @@ class RouterActor:
                        "their callers", backend_id, reason, len(removed.queued), len(removed.active))
         self._export_membership()
 
+    async def set_policy(self, policy: str, cordoned: list[str] = ()) -> None:
+        """Route later requests with `policy`, giving none to the `cordoned` backends (a
+        benchmark compares its arms on one cluster this way)."""
+        self.router.set_policy(policy)
+        self.policy = self.router.policy
+        for backend_id in self.router.backend_ids():
+            self.router.set_cordoned(backend_id, backend_id in cordoned)
+
+    async def set_max_active(self, backend_id: str, max_active: int) -> None:
+        """A backend changed its max_active (BackendActor.set_max_active tells us)."""
+        self.router.set_max_active(backend_id, max_active)
+        backend = self.backends.get(backend_id)
+        if backend is not None:
+            backend.info = dataclasses.replace(backend.info, max_active=max_active)
+
     async def list_backends(self) -> dict[str, Any]:
         """backend_id -> actor handle, for routable backends."""
         return {backend_id: b.handle for backend_id, b in self.backends.items()}
@@ -129,6 +145,10 @@ class RouterActor:
 
     async def rates(self) -> dict[str, dict[str, Any]]:
         return dict(self.known_rates)
+
+    async def rates_in_use(self) -> dict[str, dict[str, Any]]:
+        """The rates the cost model uses right now (calibrated, if calibration is on)."""
+        return {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in self.router.backend_ids()}
 
     # -- decisions ---------------------------------------------------------------------------
     async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:

@@ -85,6 +85,9 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument("--base-cache-hit", type=float, default=0.96, help="the base cell's cache hit (default 0.96)")
     sweep.add_argument("--base-max-active", type=int, default=4, help="the base cell's accelerator max_active (4)")
     sweep.add_argument("--report", help="sweep report (markdown) to write (plots and JSON go beside it)")
+    sweep.add_argument("--fresh-clusters", action="store_true",
+                       help="a fresh cluster per max_active, run and arm, as the seed does (default: one cluster "
+                            "for the whole sweep, reconfigured between cells; see bench/runner.py)")
     sweep.add_argument("--with-seed", action="store_true",
                        help="also run the spec's experiment, in the base max_active's clusters")
     sweep.add_argument("--seed-runs", type=int, default=3, help="runs of the spec's cells with --with-seed (3)")
@@ -109,6 +112,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float,
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
     parser.add_argument("--time-budget-s", type=float, help="stop starting clusters/cells after this many seconds")
+    parser.add_argument("--warmup-tokens", type=int, default=48,
+                        help="after each cluster starts, every backend decodes a full batch of this many tokens at "
+                             "the same time, so online calibration sees them co-running (default 48; 0: none)")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
     parser.add_argument("--only", type=_only, help="run only these clusters, RUN:ARM,... (e.g. 2:accelerator-only), "
                         "to complete a bench that ran out of time")
@@ -154,11 +160,14 @@ def run(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
                           args.time_budget_s, args.verbose, command)
-    ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms,
+    ctx.warmup_tokens = args.warmup_tokens
+    ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms, warmup_tokens=args.warmup_tokens,
+                    reuse_cluster=args.bench_command == "sweep" and not args.fresh_clusters,
                     only=sorted(f"{run}:{arm}" for run, arm in args.only) if args.only else None)
     harness.write_json(out_dir / "meta.json", ctx.meta)
     with tqdm(total=runner.total_requests(items, args.arms), unit="req", dynamic_ncols=True) as bar:
-        records = runner.run_plan(ctx, items, args.arms, bar, args.only)
+        records = runner.run_plan(ctx, items, args.arms, bar, args.only,
+                                  reuse=args.bench_command == "sweep" and not args.fresh_clusters)
     _write_summary(out_dir, ctx.meta, records)
     seed_report = args.report if args.bench_command == "seed" else getattr(args, "seed_report", None)
     sweep_report = args.report if args.bench_command == "sweep" else None

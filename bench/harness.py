@@ -6,6 +6,10 @@ usage stats off). Each arm of each run then gets a fresh cluster through the dri
 empty KV caches) and a new Serve app; `Tandem.shutdown()` removes them and we wait until the
 old actors are gone before the next start, so nothing from one arm runs into the next. Each
 start uses its own Ray namespace, so actor names never collide with a dying predecessor.
+The sweep may instead reuse one cluster for all its cells (`BenchCluster.configure` switches
+the router's policy, cordons backends and sets the accelerator's max_active; bench/runner.py).
+Every cluster starts with `warm_up_together`, so the router's online calibration has seen
+each backend run beside the others before the first measured request.
 
 Backends. `--backends cpu,auto` is resolved once (auto: cuda if the Ray cluster has a GPU, else
 mps, else a second cpu backend) and given fixed ids (cpu0 and cuda0, or cpu0 and cpu1), so
@@ -145,9 +149,11 @@ class BenchCluster:
     log_dir: Path
     port: int  # Serve's HTTP proxy keeps the port of the first start: every cluster must use it
     max_pending_requests: int = 256
+    warmup_tokens: int = 48
     tandem: Any = None
     infos: dict[str, Any] = field(default_factory=dict)
     routing_log: Path | None = None
+    router_settings: dict[str, Any] = field(default_factory=dict)
 
     def __enter__(self) -> BenchCluster:
         import ray
@@ -165,7 +171,26 @@ class BenchCluster:
             "max_pending_requests": self.max_pending_requests}, source="bench cluster")
         self.tandem = start(config, log=lambda line: logger.info("%s", line))
         self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
+        self.router_settings = {"calibration_alpha": config.calibration_alpha, "spill_margin": config.spill_margin,
+                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": self.warmup_tokens}
+        if self.warmup_tokens > 0:
+            warm_up_together(self, self.warmup_tokens)
         return self
+
+    def configure(self, arm: str, accel_max_active: int) -> None:
+        """Turn this running cluster into `arm`'s at `accel_max_active` (the sweep reuses one
+        cluster): the router's policy, which backends it may use, the accelerator's max_active."""
+        import ray
+
+        accel = self.tandem.backends[self.layout.accel_id]
+        if accel_max_active != self.accel_max_active:
+            ray.get(accel.set_max_active.remote(accel_max_active))
+        wanted = {b["id"] for b in self.layout.arm_backends(arm, accel_max_active, self.cpu_max_active)}
+        cordoned = [backend_id for backend_id in self.tandem.backends if backend_id not in wanted]
+        ray.get(self.tandem.router.set_policy.remote(self.layout.arm_policy(arm), cordoned))
+        self.arm, self.accel_max_active = arm, accel_max_active
+        handles = {bid: h for bid, h in self.tandem.backends.items() if bid in wanted}
+        self.infos = dict(zip(handles, ray.get([h.info.remote() for h in handles.values()])))
 
     def __exit__(self, *exc: Any) -> None:
         if self.tandem is None:
@@ -178,7 +203,7 @@ class BenchCluster:
         return {"arm": self.arm, "policy": self.layout.arm_policy(self.arm), "note": self.layout.arm_note(self.arm),
                 "backends": [{"backend_id": bid, "device": i.device, "device_kind": i.device_kind, "dtype": i.dtype,
                               "threads": i.threads, "max_active": i.max_active} for bid, i in self.infos.items()],
-                "rates": json.loads(self.rates_path.read_text())}
+                "rates": json.loads(self.rates_path.read_text()), "router": self.router_settings}
 
 
 def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
@@ -194,6 +219,31 @@ def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
             time.sleep(0.2)
+
+
+def warm_up_together(cluster: BenchCluster, max_tokens: int, num_prompt_tokens: int = 64) -> None:
+    """Every backend decodes a full batch at the same time, once, right after start.
+
+    The router calibrates its rates online from observed steps, and what it must learn is how
+    fast each backend runs *next to the others*: on the H200 the CPU backend ran ~2.4x slower
+    beside the busy GPU than in its isolated profile. Without this, the first measured burst
+    is routed on isolated rates. Every arm gets the same warm-up."""
+    import random
+
+    import ray
+
+    from bench.workload import random_tokens
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    streams = [handle.generate.options(num_returns="streaming").remote(
+                   f"warmup-{uuid.uuid4().hex}", random_tokens(rng, num_prompt_tokens), params, time.time())
+               for backend_id, handle in cluster.tandem.backends.items()
+               for _ in range(cluster.infos[backend_id].max_active)]
+    for stream in streams:
+        for ref in stream:
+            ray.get(ref)
 
 
 def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
@@ -216,7 +266,10 @@ def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
 
 def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_done: Any = None) -> dict[str, Any]:
     """Seed, run the workload through HTTP, and return the run's JSON record."""
+    import ray
+
     seeded = seed_caches(cluster, workload)
+    router_rates = ray.get(cluster.tandem.router.rates_in_use.remote())
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     results: list[RequestResult] = asyncio.run(run_workload(
         cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done))
@@ -226,6 +279,7 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
         "cluster": cluster.describe(),
         "temperature": temperature,
         "seeded_cached_tokens": seeded,
+        "router_rates_at_start": router_rates,
         "started_at": started_at,
         "requests": requests,
         "metrics": run_metrics(requests, list(cluster.infos)).to_dict(),
@@ -292,10 +346,11 @@ class BenchContext:
     budget: Budget
     meta: dict[str, Any]
     port: int = field(default_factory=free_port)
+    warmup_tokens: int = 48
 
     def cluster(self, arm: str, accel_max_active: int, max_pending_requests: int) -> BenchCluster:
         return BenchCluster(self.layout, arm, accel_max_active, self.cpu_max_active, self.rates_path,
-                            self.out_dir / "logs", self.port, max_pending_requests)
+                            self.out_dir / "logs", self.port, max_pending_requests, self.warmup_tokens)
 
 
 def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, cpu_dtype: str,

@@ -112,6 +112,14 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> l
         lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {b['threads']} torch threads "
                      f"— {role}")
     lines += [f"- {note}" for note in meta.get("notes", [])]
+    router = next((r["cluster"].get("router") for r in runs if r["cluster"].get("router")), None)
+    if router:
+        lines.append(f"- Router: online calibration alpha {router.get('calibration_alpha')}, spill margin "
+                     f"{router.get('spill_margin')}, CPU queueing {'allowed' if router.get('spill_allow_queue') else 'not allowed'}; "
+                     f"each cluster first decoded {router.get('warmup_tokens')} tokens on every backend at once")
+    if meta.get("reuse_cluster"):
+        lines.append("- The sweep's cells shared one cluster, reconfigured between measurements (policy, cordoned "
+                     "backends, accelerator max_active); each arm had its own prompts of the same shape")
     if not meta.get("has_accelerator", True):
         lines.append("- **No accelerator on this machine**: `auto` resolved to a second cpu backend, so this is "
                      "CPU + CPU, not CPU + GPU. The accelerator-only arm runs that backend alone.")

@@ -1,4 +1,5 @@
-"""Run a plan of benchmark cells over fresh clusters, grouped so that clusters are few.
+"""Run a plan of benchmark cells over fresh clusters, grouped so that clusters are few, or
+over one reused cluster.
 
 A plan is a list of cells, each with how many runs it wants. A cluster's engines are fixed at
 start (policy, max_active), so cells are grouped by the accelerator's max_active; for each
@@ -8,6 +9,13 @@ prompts and seeded prefix. Groups run in plan order (the spec's cells and the sw
 first), all runs of a group before the next group, so a time budget that runs out leaves the
 most important cells complete. Arms alternate their order from run to run, so slow drift
 (thermal, other load) does not always favour the same arm.
+
+With `reuse`, the sweep's cells instead share one cluster started at the largest max_active
+(a fresh cluster costs 20-25 s on the H200, more than most cells take): before each
+measurement the cluster is reconfigured for the arm and max_active, and each arm gets its own
+prompts and seeded prefix (same shapes, different token ids), so no arm finds another's KV
+blocks in the cache. Each run goes through every cell, arms alternating, before the next run.
+The spec's cells (bench "seed") always get fresh clusters, as the spec prescribes.
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ def groups(items: list[PlanItem]) -> list[tuple[int, list[PlanItem]]]:
     return list(out.items())
 
 
-def token_seed(cell: CellSpec, run: int) -> int:
-    """Same prompts for every arm of a run; different prompts for every cell and run."""
-    return zlib.crc32(cell.name.encode()) % 100_000 * 100 + run
+def token_seed(cell: CellSpec, run: int, arm: str | None = None) -> int:
+    """Different prompts for every cell and run; the same for every arm unless `arm` is given."""
+    key = cell.name if arm is None else f"{cell.name}|{arm}"
+    return zlib.crc32(key.encode()) % 100_000 * 100 + run
 
 
 def total_requests(items: list[PlanItem], arms: list[str]) -> int:
@@ -49,11 +58,42 @@ def total_requests(items: list[PlanItem], arms: list[str]) -> int:
 
 
 def run_plan(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any,
-             only: set[tuple[int, str]] | None = None) -> list[dict[str, Any]]:
+             only: set[tuple[int, str]] | None = None, reuse: bool = False) -> list[dict[str, Any]]:
     """Measure every item's runs under every arm; returns the run records (also written as JSON).
 
-    `only`, if given, limits the clusters to these (run, arm) pairs, to complete a bench whose
-    first invocation ran out of time."""
+    `only`, if given, limits the clusters (or, with `reuse`, the measurements) to these
+    (run, arm) pairs, to complete a bench whose first invocation ran out of time."""
+    if reuse:
+        fresh = [i for i in items if i.bench == "seed"]
+        shared = [i for i in items if i.bench != "seed"]
+        return _run_fresh(ctx, fresh, arms, bar, only) + _run_reused(ctx, shared, arms, bar, only)
+    return _run_fresh(ctx, items, arms, bar, only)
+
+
+def _run_reused(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any,
+                only: set[tuple[int, str]] | None) -> list[dict[str, Any]]:
+    if not items or ctx.budget.spent():
+        return []
+    records: list[dict[str, Any]] = []
+    largest = max(i.cell.accel_max_active for i in items)
+    bar.set_description(f"one cluster for {len(items)} cells (max_active up to {largest}): starting")
+    pending = max(i.cell.num_requests for i in items) + 16
+    with ctx.cluster("cost", largest, max_pending_requests=pending) as cluster:  # every backend in it
+        for run in range(1, max(i.runs for i in items) + 1):
+            for item in (i for i in items if i.runs >= run):
+                for arm in arm_order(arms, run):
+                    if only is not None and (run, arm) not in only:
+                        continue
+                    if ctx.budget.spent():
+                        bar.write(f"time budget spent: stopping before {item.cell.name}, run {run}, {arm}")
+                        return records
+                    cluster.configure(arm, item.cell.accel_max_active)
+                    records.append(_measure_item(ctx, cluster, item, arm, run, bar, token_seed(item.cell, run, arm)))
+    return records
+
+
+def _run_fresh(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: Any,
+               only: set[tuple[int, str]] | None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for max_active, group in groups(items):
         for run in range(1, max(i.runs for i in group) + 1):
@@ -77,11 +117,15 @@ def _run_cells(ctx: BenchContext, cluster: Any, items: list[PlanItem], arm: str,
     for item in items:
         if ctx.budget.spent() and item.bench != "seed":  # a started cluster always runs the spec's cells
             break
-        cell = item.cell
-        bar.set_description(f"run {run} {arm} {cell.name}")
-        record = measure(cluster, cell.workload(token_seed(cell, run)), ctx.temperature,
-                         on_done=lambda _: bar.update(1))
-        record.update(bench=item.bench, cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
-        write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
-        records.append(record)
+        records.append(_measure_item(ctx, cluster, item, arm, run, bar, token_seed(item.cell, run)))
     return records
+
+
+def _measure_item(ctx: BenchContext, cluster: Any, item: PlanItem, arm: str, run: int, bar: Any,
+                  seed: int) -> dict[str, Any]:
+    cell = item.cell
+    bar.set_description(f"run {run} {arm} {cell.name}")
+    record = measure(cluster, cell.workload(seed), ctx.temperature, on_done=lambda _: bar.update(1))
+    record.update(bench=item.bench, cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
+    write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
+    return record

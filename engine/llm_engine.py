@@ -53,6 +53,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.model_config.max_position_embeddings,
                                  cfg.max_model_len or MAX_DEFAULT_MODEL_LEN)
         num_blocks = self._num_kv_blocks()
+        self.max_active_limit = cfg.max_active  # what the KV pool and CUDA graphs were sized for
         self._evicted = False
         self._cache_changes: dict[int, bool] = {}
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=self._on_evict,
@@ -143,6 +144,15 @@ class LLMEngine:
         self._tracked.pop(req_id, None)
         self._changed[req_id] = request
         return True
+
+    def set_max_active(self, max_active: int) -> None:
+        """Change how many requests may run at once (a benchmark sweeps it on one engine). It
+        cannot exceed the limit the engine was built with, which sized the CUDA graphs."""
+        if not 1 <= max_active <= self.max_active_limit:
+            raise ValueError(f"max_active must be in [1, {self.max_active_limit}] "
+                             f"(the engine was built for {self.max_active_limit}); got {max_active}")
+        self.config.max_active = max_active
+        self.scheduler.config.max_active = max_active
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)

@@ -12,7 +12,7 @@ Decisions cost O(number of backends), independent of how many requests are pendi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from routing import messages
@@ -54,6 +54,7 @@ class _BackendState:
     rates: RateProfile  # current rates: the spec's profile, calibrated if calibration is on
     ledger: Ledger
     ratio: NewTokenRatio
+    cordoned: bool = False  # scored (for the log) but given no new requests
 
 
 class Router:
@@ -65,6 +66,7 @@ class Router:
         calibration: CalibrationConfig | None = None,
         spill_guard: SpillGuard | None = None,
     ) -> None:
+        self._spill_guard = spill_guard
         self._policy = make_policy(policy, spill_guard)
         self._new_token_ratio_config = new_token_ratio
         self._calibration = calibration
@@ -98,6 +100,21 @@ class Router:
             self._req_to_backend.pop(entry.req_id, None)
         return removed
 
+    def set_policy(self, policy: str) -> None:
+        """Route later requests with `policy` (same spill guard); pending work is kept."""
+        self._policy = make_policy(policy, self._spill_guard)
+
+    def set_cordoned(self, backend_id: str, cordoned: bool) -> None:
+        """A cordoned backend keeps its pending work, ledger and calibrated rates but gets no
+        new requests (like `kubectl cordon`); a benchmark's accelerator-only arm on a machine
+        without an accelerator cordons the other backends."""
+        self._state(backend_id).cordoned = cordoned
+
+    def set_max_active(self, backend_id: str, max_active: int) -> None:
+        """The backend now runs at most `max_active` requests at once (its ledger is kept)."""
+        state = self._state(backend_id)
+        state.spec = replace(state.spec, max_active=max_active)
+
     def backend_ids(self) -> list[str]:
         """Registered backends in preference order (accelerators first, then by id)."""
         return list(self._backends)
@@ -130,7 +147,7 @@ class Router:
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
             )
         scores = self.score(request)
-        backend_id = self._policy.choose(scores)
+        backend_id = self._policy.choose([s for s in scores if not self._backends[s.backend_id].cordoned])
         entry = LedgerEntry(
             req_id=request.req_id,
             num_prompt_tokens=request.num_prompt_tokens,

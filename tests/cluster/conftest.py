@@ -3,7 +3,8 @@
 Starting Ray, Serve and two engines costs ~20-30 s on 2 cores, so every HTTP test shares this
 cluster; tests leave it as they found it (no requests running, both backends routable). The
 backends are `cpu` and `auto`, which resolves to a second cpu backend here, one torch thread
-each. Rates come from a fixed file (equal for both) so start-up skips profiling.
+each. Rates come from a fixed file (equal for both) so start-up skips profiling, and online
+calibration is off so they stay equal whatever else loads the machine.
 
 Ray is kept offline and on loopback (see ENVIRONMENT.md), HTTP binds 127.0.0.1, and every
 client call has a timeout so a broken server fails a test instead of hanging CI.
@@ -62,7 +63,8 @@ def tandem(tmp_path_factory):
         model=MODEL, backends=["cpu", "auto"], cpu_threads=1, max_active=2, max_pending_requests=8,
         port=free_port(), metrics_port=free_port(), routing_log=str(tmp / "routing.jsonl"),
         rates=str(rates), rates_cache=str(tmp / "rates-cache.json"), profile="never",
-        health_check_period_s=0.5, access_log=False, log=lambda line: None)
+        health_check_period_s=0.5, access_log=False, log=lambda line: None,
+        calibration_alpha=0)  # fixed, equal rates: tests that need both backends busy can rely on it
     # A second ingress on the same cluster that requires an API key, for the 401 tests.
     backend = next(iter(handle.backends.values()))
     tokenizer, info = ray.get([backend.tokenizer.remote(), backend.info.remote()])

@@ -116,3 +116,21 @@ def test_bad_inputs_raise():
         ProgressEvent("a", "done")
     with pytest.raises(ValueError, match="max_active"):
         BackendSpec("cuda0", "cuda", RateProfile(1, 1), max_active=0)
+
+
+def test_set_policy_cordon_and_max_active_keep_pending_work():
+    router = Router([spec("cuda0", "cuda", prefill=100, decode=10), spec("cpu0", "cpu", prefill=100, decode=10)])
+    router.route(req("a", prompt=100, max_tokens=10))
+    router.set_cordoned("cuda0", True)
+    assert router.route(req("b", prompt=100, max_tokens=10)).backend_id == "cpu0"
+    router.set_cordoned("cpu0", True)
+    with pytest.raises(NoBackendError):
+        router.route(req("c", prompt=100, max_tokens=10))
+    router.set_cordoned("cuda0", False)
+    router.set_cordoned("cpu0", False)
+    router.set_policy("accelerator-only")
+    assert [router.route(req(f"d{i}", prompt=100, max_tokens=10)).backend_id for i in range(2)] == ["cuda0"] * 2
+    assert router.policy == "accelerator-only"
+    assert len(router.ledger("cuda0")) == 3 and len(router.ledger("cpu0")) == 1  # nothing was lost
+    router.set_max_active("cuda0", 1)
+    assert router.score(req("e", prompt=100, max_tokens=10))[0].max_active == 1
