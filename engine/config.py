@@ -24,7 +24,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on cpu/mps, 8 GiB on cuda
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
-    max_num_batched_tokens: int | None = None  # None: 512 on cpu, 2048 elsewhere
+    max_num_batched_tokens: int | None = None  # None: 512 on cpu, 8192 on cuda, 2048 elsewhere
     num_threads: int | None = None  # torch threads for a cpu engine; None leaves torch's default
     seed: int = 0
     attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
@@ -54,7 +54,10 @@ class EngineConfig:
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 512 if self.device_type == "cpu" else 2048
+        # A CPU's step time grows with its tokens, so small steps keep decodes moving; an H200
+        # runs a 516-token prefill in ~10 ms of launch-bound time, so big steps pay (48 x 516-token
+        # prompts: 12.3k output tok/s with 2,048-token steps, 14.1k with 8,192).
+        return {"cpu": 512, "cuda": 8192}.get(self.device_type, 2048)
 
     @property
     def resolved_kv_cache_bytes(self) -> int:

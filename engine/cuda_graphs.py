@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.host_tensors import int_tensor
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -93,13 +94,18 @@ class CUDAGraphRunner:
         num_reqs = len(input_ids)
         batch_size = next(b for b in self.batch_sizes if b >= num_reqs)
         pad = batch_size - num_reqs
-        rows = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-                             seq_lens + [1] * pad], dtype=torch.int64)
+        rows = int_tensor(input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad + seq_lens + [1] * pad,
+                          torch.int64).view(4, batch_size)
         self.inputs[:, :batch_size].copy_(rows, non_blocking=True)
         # Only the first ceil(seq_len / block_size) entries of a row are read, so columns past
         # this step's widest table may keep stale block ids; padded rows read column 0, set to 0.
         width = max(len(t) for t in block_tables)
-        table = [t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * pad
-        self.block_tables[:batch_size, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        table: list[int] = []
+        for t in block_tables:
+            table += t
+            table += [0] * (width - len(t))
+        table += [0] * (width * pad)
+        self.block_tables[:batch_size, :width].copy_(int_tensor(table, torch.int32).view(batch_size, width),
+                                                     non_blocking=True)
         self.graphs[batch_size].replay()
         return self.logits[batch_size][:num_reqs]

@@ -2,10 +2,19 @@
 
 Decoding one token at a time is wrong for byte-level BPE: a multi-byte character can span
 tokens, and decoding the partial bytes yields U+FFFD. We decode a short window that starts a
-few tokens back (`prefix_offset`) and emit only what that window adds beyond the previous
-read position, holding back while the window still ends in an incomplete character (the
-scheme vLLM uses). Stop strings are searched in the new text plus a tail of the old, and text
-that might be the start of a stop string is held back until it is known not to be one.
+few tokens back (the prefix) and emit only what that window adds beyond the prefix's text,
+holding back while the window still ends in an incomplete character (the scheme vLLM uses).
+Stop strings are searched in the new text plus a tail of the old, and text that might be the
+start of a stop string is held back until it is known not to be one.
+
+This runs once per request per step, so it is kept lean: the window is the only token list
+(tokens before it are dropped, so nothing is sliced or copied), and the prefix's text is
+decoded once, when the window moves, instead of on every call. It is the same state machine as
+decoding `tokens[prefix_offset:read_offset]` and `tokens[prefix_offset:]` afresh each call, and
+a test checks that the text agrees token for token. `tokenizers.decoders.DecodeStream` runs
+the same scheme in Rust and is faster still, but it leaves the prefix empty when the prompt's
+tail ends in an incomplete character and re-anchors the window while the prefix text is empty,
+so its text can differ from this scheme's; it is not used.
 """
 
 from __future__ import annotations
@@ -29,9 +38,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_ids = _fast_decoder(tokenizer)
-        self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+        # The decode window: tokens from the prefix's start on; its first `read_index` tokens
+        # are the prefix, already emitted (or prompt context).
+        self.window = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.read_index = len(self.window)
+        self.prefix_text = self._decode(self.window)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.output_text = ""  # everything decoded so far (after stop truncation)
@@ -43,15 +54,17 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: list[int]) -> bool:
         """Decode new tokens into output_text. Returns True when a stop string was found
         (output_text is then cut just before it)."""
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+        window = self.window
+        window.extend(new_token_ids)
+        full_text = self._decode(window)
+        prefix_len = len(self.prefix_text)
+        if len(full_text) <= prefix_len or full_text.endswith(REPLACEMENT_CHAR):
             return False  # incomplete character: wait for more tokens
-        new_text = full_text[len(prefix_text) :]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        return self._append_text(new_text)
+        # The window moves on: the tokens read so far become the new prefix.
+        del window[: self.read_index]
+        self.read_index = len(window)
+        self.prefix_text = self._decode(window)
+        return self._append_text(full_text[prefix_len:])
 
     def _append_text(self, new_text: str) -> bool:
         search_from = max(0, len(self.output_text) - self.max_stop_len + 1)

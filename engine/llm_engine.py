@@ -167,7 +167,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens
+        num_decode = sched.num_decode_tokens
+        num_prefill = sched.num_scheduled_tokens - num_decode
         start = time.perf_counter()
         rows = {s.request.req_id: self._sampling_row(s.request) for s in sched.scheduled
                 if s.completes_prefill}
@@ -182,24 +183,29 @@ class LLMEngine:
     def _sampling_row(self, request: Request) -> SamplingRow:
         row = self._tracked[request.req_id].sampling_row
         params = request.sampling_params
-        under_min = request.num_output_tokens < params.min_tokens
-        row.banned_token_ids = (*self.eos_token_ids, *params.stop_token_ids) if under_min else ()
+        if params.min_tokens:
+            under_min = request.num_output_tokens < params.min_tokens
+            row.banned_token_ids = (*self.eos_token_ids, *params.stop_token_ids) if under_min else ()
         return row
 
     def _process_outputs(self, progressed: list[Request]) -> list[RequestOutput]:
+        """Detokenize each request's new token, apply stop strings, build its output. This is
+        per-request Python on every step, so it reads each value once."""
         outputs = []
         for request in progressed:
-            tracked = self._tracked[request.req_id]
-            new_token = request.output_token_ids[-1]
-            if tracked.detokenizer.add_tokens([new_token]):
+            req_id = request.req_id
+            detokenizer = self._tracked[req_id].detokenizer
+            new_token_ids = request.output_token_ids[-1:]
+            if detokenizer.add_tokens(new_token_ids):
                 if request.is_finished:  # hit max_tokens on the same token: the stop string wins
                     request.status = RequestStatus.FINISHED_STOPPED
                 else:
-                    self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
-            text = tracked.detokenizer.take_new_text(request.is_finished)
-            outputs.append(self._make_output(request, [new_token], text))
-            if request.is_finished:
-                self._tracked.pop(request.req_id)
+                    self.scheduler.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+            finished = request.is_finished
+            text = detokenizer.take_new_text(finished)
+            outputs.append(self._make_output(request, new_token_ids, text))
+            if finished:
+                del self._tracked[req_id]
         return outputs
 
     def _make_output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:

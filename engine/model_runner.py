@@ -20,6 +20,7 @@ import importlib.util
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.host_tensors import int_tensor
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.loader import LoadedModel
 from engine.sampler import Sampler, SamplingRow
@@ -72,29 +73,37 @@ class ModelRunner:
             req, n = s.request, s.num_scheduled_tokens
             start = req.num_computed_tokens
             block_ids = kv_manager.get_block_ids(req.req_id)
-            input_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode: no per-token ranges
+                input_ids.append(req.all_token_ids[start])
+                positions.append(start)
+                slots.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.all_token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(block_ids)
         max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        flat_tables = []
+        for t in tables:
+            flat_tables += t
+            flat_tables += [0] * (max_blocks - len(t))
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=int_tensor(query_start, torch.int32).to(dev, non_blocking=True),
+            seq_lens=int_tensor(seq_lens, torch.int32).to(dev, non_blocking=True),
+            slot_mapping=int_tensor(slots, torch.int64).to(dev, non_blocking=True),
+            block_tables=int_tensor(flat_tables, torch.int32).view(len(tables), max_blocks).to(dev, non_blocking=True),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        ids = int_tensor(input_ids, torch.int64).to(dev, non_blocking=True)
+        pos = int_tensor(positions, torch.int64).to(dev, non_blocking=True)
         return ids, pos, meta
 
     @torch.inference_mode()

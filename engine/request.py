@@ -23,14 +23,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value.startswith("finished")
-
-    @property
-    def finish_reason(self) -> str | None:
-        return {"finished_stopped": "stop", "finished_length": "length",
-                "finished_aborted": "abort"}.get(self.value)
+    def __init__(self, value: str) -> None:
+        # Plain member attributes, not properties: every request asks every step.
+        self.is_finished = value.startswith("finished")
+        self.finish_reason = {"finished_stopped": "stop", "finished_length": "length",
+                              "finished_aborted": "abort"}.get(value)
 
 
 class Request:

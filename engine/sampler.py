@@ -3,7 +3,8 @@
 An all-greedy batch takes one argmax over the batch. Otherwise each row applies its own
 temperature, top-k and top-p and draws with its own `torch.Generator` when it has a seed, so a
 seeded request samples the same tokens whatever else shares its batch. Rows that must not
-stop yet (min_tokens) get their stop tokens masked first.
+stop yet (min_tokens) get their stop tokens masked first. Either way the ids come back to the
+host in one `.tolist()`, the step's only device sync.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class Sampler:
         logits = self._mask_banned(logits, rows)
         if all(row.params.is_greedy for row in rows):
             return logits.argmax(dim=-1).tolist()
-        return [self._sample_row(logits[i], row) for i, row in enumerate(rows)]
+        # Rows are drawn one by one (each with its own settings and generator) but read back
+        # together: one device sync per step, not one per request.
+        return torch.stack([self._sample_row(logits[i], row) for i, row in enumerate(rows)]).tolist()
 
     @staticmethod
     def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -48,10 +51,11 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    def _sample_row(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+        """The row's next token id as a 0-d tensor, left on the device."""
         params = row.params
         if params.is_greedy:
-            return int(logits.argmax())
+            return logits.argmax()
         logits = logits.float() / params.temperature
         if params.top_k > 0:
             kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -59,7 +63,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if params.top_p < 1.0:
             probs = _top_p_filter(probs, params.top_p)
-        return int(torch.multinomial(probs, 1, generator=row.generator))
+        return torch.multinomial(probs, 1, generator=row.generator)[0]
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

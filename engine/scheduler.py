@@ -31,11 +31,13 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_scheduled_tokens: int
+    # After this step every known token is computed, so the step samples a new token. Worked
+    # out once, when the request is scheduled: the engine and the runner ask several times.
+    completes_prefill: bool = field(init=False)
 
-    @property
-    def completes_prefill(self) -> bool:
-        """After this step every known token is computed, so the step samples a new token."""
-        return self.request.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        request = self.request
+        self.completes_prefill = request.num_computed_tokens + self.num_scheduled_tokens == request.num_tokens
 
 
 @dataclass
@@ -53,8 +55,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.request.num_computed_tokens >= s.request.num_prompt_tokens
-                   and s.num_scheduled_tokens == 1)
+        return sum(1 for s in self.scheduled if s.num_scheduled_tokens == 1
+                   and s.request.num_computed_tokens >= s.request.num_prompt_tokens)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -82,8 +84,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for request in self.running:
+            num_left = request.num_tokens - request.num_computed_tokens
+            if num_left == 1:
+                decodes.append(request)
+            elif num_left > 1:
+                prefills.append(request)
         budget = self._schedule_running(decodes + prefills, budget, out)
         if not out.preempted_req_ids:
             self._schedule_waiting(budget, out)

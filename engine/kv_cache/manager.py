@@ -98,6 +98,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the request's computed tokens (and
         after `new_computed_blocks`, a prefix hit being taken now). Returns the newly
         allocated blocks, or None, changing nothing, when the pool cannot supply them."""
+        if not new_computed_blocks and self._fits_without_change(request, num_new_tokens):
+            return []
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         req_block_ids = self.req_to_block_ids.setdefault(request.req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -114,6 +116,17 @@ class KVCacheManager:
             req_block_ids.append(block.block_id)
         self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode case, checked before any hashing or list building: the request's
+        blocks already hold the new tokens and no block becomes full, so there is nothing to
+        allocate or publish. Fifteen of every sixteen decode steps take this path."""
+        req_blocks = self.req_to_blocks.get(request.req_id)
+        if req_blocks is None:
+            return False
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        return (num_tokens <= len(req_blocks) * self.block_size
+                and num_tokens // self.block_size <= self.req_to_num_cached_blocks.get(request.req_id, 0))
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         hashes = request.block_hashes(self.block_size)

@@ -107,3 +107,22 @@ def test_allocate_returns_none_without_side_effects_when_full():
     assert kv.allocate_slots(r2, 8) is None
     assert kv.get_block_ids("b") == []
     assert kv.block_pool.free_queue.block_ids() == [3]
+
+
+def test_decode_within_a_block_allocates_and_publishes_nothing():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    req = make_request("a", [1, 2, 3, 4, 5, 6])
+    assert [b.block_id for b in kv.allocate_slots(req, 6)] == [1, 2]
+    req.num_computed_tokens = 6
+    req.append_output_token(7)
+    assert kv.allocate_slots(req, 1) == []  # position 6 fits in block 2, nothing becomes full
+    assert list(kv.block_pool.cached_blocks.values()) == [kv.block_pool.blocks[1]]
+    req.num_computed_tokens = 7
+    req.append_output_token(8)
+    assert kv.allocate_slots(req, 1) == []  # position 7 fills block 2: it is published
+    assert [b.block_id for b in kv.block_pool.cached_blocks.values()] == [1, 2]
+    assert kv.block_pool.blocks[2].block_hash == req.block_hashes(BS)[1]
+    req.num_computed_tokens = 8
+    req.append_output_token(9)
+    assert [b.block_id for b in kv.allocate_slots(req, 1)] == [3]
+    assert kv.get_block_ids("a") == [1, 2, 3]

@@ -1,0 +1,49 @@
+"""The runner's host-side inputs on exact values: decodes and prefill chunks in one flat batch."""
+
+import pytest
+import torch
+
+from engine.model.loader import load_model
+from engine.host_tensors import int_tensor
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_int_tensor_equals_torch_tensor(dtype):
+    values = [0, -1, 7, 2**31 - 1, -(2**31)] + list(range(1000))
+    out = int_tensor(values, dtype)
+    assert out.dtype == dtype and torch.equal(out, torch.tensor(values, dtype=dtype))
+    assert int_tensor([], dtype).shape == (0,) and int_tensor([], dtype).dtype == dtype
+
+
+def test_prepare_inputs_mixes_decodes_and_prefill_chunks():
+    runner = ModelRunner(load_model("tiny-llama-random"), torch.device("cpu"), torch.float32,
+                         num_blocks=32, block_size=BS)
+    sched = Scheduler(SchedulerConfig(max_active=4, max_num_batched_tokens=10, block_size=BS, num_blocks=32))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    a = Request("a", [11, 12, 13, 14, 15], params)
+    b = Request("b", [21, 22, 23], params)
+    c = Request("c", list(range(31, 41)), params)
+    for request in (a, b):
+        sched.add_request(request)
+    out = sched.schedule()  # a: 5 tokens in blocks 1-2, b: 3 in block 3
+    sched.update_from_output(out, {"a": 16, "b": 24})
+    sched.add_request(c)
+    out = sched.schedule()  # a, b decode; c prefills 10 - 2 = 8 of its 10 tokens
+    assert [(s.request.req_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 1), ("c", 8)]
+
+    ids, pos, meta = runner.prepare_inputs(out, sched.kv_cache_manager)
+    assert ids.tolist() == [16, 24, *range(31, 39)]
+    assert pos.tolist() == [5, 3, *range(8)]
+    # a: position 5 in its 2nd block (2); b: position 3 in block 3; c: blocks 4 and 5.
+    assert meta.slot_mapping.tolist() == [2 * BS + 1, 3 * BS + 3, *range(4 * BS, 6 * BS)]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 10]
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [6, 4, 8]
+    assert meta.query_lens_cpu == [1, 1, 8]
+    assert meta.block_tables.tolist() == [[1, 2], [3, 0], [4, 5]]
+    assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
