@@ -13,8 +13,8 @@ most important cells complete. Arms alternate their order from run to run, so sl
 With `reuse`, the sweep's cells instead share one cluster started at the largest max_active
 (a fresh cluster costs 20-25 s on the H200, more than most cells take): before each
 measurement the cluster is reconfigured for the arm and max_active, and each arm gets its own
-prompts and seeded prefix (same shapes, different token ids), so no arm finds another's KV
-blocks in the cache. Each run goes through every cell, arms alternating, before the next run.
+prompts and seeded prefix (same shapes, different token ids; the same arrival times), so no
+arm finds another's KV blocks in the cache. Each run goes through every cell, arms alternating, before the next run.
 The spec's cells (bench "seed") always get fresh clusters, as the spec prescribes.
 """
 
@@ -88,7 +88,8 @@ def _run_reused(ctx: BenchContext, items: list[PlanItem], arms: list[str], bar: 
                         bar.write(f"time budget spent: stopping before {item.cell.name}, run {run}, {arm}")
                         return records
                     cluster.configure(arm, item.cell.accel_max_active)
-                    records.append(_measure_item(ctx, cluster, item, arm, run, bar, token_seed(item.cell, run, arm)))
+                    records.append(_measure_item(ctx, cluster, item, arm, run, bar, token_seed(item.cell, run, arm),
+                                                 arrival_seed=token_seed(item.cell, run)))
     return records
 
 
@@ -122,10 +123,11 @@ def _run_cells(ctx: BenchContext, cluster: Any, items: list[PlanItem], arm: str,
 
 
 def _measure_item(ctx: BenchContext, cluster: Any, item: PlanItem, arm: str, run: int, bar: Any,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, arrival_seed: int | None = None) -> dict[str, Any]:
     cell = item.cell
     bar.set_description(f"run {run} {arm} {cell.name}")
-    record = measure(cluster, cell.workload(seed), ctx.temperature, on_done=lambda _: bar.update(1))
+    workload = cell.workload(seed, arrival_seed=arrival_seed)
+    record = measure(cluster, workload, ctx.temperature, on_done=lambda _: bar.update(1))
     record.update(bench=item.bench, cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
     write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
     return record

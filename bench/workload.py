@@ -157,14 +157,17 @@ class CellSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **asdict(self)}
 
-    def workload(self, token_seed: int, block_size: int = 16) -> Workload:
+    def workload(self, token_seed: int, block_size: int = 16, arrival_seed: int | None = None) -> Workload:
+        """The cell's requests; Poisson arrival times come from `arrival_seed` (default:
+        `token_seed`), so arms can share arrival times while their prompts differ."""
         if self.kind == "spec":
             return spec_workload(self.num_requests, self.prompt_tokens, self.seed_prefix_tokens, self.max_tokens,
                                  self.interval_s, token_seed, block_size, self.name)
         if self.arrival == "fixed":
             arrivals = fixed_arrivals(self.num_requests, self.interval_s)
         elif self.arrival == "poisson":
-            arrivals = poisson_arrivals(self.num_requests, self.rate_per_s, random.Random(token_seed + 7919))
+            seed = token_seed if arrival_seed is None else arrival_seed
+            arrivals = poisson_arrivals(self.num_requests, self.rate_per_s, random.Random(seed + 7919))
         else:
             raise ValueError(f"unknown arrival process {self.arrival!r}; use fixed or poisson")
         return sweep_workload(self.num_requests, self.prompt_tokens, self.max_tokens, self.cache_hit, arrivals,

@@ -65,3 +65,16 @@ def test_reused_cluster_gives_each_arm_its_own_prompts():
     a, b = cell.workload(token_seed(cell, 1, "cost")), cell.workload(token_seed(cell, 1, "accelerator-only"))
     assert a.seed_prompts != b.seed_prompts
     assert [len(r.prompt_token_ids) for r in a.requests] == [len(r.prompt_token_ids) for r in b.requests]
+
+
+def test_reused_cluster_keeps_poisson_arrivals_the_same_across_arms():
+    from bench.runner import token_seed
+    from bench.workload import CellSpec
+
+    cell = CellSpec(num_requests=6, arrival="poisson", rate_per_s=10.0)
+    a = cell.workload(token_seed(cell, 2, "cost"), arrival_seed=token_seed(cell, 2))
+    b = cell.workload(token_seed(cell, 2, "accelerator-only"), arrival_seed=token_seed(cell, 2))
+    assert [r.arrival_s for r in a.requests] == [r.arrival_s for r in b.requests]
+    assert a.requests[0].prompt_token_ids != b.requests[0].prompt_token_ids
+    other_run = cell.workload(token_seed(cell, 3, "cost"), arrival_seed=token_seed(cell, 3))
+    assert [r.arrival_s for r in other_run.requests] != [r.arrival_s for r in a.requests]
