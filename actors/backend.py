@@ -42,6 +42,11 @@ IDLE_POLL_S = 0.05
 # of the steps in between: each streamed item costs the actor about half a millisecond of its
 # GIL, which at one item per request per step slowed a GPU backend's served path ~2x.
 STREAM_INTERVAL_S = 0.01
+# ...and across all its streams at most this many messages per second: with 48 streams, one
+# message each per 10 ms would be 4,800 a second, more GIL than the process has. The interval
+# grows with the number of streams instead (48 streams: one message each per 96 ms); the first
+# token of every stream still goes out at once.
+MAX_STREAM_MESSAGES_PER_S = 500.0
 STATS_INTERVAL_S = 0.5
 
 
@@ -49,6 +54,10 @@ STATS_INTERVAL_S = 0.5
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Engine-thread state: outputs merged but not yet handed over, and when the next hand-over
+    # is due (time.monotonic; 0: the first output goes at once).
+    pending: Any = None
+    next_send: float = 0.0
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -65,6 +74,7 @@ class BackendActor:
         router: Any = None,
         report_interval_s: float = 0.02,
         stream_interval_s: float = STREAM_INTERVAL_S,
+        max_stream_messages_per_s: float = MAX_STREAM_MESSAGES_PER_S,
     ) -> None:
         import torch
 
@@ -76,6 +86,7 @@ class BackendActor:
         self.backend_id = backend_id
         self.instance_id = uuid.uuid4().hex[:12]
         self.stream_interval_s = stream_interval_s
+        self.max_stream_messages_per_s = max_stream_messages_per_s
         self.threads = threads
         self.router = router
         self.report_interval_s = report_interval_s
@@ -92,6 +103,7 @@ class BackendActor:
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
         self._pending_progress: list = []
         self._pending_steps: list[tuple[int, int, int, float]] = []
         self._pending_cache_changes: dict[int, bool] = {}  # block hash -> published / evicted
@@ -187,24 +199,26 @@ class BackendActor:
             num_prompt_tokens = await self._call(fn)
             admitted = True
             yield Admitted(req_id, self.backend_id, num_prompt_tokens)
-            pending_error, next_send = None, 0.0
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                wait_s = next_send - stream.loop.time()
-                if wait_s > 0 and not item.finished:
-                    await asyncio.sleep(wait_s)  # let the next steps' tokens join this message
                 item, pending_error = _coalesce(item, stream.queue)
                 finished = item.finished
                 yield item
-                next_send = stream.loop.time() + self.stream_interval_s
                 if pending_error is not None:
                     raise pending_error
         finally:
             self._streams.pop(req_id, None)
             if admitted and not finished:
                 self._commands.put(lambda: self.engine.abort_request(req_id))
+
+    def _stream_interval(self) -> float:
+        """Seconds until a stream's next message: the configured interval, stretched so that all
+        streams together stay within `max_stream_messages_per_s` (0: no limit)."""
+        if self.max_stream_messages_per_s <= 0:
+            return self.stream_interval_s
+        return max(self.stream_interval_s, len(self._streams) / self.max_stream_messages_per_s)
 
     async def abort(self, req_id: str) -> bool:
         return await self._call(lambda: self.engine.abort_request(req_id))
@@ -270,15 +284,32 @@ class BackendActor:
                 return
 
     def _deliver(self, outputs: list) -> None:
-        """Hand a step's outputs to their streams with one wake-up of the event loop, not one
-        per request: at batch 48 the per-call cost of `call_soon_threadsafe` adds up."""
-        deliveries = [(stream, out) for out in outputs if (stream := self._streams.get(out.req_id)) is not None]
-        if deliveries:
-            deliveries[0][0].loop.call_soon_threadsafe(_put_all, deliveries)
+        """Merge a step's outputs into their streams and hand over those that are due, with one
+        wake-up of the event loop, not one per request. Pacing happens here, in the engine
+        thread: a stream's coroutine wakes only to send, not on every step to wait (48 woken
+        coroutines per step cost the engine more GIL than the messages themselves)."""
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is not None:
+                stream.pending = out if stream.pending is None else stream.pending.merge(out)
+                self._held[out.req_id] = stream
+        due = [(req_id, stream) for req_id, stream in self._held.items()
+               if stream.pending.finished or now >= stream.next_send]
+        if not due:
+            return
+        interval = self._stream_interval()
+        deliveries = []
+        for req_id, stream in due:
+            del self._held[req_id]
+            deliveries.append((stream, stream.pending))
+            stream.pending, stream.next_send = None, now + interval
+        deliveries[0][0].loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _fail_all(self, trace: str) -> None:
         logger.error("backend %s: engine loop failed:\n%s", self.backend_id, trace)
         error = BackendError(f"backend {self.backend_id}: engine failed: {trace.strip().splitlines()[-1]}")
+        self._held.clear()  # outputs not yet handed over: the error replaces them
         for req_id, stream in list(self._streams.items()):
             stream.put(error)
             try:

@@ -4,7 +4,8 @@ A backend actor adds work per streamed message (Ray's streaming-generator item, 
 hand-off, pickling an output) and that work shares the actor process's GIL with the engine
 thread. This script runs the same N concurrent requests (a) in-process through `LLMEngine` and
 (b) through `cluster.start(...)`'s driver API (router + backend actor, no HTTP) once per
-`--stream-intervals` value, and prints output tok/s for each beside the in-process baseline.
+`--stream-intervals` value (uncapped) and once per `--max-stream-messages` cap, and prints
+output tok/s for each beside the in-process baseline.
 
     python -m bench.served_path                       # tiny model: the overhead dominates
     python -m bench.served_path --model smollm2-135m --num-requests 8 --max-tokens 64
@@ -34,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default 1)")
     parser.add_argument("--stream-intervals", default="0,0.01",
                         help="comma-separated stream_interval_s values to serve with (default 0,0.01)")
+    parser.add_argument("--max-stream-messages", default="0,500",
+                        help="comma-separated caps on one backend's messages per second, all streams "
+                             "together, each served with the last stream interval (default 0,500; 0: none)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system; the best is reported")
     parser.add_argument("--out", default="out/bench_served_path.json", help="JSON output path")
     return parser.parse_args(argv)
@@ -63,13 +67,14 @@ def run_in_process(args: argparse.Namespace) -> float:
     return best
 
 
-def run_served(args: argparse.Namespace, stream_interval_s: float, tmp: Path) -> dict:
+def run_served(args: argparse.Namespace, stream_interval_s: float, max_messages: float, tmp: Path) -> dict:
     import cluster
 
     tandem = cluster.start(model=args.model, backends=["cpu"], cpu_threads=args.threads,
                            max_active=args.num_requests, serve_http=False, rates=str(tmp / "rates.json"),
                            rates_cache=str(tmp / "rates-cache.json"), profile="never",
                            routing_log=str(tmp / "routing.jsonl"), stream_interval_s=stream_interval_s,
+                           max_stream_messages_per_s=max_messages,
                            log=lambda line: None)
     try:
         runs = [asyncio.run(_served_run(tandem, args)) for _ in range(args.repeats + 1)][1:]
@@ -101,15 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "rates.json").write_text(json.dumps({"cpu": {"prefill_tok_s": 500.0, "decode_tok_s": 50.0}}))
     baseline = run_in_process(args)
     rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
-    for interval in (float(v) for v in args.stream_intervals.split(",")):
-        served = run_served(args, interval, tmp)
-        rows.append({"system": f"through actors, stream_interval_s={interval:g}", **served})
+    intervals = [float(v) for v in args.stream_intervals.split(",")]
+    caps = [float(v) for v in args.max_stream_messages.split(",")]
+    settings = [(i, 0.0) for i in intervals] + [(intervals[-1], c) for c in caps if c > 0]
+    for interval, cap in settings:
+        served = run_served(args, interval, cap, tmp)
+        name = f"through actors, stream_interval_s={interval:g}" + (f", <= {cap:g} msgs/s" if cap else "")
+        rows.append({"system": name, **served})
     print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
           f"{args.threads} engine thread(s), best of {args.repeats}")
-    print(f"{'system':<42} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")
+    print(f"{'system':<56} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")
     for row in rows:
         msgs = "" if row["messages_per_request"] is None else f"{row['messages_per_request']:.0f}"
-        print(f"{row['system']:<42} {row['output_tok_s']:>10.0f} {row['output_tok_s'] / baseline:>9.2f}x {msgs:>9}")
+        print(f"{row['system']:<56} {row['output_tok_s']:>10.0f} {row['output_tok_s'] / baseline:>9.2f}x {msgs:>9}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "machine": machine_info(args.threads),

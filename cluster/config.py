@@ -86,6 +86,7 @@ class TandemConfig(BaseModel):
     max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     max_route_attempts: int = Field(default=3, ge=1)
     stream_interval_s: float = Field(default=0.01, ge=0)  # after the first token, one message per interval
+    max_stream_messages_per_s: float = Field(default=500.0, ge=0)  # per backend, all streams; 0: no cap
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
     access_log: bool = True  # Serve's per-request log lines

@@ -247,7 +247,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, ro
         options["scheduling_strategy"] = placement
     return ray.remote(actor_cls).options(**options).remote(
         plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, router,
-        stream_interval_s=config.stream_interval_s)
+        stream_interval_s=config.stream_interval_s, max_stream_messages_per_s=config.max_stream_messages_per_s)
 
 
 def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[Any], backends: dict[str, Any],
