@@ -104,7 +104,10 @@ class BackendActor:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
-        self._pending_progress: list = []
+        # Latest progress per request: reports carry absolute counts, so between two reports
+        # only the last state of each request matters (at batch 48 and ~1 ms steps a report
+        # would otherwise carry ~20 copies of each).
+        self._pending_progress: dict[str, Any] = {}
         self._pending_steps: list[tuple[int, int, int, float]] = []
         self._pending_cache_changes: dict[int, bool] = {}  # block hash -> published / evicted
         self._last_report = 0.0
@@ -328,7 +331,7 @@ class BackendActor:
         batch_size = st.step_decode_tokens or len(outputs)  # a decode step gives each request one token
         self._pending_steps.append((st.step_prefill_tokens, st.step_decode_tokens, batch_size, elapsed))
         now = time.monotonic()
-        self._pending_progress.extend(self.engine.drain_progress())
+        self._pending_progress.update((p.req_id, p) for p in self.engine.drain_progress())
         self._pending_cache_changes.update(self.engine.drain_cache_changes())
         if now - self._last_report >= self.report_interval_s:
             self._report(now)
@@ -337,7 +340,7 @@ class BackendActor:
 
     def _after_idle(self) -> None:
         now = time.monotonic()
-        self._pending_progress.extend(self.engine.drain_progress())
+        self._pending_progress.update((p.req_id, p) for p in self.engine.drain_progress())
         self._pending_cache_changes.update(self.engine.drain_cache_changes())
         if self._pending_progress or self._pending_steps or self._pending_cache_changes:
             self._report(now)
@@ -348,7 +351,7 @@ class BackendActor:
         self._last_report = now
         if not (self._pending_progress or self._pending_steps or self._pending_cache_changes):
             return
-        progress, self._pending_progress = self._pending_progress, []
+        progress, self._pending_progress = list(self._pending_progress.values()), {}
         steps, self._pending_steps = self._pending_steps, []
         cache_changes, self._pending_cache_changes = self._pending_cache_changes, {}
         if self.router is not None:
