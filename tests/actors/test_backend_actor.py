@@ -193,3 +193,22 @@ def test_reported_cache_changes_mirror_the_engine_prefix_cache():
         assert mirror_answers() == engine_answers == [32, 16, 16, 0]
     finally:
         run(actor.shutdown())
+
+
+def test_pacing_sends_the_first_token_at_once_then_one_message_per_interval():
+    """With a long interval, a 12-token stream arrives as the first token alone, then the rest in
+    few messages; with the message cap, the interval stretches with the number of streams."""
+    actor = BackendActor("cpu1", ENGINE, threads=1, stream_interval_s=10.0)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outs = run(collect(actor, "p", list(range(10, 30)), params))
+        assert [len(o.new_token_ids) for o in outs] == [1, 11]  # the finished output is never held
+        assert outs[-1].finished
+        capped = BackendActor.__new__(BackendActor)
+        capped.stream_interval_s, capped.max_stream_messages_per_s = 0.01, 500.0
+        capped._streams = {f"r{i}": None for i in range(48)}
+        assert capped._stream_interval() == pytest.approx(48 / 500)
+        capped.max_stream_messages_per_s = 0.0
+        assert capped._stream_interval() == 0.01
+    finally:
+        run(actor.shutdown())
