@@ -99,7 +99,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder for the JSON (meta.json, runs/, summary.json)")
     parser.add_argument("--model", default="smollm2-135m", help="model preset (default smollm2-135m)")
     parser.add_argument("--backends", default="cpu,auto", help="backends (default cpu,auto)")
-    parser.add_argument("--cpu-threads", type=int, help="torch threads per cpu backend (default cores / cpu backends)")
+    parser.add_argument("--cpu-threads", type=int,
+                        help="torch threads per cpu backend (default: the cores left after one for serving and "
+                             "one per accelerator backend, shared by the cpu backends)")
     parser.add_argument("--cpu-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="cpu backends' dtype (default auto: float32)")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")

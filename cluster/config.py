@@ -65,7 +65,7 @@ class TandemConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
-    cpu_threads: int | None = Field(default=None, ge=1)  # per cpu backend; None: cores / cpu backends
+    cpu_threads: int | None = Field(default=None, ge=1)  # per cpu backend; None: (cores - 1 - accelerators) / cpu backends
     seed: int = 0
 
     host: str = "127.0.0.1"

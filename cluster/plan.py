@@ -5,9 +5,12 @@ explicit cuda backend already claims, else mps when this machine has Apple's GPU
 cpu backend. The decision is made once, in the launcher, from what the Ray cluster reports
 (so a GPU on another node counts), and each backend actor logs it again at start-up.
 
-CPU threads: the cpu backends share this machine's cores, so each gets `cores // num_cpu`
-torch threads unless told otherwise; accelerator backends only need a thread for the host-side
-Python.
+CPU threads: the cpu backends share this machine's cores, less one core for the serving path
+(HTTP ingress, router, Ray) and one per accelerator backend, whose step loop launches kernels
+from Python and stalls when it has to wait for a core: each cpu backend gets
+`(cores - 1 - num_accelerators) // num_cpu` torch threads (at least 1) unless told otherwise.
+On the H200's 16 cores that is 14; oversubscribed OpenMP threads of a cpu backend had slowed
+both backends down. Accelerator backends only need a thread for the host-side Python.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
         resolved.append((backend, device, reason))
 
     num_cpu = sum(device == "cpu" for _, device, _ in resolved)
-    default_cpu_threads = config.cpu_threads or max(1, num_cores // max(1, num_cpu))
+    num_reserved = 1 + (len(resolved) - num_cpu)  # serving, and each accelerator's step loop
+    default_cpu_threads = config.cpu_threads or max(1, (num_cores - num_reserved) // max(1, num_cpu))
     used_ids = {b.id for b, _, _ in resolved if b.id}
     counters: dict[str, int] = {}
     plans = []

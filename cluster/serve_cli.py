@@ -50,7 +50,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", help="comma-separated devices, cpu, cuda, mps or auto; id=device names "
                         "one (default cpu,auto: auto is cuda, else mps, else a second cpu)")
     parser.add_argument("--max-active", type=int, help="running requests per backend (default 4)")
-    parser.add_argument("--cpu-threads", type=int, help="torch threads per cpu backend (default cores / cpu backends)")
+    parser.add_argument("--cpu-threads", type=int,
+                        help="torch threads per cpu backend (default: the cores left after one for serving and "
+                             "one per accelerator backend, shared by the cpu backends)")
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:

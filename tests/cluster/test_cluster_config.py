@@ -42,9 +42,9 @@ def test_auto_prefers_cuda_then_mps_then_cpu():
     config = TandemConfig(backends=[{"device": "cpu"}, {"device": "auto"}])
     cuda = plan_backends(config, num_gpus=1, mps_available=True, num_cores=16)
     assert [(p.backend_id, p.device, p.num_gpus) for p in cuda] == [("cpu0", "cpu", 0.0), ("cuda0", "cuda", 1.0)]
-    assert cuda[0].threads == 16 and cuda[1].threads == 1
+    assert cuda[0].threads == 14 and cuda[1].threads == 1  # a core for serving, one for the GPU's loop
     mps = plan_backends(config, num_gpus=0, mps_available=True, num_cores=8)
-    assert [p.device for p in mps] == ["cpu", "mps"]
+    assert [(p.device, p.threads) for p in mps] == [("cpu", 6), ("mps", 1)]
     cpu = plan_backends(config, num_gpus=0, mps_available=False, num_cores=2)
     assert [(p.backend_id, p.device, p.threads) for p in cpu] == [("cpu0", "cpu", 1), ("cpu1", "cpu", 1)]
     assert "second cpu" in cpu[1].reason
