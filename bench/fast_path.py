@@ -15,6 +15,9 @@ hits the prefix cache. Every row is measured in this run, on this machine:
                    batch of 48; HF `generate_batch` (transformers' continuous batching)
   cpu              the same engine on the CPU with 14 torch threads, fp32 and bf16, against HF
                    eager on the same threads (fewer sizes: the CPU is ~100x slower)
+  cpu_b4           the CPU target's own numbers: B=4 decode steps of our engine and of HF eager
+                   in alternating rounds (so drift on a shared machine hits both), medians, and
+                   the aten ops one step dispatches (all, and top-level), a noise-free proxy
   profile          kernel time by kind for one eager decode step (torch.profiler), next to the
                    graph replay and engine step times: where a step's time goes
 
@@ -37,8 +40,8 @@ from pathlib import Path
 
 MODEL = "qwen2.5-0.5b-random"
 PROMPT_LEN = 516
-SECTIONS = ("floor", "gpu", "hf_gpu", "cpu", "hf_batch")
-DEFAULT_TIMEOUTS = {"floor": 60, "gpu": 150, "hf_gpu": 120, "cpu": 150, "hf_batch": 120}
+SECTIONS = ("floor", "gpu", "hf_gpu", "cpu", "cpu_b4", "hf_batch")
+DEFAULT_TIMEOUTS = {"floor": 60, "gpu": 150, "hf_gpu": 120, "cpu": 150, "cpu_b4": 240, "hf_batch": 120}
 
 
 def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -277,15 +280,16 @@ def section_gpu(args) -> dict:
 
     device = "cuda"
     out = {"dtype": "bfloat16"}
-    engine = make_engine(args.model, device, max(args.decode_batches))
+    # Decode and prefill timings, then throughput with the old 2,048-token step budget.
+    engine = make_engine(args.model, device, max(args.decode_batches), max_num_batched_tokens=2048)
     out["decode"] = [engine_decode(engine, b, args.decode_steps, seed=10 + b, device=device)
                      for b in args.decode_batches]
     out["prefill"] = engine_prefill(engine, 5, seed=3, device=device)
     out["throughput"] = [engine_throughput(engine, args.num_requests, args.max_tokens, seed=7)]
     del engine
     torch.cuda.empty_cache()
-    # The same with a 8192-token step budget: 4 prefill steps instead of 13, each one GPU-bound.
-    engine = make_engine(args.model, device, 64, max_num_batched_tokens=8192)
+    # The default on cuda, an 8,192-token step budget: 4 prefill steps instead of 13, each one GPU-bound.
+    engine = make_engine(args.model, device, 64)
     out["throughput"].append(engine_throughput(engine, args.num_requests, args.max_tokens, seed=7))
     del engine
     torch.cuda.empty_cache()
@@ -458,6 +462,82 @@ def section_cpu(args) -> dict:
     return out
 
 
+def section_cpu_b4(args) -> dict:
+    """Ours vs HF eager, B=4 decode on the CPU, alternating rounds; medians and op counts per dtype."""
+    import torch
+
+    torch.set_num_threads(args.cpu_threads)
+    out = {"threads": args.cpu_threads, "batch": 4, "context": PROMPT_LEN, "rounds": args.cpu_rounds}
+    for dtype in ("float32", "bfloat16"):
+        steppers = {"ours": _engine_decoder(make_engine(args.model, "cpu", 4, dtype, args.cpu_threads), 4),
+                    "hf": _hf_decoder(hf_model(args.model, "cpu", getattr(torch, dtype)), 4)}
+        times = {name: [] for name in steppers}
+        for _ in range(args.cpu_rounds):
+            for name, step in steppers.items():
+                for _ in range(args.cpu_decode_steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times[name].append(time.perf_counter() - t0)
+        out[dtype] = {name: dict(step_ms=1e3 * statistics.median(times[name]), **count_aten_ops(step))
+                      for name, step in steppers.items()}
+        out[dtype]["hf_over_ours"] = out[dtype]["hf"]["step_ms"] / out[dtype]["ours"]["step_ms"]
+        del steppers
+    return out
+
+
+def _engine_decoder(engine, batch: int):
+    """`batch` requests past their prefill; returns a function that runs one decode step."""
+    _add(engine, random_prompts(batch, PROMPT_LEN, 14), engine.max_model_len - PROMPT_LEN, "b4")
+    first = 0
+    while first < batch:
+        first += sum(1 for o in engine.step() if o.new_token_ids and o.usage.completion_tokens == 1)
+    for _ in range(2):
+        engine.step()
+    return engine.step
+
+
+def _hf_decoder(model, batch: int):
+    """HF eager with a DynamicCache after a `batch`-row prefill; one call = one decode step + argmax."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor(random_prompts(batch, PROMPT_LEN, 14)), use_cache=True, logits_to_keep=1)
+    state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    def step() -> None:
+        with torch.inference_mode():
+            out = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+            state["past"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            state["next"].tolist()
+
+    for _ in range(2):
+        step()
+    return step
+
+
+def count_aten_ops(step, steps: int = 2) -> dict:
+    """aten ops one `step()` dispatches: every record, and those not nested in another aten op."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    every, top = 0, Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        every += 1
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            top[event.name.removeprefix("aten::")] += 1
+    return {"aten_ops": every / steps, "top_level_ops": sum(top.values()) / steps,
+            "top_level_by_op": {k: v / steps for k, v in top.most_common(20)}}
+
+
 def cpu_op_profile(make, batch: int = 4, steps: int = 3) -> dict:
     """Top torch ops by self CPU time over a few decode steps (where a CPU step goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -531,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.section:
         fn = {"floor": section_floor, "gpu": section_gpu, "hf_gpu": section_hf_gpu, "cpu": section_cpu,
-              "hf_batch": section_hf_batch}[args.section]
+              "cpu_b4": section_cpu_b4, "hf_batch": section_hf_batch}[args.section]
         _part_path(args, args.section).write_text(json.dumps(fn(args), indent=1))
         return
     from bench._machine import machine_info, run_stamp
@@ -580,15 +660,21 @@ def targets(s: dict) -> dict:
                    and t.get("max_num_batched_tokens") == 2048), None)
     tput64_8k = next((t["tok_s"] for t in gpu.get("throughput", []) if t["max_active"] == 64
                       and t.get("max_num_batched_tokens") == 8192), None)
-    ours4 = [_decode_at(_get(cpu, "ours", d, "decode"), 4) for d in ("float32", "bfloat16")]
-    hf4 = [_decode_at(_get(cpu, "hf", d, "decode"), 4) for d in ("float32", "bfloat16")]
+    b4 = s.get("cpu_b4", {})
+    if all(_get(b4, d, who, "step_ms") for d in ("float32", "bfloat16") for who in ("ours", "hf")):
+        ours4 = [b4[d]["ours"]["step_ms"] for d in ("float32", "bfloat16")]  # the interleaved runs
+        hf4 = [b4[d]["hf"]["step_ms"] for d in ("float32", "bfloat16")]
+    else:
+        ours4 = [_decode_at(_get(cpu, "ours", d, "decode"), 4) for d in ("float32", "bfloat16")]
+        hf4 = [_decode_at(_get(cpu, "hf", d, "decode"), 4) for d in ("float32", "bfloat16")]
     ours4, hf4 = [x for x in ours4 if x], [x for x in hf4 if x]
     ratio = min(hf4) / min(ours4) if ours4 and hf4 else None
     return {
         "gpu_decode_b4_ms": {"target": 1.5, "measured": step4, "met": step4 is not None and step4 <= 1.5},
-        "gpu_tok_s_48x516x128_ma64": {"target": 15000, "measured": tput64, "met": tput64 is not None and tput64 >= 15000},
-        "gpu_tok_s_48x516x128_ma64_8k_steps": {"target": 15000, "measured": tput64_8k,
-                                               "met": tput64_8k is not None and tput64_8k >= 15000},
+        "gpu_tok_s_48x516x128_ma64": {"target": 15000, "measured": tput64_8k,
+                                      "met": tput64_8k is not None and tput64_8k >= 15000},
+        "gpu_tok_s_48x516x128_ma64_2k_steps": {"target": 15000, "measured": tput64,
+                                               "met": tput64 is not None and tput64 >= 15000},
         "cpu_decode_b4_speedup_vs_hf_best": {"target": 1.3, "measured": ratio, "met": ratio is not None and ratio >= 1.3},
     }
 
@@ -622,6 +708,15 @@ def render_table(r: dict) -> str:
             dec = _get(cpu, key, d, "decode")
             lines.append(f"| {who} CPU {cpu.get('threads', '?')} threads {d} | " + _fmt(_decode_at(dec, 1), 1)
                          + " | " + _fmt(_decode_at(dec, 4), 1) + " | — | — |")
+    b4 = s.get("cpu_b4", {})
+    if _get(b4, "float32") or _get(b4, "bfloat16"):
+        lines += ["", f"| CPU B=4 decode, {b4.get('threads')} threads, alternating rounds | ms/step | aten ops/step "
+                      "(top-level) |", "|---|---|---|"]
+        for d in ("float32", "bfloat16"):
+            for who, key in (("Tandem", "ours"), ("HF eager", "hf")):
+                row = _get(b4, d, key, default={})
+                lines.append(f"| {who} {d} | {_fmt(row.get('step_ms'), 1)} | {_fmt(row.get('aten_ops'), 0)} "
+                             f"({_fmt(row.get('top_level_ops'), 0)}) |")
     lines += ["", "| prefill, one 516-token prompt | tok/s | TTFT ms |", "|---|---|---|"]
     for label, p in (("Tandem GPU bf16", gpu.get("prefill")), ("HF eager GPU bf16", hf.get("prefill")),
                      *((f"Tandem CPU {d}", _get(cpu, "ours", d, "prefill")) for d in ("float32", "bfloat16")),
@@ -690,6 +785,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--cpu-threads", type=int, default=14)
     parser.add_argument("--cpu-decode-steps", type=int, default=12)
+    parser.add_argument("--cpu-rounds", type=int, default=3, help="cpu_b4: alternating rounds of --cpu-decode-steps")
     parser.add_argument("--cpu-requests", type=int, default=8)
     parser.add_argument("--cpu-max-tokens", type=int, default=32)
     parser.add_argument("--timeout", action="append", default=[], metavar="SECTION=SECONDS",

@@ -93,19 +93,27 @@ class CUDAGraphRunner:
         """One decode token per request; returns float32 logits [len(input_ids), vocab]."""
         num_reqs = len(input_ids)
         batch_size = next(b for b in self.batch_sizes if b >= num_reqs)
-        pad = batch_size - num_reqs
-        rows = int_tensor(input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad + seq_lens + [1] * pad,
-                          torch.int64).view(4, batch_size)
+        rows, table = pack_decode_inputs(input_ids, positions, slots, seq_lens, block_tables, batch_size)
         self.inputs[:, :batch_size].copy_(rows, non_blocking=True)
         # Only the first ceil(seq_len / block_size) entries of a row are read, so columns past
         # this step's widest table may keep stale block ids; padded rows read column 0, set to 0.
-        width = max(len(t) for t in block_tables)
-        table: list[int] = []
-        for t in block_tables:
-            table += t
-            table += [0] * (width - len(t))
-        table += [0] * (width * pad)
-        self.block_tables[:batch_size, :width].copy_(int_tensor(table, torch.int32).view(batch_size, width),
-                                                     non_blocking=True)
+        self.block_tables[:batch_size, : table.shape[1]].copy_(table, non_blocking=True)
         self.graphs[batch_size].replay()
         return self.logits[batch_size][:num_reqs]
+
+
+def pack_decode_inputs(input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph's inputs for one decode step, padded to `batch_size` rows, as host tensors:
+    int64 [4, batch_size] (token ids, positions, slots, sequence lengths; padded rows write to
+    slot -1, i.e. nowhere) and the int32 block table [batch_size, widest table]."""
+    pad = batch_size - len(input_ids)
+    rows = int_tensor(input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad + seq_lens + [1] * pad,
+                      torch.int64).view(4, batch_size)
+    width = max(len(t) for t in block_tables)
+    table: list[int] = []
+    for t in block_tables:
+        table += t
+        table += [0] * (width - len(t))
+    table += [0] * (width * pad)
+    return rows, int_tensor(table, torch.int32).view(batch_size, width)

@@ -7,10 +7,14 @@ then for each request gathers that request's whole context back out of its block
 
 It is still built to be quick on CPU, where it is the production path: per-request loops use the
 host copies of the lengths (no device sync), a request with no cached context attends straight
-to its fresh K/V (no gather), and a decode token attends to its whole context (no mask).
+to its fresh K/V (no gather), and a decode token attends to its whole context (no mask). What
+depends only on the step's metadata (whether any slot is padding, the decodes' block ids and
+padding mask) is worked out once per forward, in a `_StepPlan` every layer shares, not per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +31,18 @@ def _native_gqa(device: torch.device) -> bool:
     return _TORCH_VERSION >= (2, 5)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each new token's K/V at its slot (block_id * block_size + offset); slots < 0 are skipped."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   all_slots_valid: bool | None = None) -> None:
+    """Store each new token's K/V at its slot (block_id * block_size + offset); slots < 0 are skipped.
+
+    `all_slots_valid` says no slot is padding (None: find out here). Then the write is two
+    `index_copy_`s, with no boolean indexing, whose `nonzero` costs a thread-pool round trip.
+    """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    if slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all()):
-        # The common case on the CPU path (the runner pads nothing): no boolean indexing, whose
-        # `nonzero` costs a thread-pool round trip per layer.
+    if all_slots_valid is None:
+        all_slots_valid = _all_slots_valid(slot_mapping)
+    if all_slots_valid:
         flat_cache[0].index_copy_(0, slot_mapping, k)
         flat_cache[1].index_copy_(0, slot_mapping, v)
         return
@@ -41,6 +50,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     slots = slot_mapping[valid]
     flat_cache[0].index_copy_(0, slots, k[valid])
     flat_cache[1].index_copy_(0, slots, v[valid])
+
+
+def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
+    """Checked on the CPU only, where reading the answer costs no device sync (elsewhere: assume padding)."""
+    return slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all())
 
 
 def gather_context(
@@ -54,8 +68,50 @@ def gather_context(
     return context[0], context[1]
 
 
+@dataclass
+class _StepPlan:
+    """What every layer of one forward would otherwise recompute from the same metadata."""
+
+    all_slots_valid: bool
+    num_decodes: int  # the leading run of one-token requests, attended in one batched SDPA
+    decode_block_tables: torch.Tensor | None  # [num_decodes, blocks of the longest context] int64
+    decode_max_len: int
+    # [num_decodes, 1, 1, max_len] additive mask (0 or -inf) in the model dtype, what SDPA would
+    # turn a boolean mask into on every call; None when all contexts have the same length.
+    decode_mask: torch.Tensor | None
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+        num_decodes = _num_leading_decodes(meta.query_lens_cpu)
+        tables, max_len, mask = None, 0, None
+        if num_decodes:
+            seq_lens_cpu = meta.seq_lens_cpu[:num_decodes]
+            max_len = max(seq_lens_cpu)
+            # int64 once here, rather than an implicit int32 -> int64 copy in every layer's gather
+            tables = meta.block_tables[:num_decodes, : -(-max_len // block_size)].long()
+            if min(seq_lens_cpu) != max_len:
+                positions = torch.arange(max_len, device=meta.seq_lens.device)
+                padding = positions[None, :] >= meta.seq_lens[:num_decodes, None]
+                mask = torch.zeros(padding.shape, dtype=dtype, device=padding.device).masked_fill_(padding, float("-inf"))
+                mask = mask[:, None, None, :]
+        return cls(_all_slots_valid(meta.slot_mapping), num_decodes, tables, max_len, mask)
+
+
 class TorchRefAttention:
-    """Paged attention over a flat varlen batch; stateless, so one instance serves every layer."""
+    """Paged attention over a flat varlen batch; one instance serves every layer of a model.
+
+    Its only state is the plan of the step in flight, built by the first layer to see that
+    step's metadata object and reused by the rest (the runner builds new metadata each step).
+    """
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+
+    def _plan_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+        if meta is not self._plan_meta:
+            self._plan, self._plan_meta = _StepPlan.build(meta, kv_cache.shape[2], kv_cache.dtype), meta
+        return self._plan
 
     def forward(
         self,
@@ -67,13 +123,14 @@ class TorchRefAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        num_decodes = _num_leading_decodes(meta.query_lens_cpu)
+        plan = self._plan_for(meta, kv_cache)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, plan.all_slots_valid)
+        num_decodes = plan.num_decodes
         if num_decodes == meta.num_reqs:
-            return _decode_batch(q, kv_cache, meta, num_decodes, scale)
+            return _decode_batch(q, kv_cache, plan, scale)
         out = torch.empty_like(q)
         if num_decodes:
-            out[:num_decodes] = _decode_batch(q[:num_decodes], kv_cache, meta, num_decodes, scale)
+            out[:num_decodes] = _decode_batch(q[:num_decodes], kv_cache, plan, scale)
         start = num_decodes
         for i in range(num_decodes, meta.num_reqs):
             query_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
@@ -98,26 +155,25 @@ def _num_leading_decodes(query_lens: list[int]) -> int:
     return len(query_lens)
 
 
-def _decode_batch(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_reqs: int, scale: float
-) -> torch.Tensor:
-    """The first `num_reqs` requests, one query each, in a single SDPA over contexts padded to the longest.
+def _decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
+    """The plan's leading decodes, one query each, in a single SDPA over contexts padded to the longest.
 
     One gather and one SDPA call for the whole batch instead of one per request: about half the
     CPU time per layer at 4-8 requests. Each query is its request's newest token, so it sees its
     whole context and no causal mask is needed; a padding mask is built only when lengths differ.
+
+    The query heads that share a K/V head ride as that head's query rows ([B, Hkv, Hq/Hkv, D]),
+    not as heads with `enable_gqa`: the CPU SDPA kernel then reads each context once per K/V
+    head instead of once per query head. At Qwen2.5-0.5B's 14:2 heads, batch 4, context 516: bf16
+    1.3 ms -> 0.11 ms per layer on 2 AVX-512 cores, 63 -> 52 us on 14 AMX Xeon threads.
     """
-    seq_lens_cpu = meta.seq_lens_cpu[:num_reqs]
-    max_len = max(seq_lens_cpu)
-    num_blocks = -(-max_len // kv_cache.shape[2])
-    blocks = kv_cache[:, meta.block_tables[:num_reqs, :num_blocks]]  # [2, B, nb, BS, Hkv, D]
-    context = blocks.flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # [2, B, Hkv, L, D]
-    mask = None
-    if min(seq_lens_cpu) != max_len:
-        positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:num_reqs, None])[:, None, None, :]
-    out = _sdpa(q.unsqueeze(2), context[0], context[1], scale, attn_mask=mask)  # [B, Hq, 1, D]
-    return out.squeeze(2)
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    blocks = kv_cache[:, plan.decode_block_tables]  # [2, B, nb, BS, Hkv, D]
+    context = blocks.flatten(2, 3)[:, :, : plan.decode_max_len].transpose(2, 3)  # [2, B, Hkv, L, D]
+    grouped_q = q.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped_q, context[0], context[1], attn_mask=plan.decode_mask, scale=scale)
+    return out.reshape(num_reqs, num_heads, head_dim)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

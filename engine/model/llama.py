@@ -9,6 +9,10 @@ a swappable backend (the reference torch path, or a fast path with the same inte
 q/k/v and gate/up are each one merged matmul (one weight read instead of three or two); the
 loader in `weights.py` merges the HF checkpoint's separate matrices. The arithmetic follows
 transformers' order (norms in float32, RoPE tables cast to the model dtype) so logits match HF.
+
+On the CPU this is the production path, where every eager op costs a dispatch (and, past 32k
+elements, a thread-pool fork/join), so a layer is kept to few ops: q and k are rotated
+in one pass, and the attention backend does the step's per-batch bookkeeping once per forward.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
+        if input_dtype == torch.float32:  # skip two no-op casts: each is still a dispatch
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(input_dtype)
@@ -95,10 +101,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k heads rotate in one pass (their columns are adjacent): five ops instead of ten.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -101,3 +101,31 @@ def test_repeated_kv_fallback_matches_native_gqa(make_step, monkeypatch):
     monkeypatch.setattr(torch_ref, "_native_gqa", lambda device: False)
     out, expected, _, _ = run_step([(2, 1), (5, 1), (0, 6), (7, 3)], 6, 2, make_step)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_share_one_plan_per_step(make_step):
+    """One backend serves every layer: the per-step plan is reused within a step, rebuilt for the next."""
+    torch.manual_seed(0)
+    backend, scale = TorchRefAttention(), 0.5
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 8) for _ in range(2)]
+    prompts = [(torch.randn(n, 2, 8), torch.randn(n, 2, 8)) for n in (5, 9)]
+    _, prefill = make_step([(0, 5), (0, 9)], BLOCK_SIZE)
+    k0, v0 = (torch.cat(t) for t in zip(*prompts))
+    for cache in caches:  # two layers, one metadata object
+        backend.forward(torch.randn(14, 4, 8), k0, v0, cache, prefill, scale)
+    for step, lens in enumerate([(5, 9), (6, 10)]):
+        _, meta = make_step([(lens[0], 1), (lens[1], 1)], BLOCK_SIZE)
+        q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+        for cache in caches:
+            out = backend.forward(q, k, v, cache, meta, scale)
+            flat = cache.view(2, -1, 2, 8)
+            for i, seq_len in enumerate(n + 1 for n in lens):
+                slots = make_step_slots(meta, i, seq_len)
+                expected = dense_attention(q[i : i + 1], flat[0, slots], flat[1, slots], scale)
+                torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def make_step_slots(meta, i, seq_len):
+    """Request i's context slots, read from its block table."""
+    blocks = meta.block_tables[i, : -(-seq_len // BLOCK_SIZE)].long()
+    return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[:seq_len]

@@ -47,3 +47,17 @@ def test_prepare_inputs_mixes_decodes_and_prefill_chunks():
     assert meta.query_lens_cpu == [1, 1, 8]
     assert meta.block_tables.tolist() == [[1, 2], [3, 0], [4, 5]]
     assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+
+
+def test_cuda_graph_inputs_pack_like_nested_torch_tensor():
+    """The CUDA-graph runner's host-side packing (CPU code, so it is checked here) equals the
+    nested `torch.tensor` construction it replaced."""
+    from engine.cuda_graphs import pack_decode_inputs
+
+    ids, pos, slots, lens = [5, 6, 7], [16, 3, 40], [33, 51, 70], [17, 4, 41]
+    tables = [[2, 9], [3], [4, 8, 11]]
+    rows, table = pack_decode_inputs(ids, pos, slots, lens, tables, batch_size=4)
+    expected_rows = torch.tensor([ids + [0], pos + [0], slots + [-1], lens + [1]], dtype=torch.int64)
+    expected_table = torch.tensor([[2, 9, 0], [3, 0, 0], [4, 8, 11], [0, 0, 0]], dtype=torch.int32)
+    assert torch.equal(rows, expected_rows) and rows.dtype == torch.int64
+    assert torch.equal(table, expected_table) and table.dtype == torch.int32
