@@ -222,12 +222,14 @@ def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
 
 
 def warm_up_together(cluster: BenchCluster, max_tokens: int, num_prompt_tokens: int = 64) -> None:
-    """Every backend decodes a full batch at the same time, once, right after start.
+    """Every backend decodes a full batch at the same time, right after start, for about as long.
 
     The router calibrates its rates online from observed steps, and what it must learn is how
-    fast each backend runs *next to the others*: on the H200 the CPU backend ran ~2.4x slower
-    beside the busy GPU than in its isolated profile. Without this, the first measured burst
-    is routed on isolated rates. Every arm gets the same warm-up."""
+    fast each backend runs *next to the others*: a CPU backend shares the host's cores with an
+    accelerator backend's step loop, Ray and the HTTP path, and on the H200 one ran well below
+    its isolated profile there. The slowest backend decodes `max_tokens` per request; a faster
+    one gets proportionally more tokens (from the profiled rates at its batch size, at most 32x),
+    so it stays busy while the slowest one is measured. Every arm gets the same warm-up."""
     import random
 
     import ray
@@ -235,15 +237,33 @@ def warm_up_together(cluster: BenchCluster, max_tokens: int, num_prompt_tokens: 
     from bench.workload import random_tokens
     from engine.sampling_params import SamplingParams
 
+    max_actives = {backend_id: info.max_active for backend_id, info in cluster.infos.items()}
+    tokens = warmup_tokens(json.loads(cluster.rates_path.read_text()), max_actives, max_tokens)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    streams = [handle.generate.options(num_returns="streaming").remote(
-                   f"warmup-{uuid.uuid4().hex}", random_tokens(rng, num_prompt_tokens), params, time.time())
-               for backend_id, handle in cluster.tandem.backends.items()
-               for _ in range(cluster.infos[backend_id].max_active)]
+    streams = []
+    for backend_id, handle in cluster.tandem.backends.items():
+        info = cluster.infos[backend_id]
+        num_tokens = min(tokens[backend_id], info.max_model_len - num_prompt_tokens - 1)
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        streams += [handle.generate.options(num_returns="streaming").remote(
+                        f"warmup-{uuid.uuid4().hex}", random_tokens(rng, num_prompt_tokens), params, time.time())
+                    for _ in range(info.max_active)]
     for stream in streams:
         for ref in stream:
             ray.get(ref)
+
+
+def warmup_tokens(rates: dict[str, dict[str, Any]], max_actives: dict[str, int], max_tokens: int,
+                  max_scale: float = 32.0) -> dict[str, int]:
+    """Tokens per warm-up request for each backend: `max_tokens` for the slowest (by profiled
+    seconds per token of one request at its full batch), proportionally more for faster ones,
+    at most `max_scale` times; backends without a profile get `max_tokens`."""
+    from routing.rates import RateProfile
+
+    per_token_s = {b: m / RateProfile(**rates[b]).decode_rate(m) for b, m in max_actives.items() if b in rates}
+    slowest = max(per_token_s.values(), default=0.0)
+    return {b: round(max_tokens * min(max_scale, slowest / per_token_s[b])) if b in per_token_s else max_tokens
+            for b in max_actives}
 
 
 def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
