@@ -115,8 +115,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
     parser.add_argument("--time-budget-s", type=float, help="stop starting clusters/cells after this many seconds")
     parser.add_argument("--warmup-tokens", type=int, default=48,
-                        help="after each cluster starts, every backend decodes a full batch of this many tokens at "
-                             "the same time, so online calibration sees them co-running (default 48; 0: none)")
+                        help="after each cluster starts, every backend decodes a full batch at the same time, this "
+                             "many tokens per request on the slowest backend (cluster/warmup.py; default 48; 0: none)")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
     parser.add_argument("--only", type=_only, help="run only these clusters, RUN:ARM,... (e.g. 2:accelerator-only), "
                         "to complete a bench that ran out of time")

@@ -8,8 +8,9 @@ old actors are gone before the next start, so nothing from one arm runs into the
 start uses its own Ray namespace, so actor names never collide with a dying predecessor.
 The sweep may instead reuse one cluster for all its cells (`BenchCluster.configure` switches
 the router's policy, cordons backends and sets the accelerator's max_active; bench/runner.py).
-Every cluster starts with `warm_up_together`, so the router's online calibration has seen
-each backend run beside the others before the first measured request.
+Every cluster starts with the launcher's warm-up (cluster/warmup.py, `--warmup-tokens`), so
+the router's online calibration has seen each backend run beside the others before the first
+measured request.
 
 Backends. `--backends cpu,auto` is resolved once (auto: cuda if the Ray cluster has a GPU, else
 mps, else a second cpu backend) and given fixed ids (cpu0 and cuda0, or cpu0 and cpu1), so
@@ -168,13 +169,12 @@ class BenchCluster:
             "backends": self.layout.arm_backends(self.arm, self.accel_max_active, self.cpu_max_active),
             "rates": str(self.rates_path), "profile": "never", "port": self.port,
             "routing_log": str(self.routing_log), "namespace": namespace,
-            "max_pending_requests": self.max_pending_requests}, source="bench cluster")
+            "max_pending_requests": self.max_pending_requests, "warmup_tokens": self.warmup_tokens},
+            source="bench cluster")
         self.tandem = start(config, log=lambda line: logger.info("%s", line))
         self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
         self.router_settings = {"calibration_alpha": config.calibration_alpha, "spill_margin": config.spill_margin,
-                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": self.warmup_tokens}
-        if self.warmup_tokens > 0:
-            warm_up_together(self, self.warmup_tokens)
+                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": config.warmup_tokens}
         return self
 
     def configure(self, arm: str, accel_max_active: int) -> None:
@@ -219,51 +219,6 @@ def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 break
             time.sleep(0.2)
-
-
-def warm_up_together(cluster: BenchCluster, max_tokens: int, num_prompt_tokens: int = 64) -> None:
-    """Every backend decodes a full batch at the same time, right after start, for about as long.
-
-    The router calibrates its rates online from observed steps, and what it must learn is how
-    fast each backend runs *next to the others*: a CPU backend shares the host's cores with an
-    accelerator backend's step loop, Ray and the HTTP path, and on the H200 one ran well below
-    its isolated profile there. The slowest backend decodes `max_tokens` per request; a faster
-    one gets proportionally more tokens (from the profiled rates at its batch size, at most 32x),
-    so it stays busy while the slowest one is measured. Every arm gets the same warm-up."""
-    import random
-
-    import ray
-
-    from bench.workload import random_tokens
-    from engine.sampling_params import SamplingParams
-
-    max_actives = {backend_id: info.max_active for backend_id, info in cluster.infos.items()}
-    tokens = warmup_tokens(json.loads(cluster.rates_path.read_text()), max_actives, max_tokens)
-    rng = random.Random(0)
-    streams = []
-    for backend_id, handle in cluster.tandem.backends.items():
-        info = cluster.infos[backend_id]
-        num_tokens = min(tokens[backend_id], info.max_model_len - num_prompt_tokens - 1)
-        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-        streams += [handle.generate.options(num_returns="streaming").remote(
-                        f"warmup-{uuid.uuid4().hex}", random_tokens(rng, num_prompt_tokens), params, time.time())
-                    for _ in range(info.max_active)]
-    for stream in streams:
-        for ref in stream:
-            ray.get(ref)
-
-
-def warmup_tokens(rates: dict[str, dict[str, Any]], max_actives: dict[str, int], max_tokens: int,
-                  max_scale: float = 32.0) -> dict[str, int]:
-    """Tokens per warm-up request for each backend: `max_tokens` for the slowest (by profiled
-    seconds per token of one request at its full batch), proportionally more for faster ones,
-    at most `max_scale` times; backends without a profile get `max_tokens`."""
-    from routing.rates import RateProfile
-
-    per_token_s = {b: m / RateProfile(**rates[b]).decode_rate(m) for b, m in max_actives.items() if b in rates}
-    slowest = max(per_token_s.values(), default=0.0)
-    return {b: round(max_tokens * min(max_scale, slowest / per_token_s[b])) if b in per_token_s else max_tokens
-            for b in max_actives}
 
 
 def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:

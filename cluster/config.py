@@ -60,6 +60,7 @@ class TandemConfig(BaseModel):
     calibration_alpha: float | None = Field(default=0.2, ge=0, le=1)  # EWMA weight of observed steps; 0/None: off
     spill_margin: float = Field(default=0.05, ge=0, lt=1)  # a CPU must beat the accelerator's score by this share
     spill_allow_queue: bool = False  # let a CPU queue requests while an accelerator could take them
+    warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
     max_active: int = Field(default=4, ge=1)
     block_size: int = Field(default=16, ge=1)

@@ -221,6 +221,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
     rates = _resolve_rates(config, plans, infos, backends, log)
     ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
+    if config.calibration_alpha and config.warmup_tokens:
+        _warm_up(config, backends, dict(zip(backends, infos)), rates, log)
     tandem = Tandem(router=router, backends=dict(backends), config=config, owns_ray=owns_ray, owns_actors=True,
                     plans=plans, _owned=[router, *backends.values()])
     if not config.address:
@@ -230,6 +232,19 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     if serve_http:
         tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0])
     return tandem
+
+
+def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, Any],
+             rates: dict[str, dict[str, Any]], log: Any) -> None:
+    """Every backend decodes together once, so calibration starts from co-running speeds."""
+    from cluster.warmup import warm_up_together
+
+    try:
+        seconds = warm_up_together(backends, infos, rates, config.warmup_tokens)
+    except Exception as exc:  # a failed warm-up leaves the profiled rates: worth a warning, not a failed start
+        log(f"warm-up failed ({type(exc).__name__}: {exc}); routing starts from the profiled rates")
+        return
+    log(f"warm-up: all backends decoded together for {seconds:.1f} s (online calibration)")
 
 
 def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, router: Any,

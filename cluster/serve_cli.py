@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spill-allow-queue", action="store_true", default=None,
                         help="let a CPU backend queue requests beyond its max_active while an accelerator "
                              "could take them (default: spill only to a free CPU slot, which guards p95 TTFT)")
+    parser.add_argument("--warmup-tokens", type=int,
+                        help="after start, every backend decodes a full batch at once, this many tokens per "
+                             "request on the slowest (more on faster ones), so online calibration starts from "
+                             "co-running speeds (default 48; 0: none; skipped when calibration is off)")
     parser.add_argument("--new-token-ratio", action="store_true", default=None,
                         help="discount queued decode budgets with SGLang's decaying new_token_ratio")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(
             args, policy=args.policy, calibration_alpha=args.calibration_alpha, spill_margin=args.spill_margin,
-            spill_allow_queue=args.spill_allow_queue,
+            spill_allow_queue=args.spill_allow_queue, warmup_tokens=args.warmup_tokens,
             new_token_ratio=args.new_token_ratio, host=args.host, port=args.port, metrics_port=args.metrics_port,
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
             address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard)
