@@ -64,7 +64,7 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
                                         cfg.attention_backend, cfg.max_active, self.max_model_len,
-                                        cfg.enforce_eager)
+                                        cfg.enforce_eager, cfg.pack_cpu_weights)
         self._tracked: dict[str, _Tracked] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._changed: dict[str, Request] = {}

@@ -30,7 +30,8 @@ from engine.scheduler import SchedulerOutput
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, attention_backend: str = "torch",
-                 max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False) -> None:
+                 max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False,
+                 pack_cpu_weights: bool = True) -> None:
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.device = device
@@ -40,8 +41,13 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.graph_runner = None
+        self.num_packed_linears = 0
         if self.attention_backend == "triton":
             self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager)
+        elif device.type == "cpu" and pack_cpu_weights:
+            from engine.model.cpu_linear import pack_model
+
+            self.num_packed_linears = pack_model(self.model)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
         from engine.attention.triton_paged import TritonPagedAttention

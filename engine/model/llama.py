@@ -161,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attn_backend if attn_backend is not None else TorchRefAttention())
         # Tied models read the embedding matrix directly, so the tie survives `to_empty` and `to`.
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_proj: nn.Module | None = None  # a packed output projection (engine/model/cpu_linear.py)
 
     def forward(
         self,
@@ -172,7 +173,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T]; kv_caches[layer] [2, NB, BS, Hkv, D] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the embedding matrix when tied, else the output head's."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]; call it only on the rows that get sampled."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden_states).float()
+        return F.linear(hidden_states, self.output_weight()).float()

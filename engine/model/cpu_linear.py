@@ -1,0 +1,77 @@
+"""oneDNN-packed weights for the CPU backend's linear layers.
+
+`F.linear` on the CPU reads each weight in its stored layout at every call, which at decode's
+few rows is far from what the cores can do. oneDNN can reorder a weight once, at load, into its
+own blocked layout; its linear kernel then runs 2-5x faster with the same result (bit-identical
+in bf16, within ~1e-5 in fp32). Measured on the 2-core EPYC box, 2 threads, Qwen2.5-0.5B's
+gate/up projection (9728 x 896) at 4 rows: fp32 4.10 -> 0.79 ms, bf16 0.48 -> 0.18 ms; at 512
+rows (prefill) fp32 46.7 -> 18.5 ms; its tied output projection at 4 rows fp32 63 -> 12 ms.
+
+The kernels are PyTorch's own (`torch.ops.mkldnn._reorder_linear_weight` and
+`_linear_pointwise`, what torch.compile's CPU backend emits), not a public API: `available()`
+tries them once on a tiny weight, and the model keeps plain `F.linear` where they are missing
+or disagree. Packing replaces each `nn.Linear` in place (its plain weight is dropped, so memory
+stays the same); a tied output projection gets a packed copy of the embedding matrix, which
+the embedding lookup still needs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+DTYPES = (torch.float32, torch.bfloat16)
+BATCH_HINT = 4  # rows oneDNN tunes the layout for: a decode batch; other sizes still run, and faster
+
+
+class PackedLinear(nn.Module):
+    """`F.linear(x, weight, bias)` with the weight held in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+@functools.cache
+def available(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs and runs `dtype` linears, and agrees with `F.linear`."""
+    if dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(24, 16, generator=generator).to(dtype)
+        bias = torch.randn(24, generator=generator).to(dtype)
+        x = torch.randn(3, 16, generator=generator).to(dtype)
+        out = PackedLinear(weight, bias)(x)
+    except (RuntimeError, NotImplementedError):
+        return False
+    expected = nn.functional.linear(x, weight, bias)
+    return bool(torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2))
+
+
+def pack_model(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` (and its output projection) with a `PackedLinear`
+    when this build supports the model's dtype; returns how many were packed (0: none)."""
+    dtype = next(model.parameters()).dtype
+    if not available(dtype):
+        return 0
+    output_head = getattr(model, "lm_head", None)  # projected through `logits_proj` instead
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child is not output_head]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
+    if hasattr(model, "logits_proj"):
+        model.logits_proj = PackedLinear(model.output_weight(), None)
+        return len(targets) + 1
+    return len(targets)
