@@ -9,8 +9,9 @@ once untimed first: a GPU backend compiles kernels and captures graphs on first 
 timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
 that the GPU would have finished sooner.
 
-Results are cached in one JSON file keyed by what changes them (`profile_key`), so `tandem
-serve` profiles a backend once per model/device/dtype/threads and starts at once afterwards.
+Results are cached in one JSON file keyed by what changes them (`profile_key`, which includes
+a version bumped when the engine's speed changes), so `tandem serve` profiles a backend once
+per model/device/dtype/threads and starts at once afterwards.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 
 
+# Bumped when the engine gets much faster or slower, so cached rates from before are not reused
+# (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box).
+ENGINE_SPEED_VERSION = 2
+
+
 def profile_key(model: str, device_kind: str, dtype: str, threads: int) -> str:
-    return f"{model}|{device_kind}|{dtype}|threads={threads}"
+    return f"{model}|{device_kind}|{dtype}|threads={threads}|v{ENGINE_SPEED_VERSION}"
 
 
 def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
