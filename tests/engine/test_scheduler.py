@@ -3,7 +3,6 @@ preemption by recompute, abort, and that no block ever leaks (no torch)."""
 
 import random
 
-from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
