@@ -10,10 +10,13 @@ attention reads, so a hit on a block filled in the same step reads finished data
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from engine.kv_cache.hashing import hash_request_blocks
-from engine.request import Request
+
+if TYPE_CHECKING:  # engine.request imports engine.kv_cache.hashing: a runtime import would be circular
+    from engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

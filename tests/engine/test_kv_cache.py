@@ -19,6 +19,11 @@ def test_bookkeeping_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_each_bookkeeping_module_imports_first_without_a_cycle():
+    for module in ("engine.request", "engine.kv_cache.manager", "engine.scheduler", "engine.kv_cache"):
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+
+
 def test_free_queue_is_lru_with_o1_removal():
     blocks = [KVCacheBlock(i) for i in range(5)]
     queue = FreeBlockQueue(blocks)
