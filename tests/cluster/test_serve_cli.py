@@ -54,6 +54,8 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
             raise
     assert returncode == 0
     cache = json.loads((tmp_path / "cache" / "tandem" / "rates-cache.json").read_text())
-    assert list(cache) == ["tiny-llama-random|cpu|float32|threads=1"]
+    from cluster.profile import profile_key
+
+    assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
