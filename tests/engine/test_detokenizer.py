@@ -15,15 +15,8 @@ def tok():
 
 
 def stream(tok, text, stop=()):
-    ids = tok.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, tok.encode("prompt: ", add_special_tokens=False), list(stop))
-    pieces, stopped = [], False
-    for i, t in enumerate(ids):
-        stopped = detok.add_tokens([t])
-        pieces.append(detok.take_new_text(finished=stopped or i == len(ids) - 1))
-        if stopped:
-            break
-    return pieces, stopped
+    prompt_ids = tok.encode("prompt: ", add_special_tokens=False)
+    return lean_stream(tok, prompt_ids, tok.encode(text, add_special_tokens=False), stop)
 
 
 def test_multibyte_characters_are_never_split(tok):
