@@ -57,15 +57,27 @@ def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
     return slot_mapping.device.type == "cpu" and bool((slot_mapping >= 0).all())
 
 
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given blocks, each [len(block_ids), block_size, num_kv_heads, head_dim].
+
+    `index_select` over whole blocks copies each block as one contiguous row; indexing the cache
+    with `kv_cache[:, block_ids]` copies element by element: 3.6x slower at batch 4 on two EPYC
+    cores, and at 14 Xeon threads a sixth of the decode step's non-matmul time.
+    """
+    num_blocks = kv_cache.shape[1]
+    k = kv_cache[0].view(num_blocks, -1).index_select(0, block_ids)
+    v = kv_cache[1].view(num_blocks, -1).index_select(0, block_ids)
+    return k.view(-1, *kv_cache.shape[2:]), v.view(-1, *kv_cache.shape[2:])
+
+
 def gather_context(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's context K and V, each [seq_len, num_kv_heads, head_dim], from its blocks."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, num_blocks, block_size, Hkv, D]
-    context = blocks.flatten(1, 2)[:, :seq_len]
-    return context[0], context[1]
+    k, v = gather_blocks(kv_cache, block_table[:num_blocks].long())
+    return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
 
 
 @dataclass
@@ -74,7 +86,7 @@ class _StepPlan:
 
     all_slots_valid: bool
     num_decodes: int  # the leading run of one-token requests, attended in one batched SDPA
-    decode_block_tables: torch.Tensor | None  # [num_decodes, blocks of the longest context] int64
+    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks of the longest context] int64, row by row
     decode_max_len: int
     # [num_decodes, 1, 1, max_len] additive mask (0 or -inf) in the model dtype, what SDPA would
     # turn a boolean mask into on every call; None when all contexts have the same length.
@@ -88,7 +100,7 @@ class _StepPlan:
             seq_lens_cpu = meta.seq_lens_cpu[:num_decodes]
             max_len = max(seq_lens_cpu)
             # int64 once here, rather than an implicit int32 -> int64 copy in every layer's gather
-            tables = meta.block_tables[:num_decodes, : -(-max_len // block_size)].long()
+            tables = meta.block_tables[:num_decodes, : -(-max_len // block_size)].long().flatten()
             if min(seq_lens_cpu) != max_len:
                 positions = torch.arange(max_len, device=meta.seq_lens.device)
                 padding = positions[None, :] >= meta.seq_lens[:num_decodes, None]
@@ -169,10 +181,10 @@ def _decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scal
     """
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    blocks = kv_cache[:, plan.decode_block_tables]  # [2, B, nb, BS, Hkv, D]
-    context = blocks.flatten(2, 3)[:, :, : plan.decode_max_len].transpose(2, 3)  # [2, B, Hkv, L, D]
+    k, v = (x.view(num_reqs, -1, num_kv_heads, head_dim)[:, : plan.decode_max_len].transpose(1, 2)  # [B, Hkv, L, D]
+            for x in gather_blocks(kv_cache, plan.decode_block_ids))
     grouped_q = q.reshape(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped_q, context[0], context[1], attn_mask=plan.decode_mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=plan.decode_mask, scale=scale)
     return out.reshape(num_reqs, num_heads, head_dim)
 
 
