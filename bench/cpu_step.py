@@ -6,14 +6,17 @@ median of many repetitions:
 
   step       `LLMEngine.step()`, what a served request waits on
   forward    the model's forward plus the logits of the sampled rows (no scheduler or sampler)
-  linears    every linear of the forward alone (with its residual add or SwiGLU), in layer order
+  linears    every linear of the forward alone, on inputs of the right shapes, in layer order
   logits     the output projection alone (Qwen2.5-0.5B's is 27% of the weight bytes)
   attention  the attention backend alone, 24 layers of cache write + SDPA
-  copy       reading a buffer as large as the weights once: the memory floor of a decode step
+  copy       copying a buffer as large as the weights a step reads; half of it is the read floor
+  linears by kind   qkv, o_proj, gate_up, down over all layers (weights from memory, not cache),
+             at a few thread counts: microseconds per call and the weight bandwidth reached
 
-and lists the top ops of the forward by self time (torch.profiler). `forward - linears -
-attention` is what the remaining ops cost (norms, RoPE, SiLU, adds, casts) including the Python
-that issues them.
+plus the time to first token of one 516-token prompt, and the forward's top ops by self time
+(torch.profiler). `forward - linears - logits - attention` is what the remaining ops cost
+(norms, RoPE, SiLU, adds, casts), with the Python that issues them. oneDNN's instruction set
+is the process's: run once as is and once with ONEDNN_MAX_CPU_ISA=ALL to compare with AMX.
 
     python -m bench.cpu_step --threads 14 --dtype bfloat16 --out out/cpu_step
 """
@@ -22,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
-from bench.fast_path import MODEL, PROMPT_LEN, _add, make_engine, make_unfused_cpu_engine, random_prompts
-from engine.model.llama import linear_add, silu_and_mul
+from bench.fast_path import MODEL, PROMPT_LEN, _add, engine_prefill, engine_throughput, make_engine, random_prompts
 
 
 def median_ms(fn, reps: int, warmup: int = 3) -> float:
@@ -41,12 +44,8 @@ def median_ms(fn, reps: int, warmup: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
-def decoding_engine(args):
-    """An engine with `args.batch` requests past their prefill, and the inputs of its next decode step."""
-    if args.no_fuse and not args.no_pack:
-        engine = make_unfused_cpu_engine(args.model, args.batch, args.dtype, args.threads)
-    else:
-        engine = make_engine(args.model, "cpu", args.batch, args.dtype, args.threads, pack_cpu_weights=not args.no_pack)
+def decoding_engine(engine, args):
+    """`engine` with `args.batch` requests past their prefill, all decoding."""
     _add(engine, random_prompts(args.batch, PROMPT_LEN, 5), engine.max_model_len - PROMPT_LEN, "anat")
     first = 0
     while first < args.batch:
@@ -94,14 +93,14 @@ def part_timings(engine, args) -> dict:
     attn_out = torch.randn(rows, layer.self_attn.q_size).to(dtype)
     act = torch.randn(rows, layer.mlp.down_proj.in_features).to(dtype)
 
-    def all_linears():  # with their epilogues (residual adds, SwiGLU), fused or not, as the forward runs them
+    def all_linears():
         with torch.inference_mode():
             for layer in model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.qkv_proj(x)
-                linear_add(attn.o_proj, attn_out, x)
-                silu_and_mul(mlp.gate_up_proj, x)
-                linear_add(mlp.down_proj, act, x)
+                attn.o_proj(attn_out)
+                mlp.gate_up_proj(x)
+                mlp.down_proj(act)
 
     def logits():
         with torch.inference_mode():
@@ -117,8 +116,7 @@ def part_timings(engine, args) -> dict:
             for kv_cache in kv_caches:
                 attn.forward(q, k, v, kv_cache, step_meta, dim**-0.5)
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes += sum(b.numel() * b.element_size() for b in model.buffers() if b.dtype == dtype)
+    weight_bytes = bytes_read_per_step(model)
     src = torch.empty(weight_bytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src), 10)
@@ -133,7 +131,68 @@ def part_timings(engine, args) -> dict:
         "copy_ms_read_plus_write": copy_ms,
         "read_floor_ms": copy_ms / 2,
         "op_profile": op_profile(forward),
+        "linears_by_kind": linears_by_kind(model, x, attn_out, act, sorted({args.threads, 8, 4}, reverse=True)),
     }
+
+
+def bytes_read_per_step(model) -> int:
+    """Weight bytes a decode step reads: every parameter and packed weight, but of the embedding
+    matrix only its few looked-up rows (counted as none) when the output projection has its own copy."""
+    import torch
+
+    tensors = [*model.parameters(), *(b for name, b in model.named_buffers() if "rotary" not in name)]
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    if model.logits_proj is not None:
+        embedding = model.model.embed_tokens.weight
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def linears_by_kind(model, x, attn_out, act, thread_counts: list[int], reps: int = 10) -> list[dict]:
+    """Each kind of linear over all 24 layers (so its weights come from memory, not cache), at a few
+    thread counts: time per call and the weight bandwidth it reaches."""
+    import torch
+
+    layers = model.model.layers
+    kinds = {
+        "qkv_proj": ([l.self_attn.qkv_proj for l in layers], lambda m: m(x)),
+        "o_proj": ([l.self_attn.o_proj for l in layers], lambda m: m(attn_out)),
+        "gate_up_proj": ([l.mlp.gate_up_proj for l in layers], lambda m: m(x)),
+        "down_proj": ([l.mlp.down_proj for l in layers], lambda m: m(act)),
+        "logits": ([model], lambda m: m.compute_logits(x)),
+    }
+    flush = torch.empty(64 << 20, dtype=torch.float32).uniform_()  # 256 MB: more than any L3 here
+    threads_before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for name, (modules, call) in kinds.items():
+                nbytes = _logits_bytes(model) if name == "logits" else sum(map(_module_bytes, modules))
+                times = []
+                with torch.inference_mode():
+                    for _ in range(reps + 2):
+                        flush.add_(1.0)
+                        t0 = time.perf_counter()
+                        for m in modules:
+                            call(m)
+                        times.append(time.perf_counter() - t0)
+                seconds = statistics.median(times[2:])
+                out.append({"kind": name, "threads": threads, "calls": len(modules),
+                            "us_per_call": 1e6 * seconds / len(modules), "total_ms": 1e3 * seconds,
+                            "weight_mb": nbytes / 1e6, "gb_s": nbytes / seconds / 1e9})
+    finally:
+        torch.set_num_threads(threads_before)
+    return out
+
+
+def _module_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def _logits_bytes(model) -> int:
+    weight = model.output_weight()
+    return weight.numel() * weight.element_size()
 
 
 def op_profile(forward, steps: int = 5) -> list[dict]:
@@ -156,28 +215,51 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-pack", action="store_true", help="plain F.linear weights instead of oneDNN-packed")
-    parser.add_argument("--no-fuse", action="store_true", help="packed weights without the fused epilogues")
+    parser.add_argument("--pack-hint", type=int, help="rows to pack weights for (engine default: 4)")
+    parser.add_argument("--requests", type=int, help="instead of the breakdown: output tok/s of this many "
+                        "516-token prompts submitted at once, at max_active --batch")
+    parser.add_argument("--max-tokens", type=int, default=128, help="with --requests: tokens each one generates")
+    parser.add_argument("--tag", default="", help="suffix for the JSON file name")
     parser.add_argument("--out", default="out/cpu_step")
     args = parser.parse_args(argv)
 
     import torch
 
+    from engine.model import cpu_linear
+
     torch.set_num_threads(args.threads)
-    engine = decoding_engine(args)
+    if args.pack_hint is not None:  # the row count oneDNN lays packed weights out for
+        cpu_linear.BATCH_HINT = args.pack_hint
+    engine = make_engine(args.model, "cpu", args.batch, args.dtype, args.threads, pack_cpu_weights=not args.no_pack)
+    prefill = engine_prefill(engine, 3, seed=3, device="cpu")  # alone, before the batch starts decoding
     report = {"model": args.model, "threads": args.threads, "dtype": args.dtype, "batch": args.batch,
-              "packed_linears": engine.model_runner.num_packed_linears, **part_timings(engine, args)}
+              "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+              "packed_linears": engine.model_runner.num_packed_linears, "prefill": prefill}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"cpu_step_{args.dtype}_t{args.threads}_b{args.batch}{'_plain' if args.no_pack else '_nofuse' if args.no_fuse else ''}.json"
-    (out / name).write_text(json.dumps(report, indent=1))
+    name = f"cpu_step_{args.dtype}_t{args.threads}_b{args.batch}{'_plain' if args.no_pack else ''}{args.tag}"
+    if args.requests:
+        report["throughput"] = engine_throughput(engine, args.requests, args.max_tokens, seed=7)
+        (out / f"{name}_throughput.json").write_text(json.dumps(report, indent=1))
+        t = report["throughput"]
+        print(f"{args.tag} {args.dtype} {args.threads} threads, {t['requests']} x ({PROMPT_LEN} -> {t['max_tokens']}) at "
+              f"max_active {args.batch}: {t['wall_s']:.2f} s, {t['tok_s']:.1f} output tok/s; prefill of one prompt "
+              f"{prefill['ttft_ms']:.0f} ms (ONEDNN_MAX_CPU_ISA={report['onednn_max_cpu_isa']})")
+        return
+    report.update(part_timings(decoding_engine(engine, args), args))
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
     r = report
     rest = r["forward_ms"] - r["linears_ms"] - r["logits_ms"] - r["attention_ms"]
-    print(f"{args.dtype} {args.threads} threads B={args.batch} packed={r['packed_linears']} fused={not args.no_fuse}: "
+    print(f"{args.tag} {args.dtype} {args.threads} threads B={args.batch} packed={r['packed_linears']}: "
           f"step {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} + engine {r['step_ms'] - r['forward_ms']:.2f}; "
           f"forward = linears {r['linears_ms']:.2f} + logits {r['logits_ms']:.2f} + attention {r['attention_ms']:.2f} "
-          f"+ other ops {rest:.2f}; weight read floor {r['read_floor_ms']:.2f} ms")
+          f"+ other ops {rest:.2f}; weight read floor {r['read_floor_ms']:.2f} ms; "
+          f"prefill of {PROMPT_LEN} tokens {r['prefill']['ttft_ms']:.0f} ms (ONEDNN_MAX_CPU_ISA={r['onednn_max_cpu_isa']})")
     for row in r["op_profile"][:12]:
         print(f"   {row['op']:<48} {row['self_ms']:8.3f} ms  x{row['calls']}")
+    for row in r["linears_by_kind"]:
+        print(f"   {row['kind']:<22} {row['threads']:>2} threads: {row['us_per_call']:8.1f} us/call x{row['calls']}"
+              f" = {row['total_ms']:6.2f} ms, {row['weight_mb']:7.1f} MB at {row['gb_s']:5.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ from engine.sampling_params import SamplingParams
 
 
 # Bumped when the engine gets much faster or slower, so cached rates from before are not reused
-# (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box).
-ENGINE_SPEED_VERSION = 2
+# (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box; 3: CPU context gather
+# by whole blocks and no AMX for bf16 decode matmuls).
+ENGINE_SPEED_VERSION = 3
 
 
 def profile_key(model: str, device_kind: str, dtype: str, threads: int) -> str:

@@ -18,54 +18,48 @@ the embedding lookup still needs.
 from __future__ import annotations
 
 import functools
+import os
+import platform
 
 import torch
 from torch import nn
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 4  # rows oneDNN tunes the layout for: a decode batch; other sizes still run, and faster
+ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+# AVX-512 with bf16 dot products, no AMX: measured on the H200 machine's 14-thread Sapphire Rapids
+# Xeon (bench/cpu_step.py, bf16, 4 rows), AMX's brgemm reads the weights of gate_up at 34-38
+# GB/s and the output projection at 48-49 GB/s, the AVX-512 kernels at 45-46 and 64-65 GB/s.
+DEFAULT_MAX_ISA = "AVX512_CORE_BF16"
+
+
+def cap_onednn_isa(isa: str | None = DEFAULT_MAX_ISA) -> bool:
+    """Cap the instruction set oneDNN may use in this process, unless the user already set one.
+
+    Decode multiplies a few rows by each weight; AMX's tile kernels are built for many rows and,
+    at four, stream weights slower than the AVX-512 ones, so a CPU engine caps oneDNN at AVX-512
+    BF16. oneDNN reads `ONEDNN_MAX_CPU_ISA` once, at its first use: this works only before any
+    oneDNN op has run in the process (a Ray actor's engine is built first thing). x86-64 only;
+    a cap above what the CPU has changes nothing. Returns whether the variable was set here.
+    """
+    if not isa or ISA_ENV in os.environ or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    os.environ[ISA_ENV] = isa
+    return True
 
 
 class PackedLinear(nn.Module):
     """`F.linear(x, weight, bias)` with the weight held in oneDNN's packed layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fuse_add: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.fuse_add = fuse_add
         with torch.no_grad():
             self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`forward(x) + residual`; with `fuse_add`, the add runs in the matmul's epilogue."""
-        if not self.fuse_add:
-            return self.forward(x) + residual
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
-
-
-class PackedGateUp(nn.Module):
-    """A merged gate/up projection kept as two packed halves, so SwiGLU runs in the matmuls' epilogues:
-    `silu_and_mul(x)` is `silu(gate(x)) * up(x)` in two oneDNN calls (swish post-op, then a multiply
-    by that result) instead of a matmul, a split, a SiLU and a multiply."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        gate, up = weight.detach().chunk(2, dim=0)
-        self.gate = PackedLinear(gate, None)
-        self.up = PackedLinear(up, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """What the merged projection returns: [gate(x), up(x)]."""
-        return torch.cat((self.gate(x), self.up(x)), dim=-1)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.mkldnn
-        gate = ops._linear_pointwise(x, self.gate.packed_weight, None, "swish", [], "")
-        return ops._linear_pointwise.binary(x, gate, self.up.packed_weight, None, "mul")
 
 
 @functools.cache
@@ -88,44 +82,17 @@ def available(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2))
 
 
-@functools.cache
-def epilogues_available(dtype: torch.dtype) -> bool:
-    """Whether the fused epilogues (residual add, SwiGLU) run on this build and agree with the plain ops."""
-    if not available(dtype):
-        return False
-    generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(24, 16, generator=generator).to(dtype)
-    x = torch.randn(3, 16, generator=generator).to(dtype)
-    residual = torch.randn(3, 12, generator=generator).to(dtype)
-    try:
-        added = PackedLinear(weight[:12], None, fuse_add=True).forward_add(x, residual)
-        swiglu = PackedGateUp(weight).silu_and_mul(x)
-    except (RuntimeError, NotImplementedError):
-        return False
-    gate, up = nn.functional.linear(x.float(), weight.float()).chunk(2, dim=-1)
-    return (torch.allclose(added.float(), gate + residual.float(), rtol=2e-2, atol=2e-2)
-            and torch.allclose(swiglu.float(), nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2))
-
-
-def pack_model(model: nn.Module, fuse_epilogues: bool = True) -> int:
+def pack_model(model: nn.Module) -> int:
     """Replace every `nn.Linear` of `model` (and its output projection) with a `PackedLinear`
-    when this build supports the model's dtype; returns how many were packed (0: none).
-
-    With `fuse_epilogues` (and a build that has them), merged gate/up projections become a
-    `PackedGateUp`, whose SwiGLU rides in the matmuls, and residual adds ride in `forward_add`.
-    """
+    when this build supports the model's dtype; returns how many were packed (0: none)."""
     dtype = next(model.parameters()).dtype
     if not available(dtype):
         return 0
-    fuse = fuse_epilogues and epilogues_available(dtype)
     output_head = getattr(model, "lm_head", None)  # projected through `logits_proj` instead
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child is not output_head]
     for parent, name, child in targets:
-        if fuse and name == "gate_up_proj" and child.bias is None:
-            setattr(parent, name, PackedGateUp(child.weight))
-        else:
-            setattr(parent, name, PackedLinear(child.weight, child.bias, fuse_add=fuse))
+        setattr(parent, name, PackedLinear(child.weight, child.bias))
     if hasattr(model, "logits_proj"):
         model.logits_proj = PackedLinear(model.output_weight(), None)
         return len(targets) + 1

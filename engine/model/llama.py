@@ -80,21 +80,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`linear(x) + residual`, in one kernel where the linear has a fused form (packed CPU weights)."""
-    fused = getattr(linear, "forward_add", None)
-    return linear(x) + residual if fused is None else fused(x, residual)
-
-
-def silu_and_mul(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a merged gate/up projection: silu(gate(x)) * up(x), fused where the linear can."""
-    fused = getattr(linear, "silu_and_mul", None)
-    if fused is not None:
-        return fused(x)
-    gate, up = linear(x).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend) -> None:
         super().__init__()
@@ -114,9 +99,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        residual: torch.Tensor,
     ) -> torch.Tensor:
-        """The attention block's output plus `residual` (added in o_proj's epilogue where it can be)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads rotate in one pass (their columns are adjacent): five ops instead of ten.
@@ -125,7 +108,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)
-        return linear_add(self.o_proj, out.reshape(num_tokens, self.q_size), residual)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -134,9 +117,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)) + residual."""
-        return linear_add(self.down_proj, silu_and_mul(self.gate_up_proj, x), residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -148,8 +131,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):

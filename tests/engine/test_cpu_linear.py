@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import cpu_linear
-from engine.model.cpu_linear import PackedGateUp, PackedLinear, pack_model
+from engine.model.cpu_linear import PackedLinear, pack_model
 
 
 def needs(dtype):
@@ -41,41 +41,9 @@ def test_packed_model_matches_the_plain_model(preset):
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
     hidden = torch.randn(5, plain.config.hidden_size, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), atol=1e-4, rtol=1e-4)
-    mlp_in, residual = torch.randn(2, 3, plain.config.hidden_size)
-    torch.testing.assert_close(packed.model.layers[0].mlp(mlp_in, residual), plain.model.layers[0].mlp(mlp_in, residual),
+    mlp_in = torch.randn(3, plain.config.hidden_size)
+    torch.testing.assert_close(packed.model.layers[0].mlp(mlp_in), plain.model.layers[0].mlp(mlp_in),
                                atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fused_epilogues_match_the_separate_ops(dtype, tol):
-    """The residual add and SwiGLU in oneDNN's epilogues against F.linear then the op, on fresh data."""
-    if not cpu_linear.epilogues_available(dtype):
-        pytest.skip(f"this torch build has no fused {dtype} epilogues")
-    g = torch.Generator().manual_seed(7)
-    weight, bias = torch.randn(2, 96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
-    x, residual = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 96, generator=g).to(dtype)
-    for b in (bias, None):
-        out = PackedLinear(weight[0], b, fuse_add=True).forward_add(x, residual)
-        expected = F.linear(x.float(), weight[0].float(), None if b is None else b.float()) + residual.float()
-        torch.testing.assert_close(out.float(), expected, atol=tol * 4, rtol=tol)
-    merged = weight.reshape(192, 64)
-    fused = PackedGateUp(merged)
-    gate, up = F.linear(x.float(), merged.float()).chunk(2, dim=-1)
-    torch.testing.assert_close(fused.silu_and_mul(x).float(), F.silu(gate) * up, atol=tol * 4, rtol=tol)
-    torch.testing.assert_close(fused(x), F.linear(x, merged), atol=tol, rtol=tol)  # the plain forward too
-
-
-def test_pack_model_fuses_gate_up_only_when_asked():
-    needs(torch.float32)
-    from engine.model.loader import load_model
-
-    fused = load_model("tiny-llama-random", torch.device("cpu"), torch.float32).model
-    plain = load_model("tiny-llama-random", torch.device("cpu"), torch.float32).model
-    pack_model(fused)
-    pack_model(plain, fuse_epilogues=False)
-    assert isinstance(fused.model.layers[0].mlp.gate_up_proj, PackedGateUp) == cpu_linear.epilogues_available(torch.float32)
-    assert isinstance(plain.model.layers[0].mlp.gate_up_proj, PackedLinear)
-    assert not plain.model.layers[0].self_attn.o_proj.fuse_add
 
 
 def test_engine_packs_on_cpu_unless_told_not_to():
@@ -85,3 +53,16 @@ def test_engine_packs_on_cpu_unless_told_not_to():
 
     assert LLMEngine(EngineConfig(model="tiny-llama-random")).model_runner.num_packed_linears > 0
     assert LLMEngine(EngineConfig(model="tiny-llama-random", pack_cpu_weights=False)).model_runner.num_packed_linears == 0
+
+
+def test_isa_cap_is_set_once_and_never_over_the_users(monkeypatch):
+    monkeypatch.delenv(cpu_linear.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "x86_64")
+    assert cpu_linear.cap_onednn_isa("AVX512_CORE_BF16")
+    assert cpu_linear.os.environ[cpu_linear.ISA_ENV] == "AVX512_CORE_BF16"
+    assert not cpu_linear.cap_onednn_isa("AVX2")  # already set (by us or by the user): kept
+    assert cpu_linear.os.environ[cpu_linear.ISA_ENV] == "AVX512_CORE_BF16"
+    monkeypatch.delenv(cpu_linear.ISA_ENV)
+    assert not cpu_linear.cap_onednn_isa(None) and cpu_linear.ISA_ENV not in cpu_linear.os.environ
+    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "arm64")  # an Apple CPU: no x86 ISA names
+    assert not cpu_linear.cap_onednn_isa("AVX512_CORE_BF16") and cpu_linear.ISA_ENV not in cpu_linear.os.environ
