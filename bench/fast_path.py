@@ -490,8 +490,8 @@ def section_cpu_b4(args) -> dict:
                       for name, step in steppers.items()}
         out[dtype]["hf_over_ours"] = out[dtype]["hf"]["step_ms"] / out[dtype]["ours"]["step_ms"]
         del steppers
-    # The engine caps oneDNN's instruction set for the whole process (engine/model/cpu_linear.py),
-    # so HF ran under the same cap; ONEDNN_MAX_CPU_ISA=ALL in the environment lifts it for both.
+    # oneDNN's instruction set is per process, so ours and HF ran under the same one (see
+    # engine/model/cpu_linear.py on ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, decode without AMX).
     out["onednn_max_cpu_isa"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return out
 

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.cpu_linear import DEFAULT_MAX_ISA
-
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,9 +30,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
     enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
-    # cpu: oneDNN's instruction-set cap for this process (ONEDNN_MAX_CPU_ISA; no AMX, whose tile
-    # kernels decode slower); None or an ONEDNN_MAX_CPU_ISA already set leaves oneDNN's choice.
-    onednn_max_cpu_isa: str | None = DEFAULT_MAX_ISA
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):

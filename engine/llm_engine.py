@@ -17,7 +17,6 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.manager import KVCacheManager, cdiv
-from engine.model.cpu_linear import cap_onednn_isa
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
@@ -41,8 +40,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         self.config = config or EngineConfig(**overrides)
         cfg = self.config
-        if cfg.device_type == "cpu":
-            cap_onednn_isa(cfg.onednn_max_cpu_isa)  # before any oneDNN op of this process
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)

@@ -13,39 +13,25 @@ tries them once on a tiny weight, and the model keeps plain `F.linear` where the
 or disagree. Packing replaces each `nn.Linear` in place (its plain weight is dropped, so memory
 stays the same); a tied output projection gets a packed copy of the embedding matrix, which
 the embedding lookup still needs.
+
+On a CPU with AMX (Sapphire Rapids and later), oneDNN runs bf16 linears on AMX tiles. At
+decode's 4 rows those stream weights slower than its AVX-512 BF16 kernels (H200 machine's
+14-thread Xeon, bench/cpu_step.py: 17.9 vs 22.3 ms of matmuls per Qwen2.5-0.5B step), but at
+prefill's hundreds of rows AMX is 3x faster (516-token prompt 260 vs 861 ms), and on 8 x
+(516 -> 128) at max_active 4 AMX gave 90-93 output tok/s against 71-84 without it. So we leave
+oneDNN's choice alone; `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` (oneDNN's own variable, read once
+per process, inherited by Ray's workers) trades prefill for decode where outputs are long.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import platform
 
 import torch
 from torch import nn
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 4  # rows oneDNN tunes the layout for: a decode batch; other sizes still run, and faster
-ISA_ENV = "ONEDNN_MAX_CPU_ISA"
-# AVX-512 with bf16 dot products, no AMX: measured on the H200 machine's 14-thread Sapphire Rapids
-# Xeon (bench/cpu_step.py, bf16, 4 rows), AMX's brgemm reads the weights of gate_up at 34-38
-# GB/s and the output projection at 48-49 GB/s, the AVX-512 kernels at 45-46 and 64-65 GB/s.
-DEFAULT_MAX_ISA = "AVX512_CORE_BF16"
-
-
-def cap_onednn_isa(isa: str | None = DEFAULT_MAX_ISA) -> bool:
-    """Cap the instruction set oneDNN may use in this process, unless the user already set one.
-
-    Decode multiplies a few rows by each weight; AMX's tile kernels are built for many rows and,
-    at four, stream weights slower than the AVX-512 ones, so a CPU engine caps oneDNN at AVX-512
-    BF16. oneDNN reads `ONEDNN_MAX_CPU_ISA` once, at its first use: this works only before any
-    oneDNN op has run in the process (a Ray actor's engine is built first thing). x86-64 only;
-    a cap above what the CPU has changes nothing. Returns whether the variable was set here.
-    """
-    if not isa or ISA_ENV in os.environ or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    os.environ[ISA_ENV] = isa
-    return True
 
 
 class PackedLinear(nn.Module):

@@ -54,15 +54,3 @@ def test_engine_packs_on_cpu_unless_told_not_to():
     assert LLMEngine(EngineConfig(model="tiny-llama-random")).model_runner.num_packed_linears > 0
     assert LLMEngine(EngineConfig(model="tiny-llama-random", pack_cpu_weights=False)).model_runner.num_packed_linears == 0
 
-
-def test_isa_cap_is_set_once_and_never_over_the_users(monkeypatch):
-    monkeypatch.delenv(cpu_linear.ISA_ENV, raising=False)
-    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "x86_64")
-    assert cpu_linear.cap_onednn_isa("AVX512_CORE_BF16")
-    assert cpu_linear.os.environ[cpu_linear.ISA_ENV] == "AVX512_CORE_BF16"
-    assert not cpu_linear.cap_onednn_isa("AVX2")  # already set (by us or by the user): kept
-    assert cpu_linear.os.environ[cpu_linear.ISA_ENV] == "AVX512_CORE_BF16"
-    monkeypatch.delenv(cpu_linear.ISA_ENV)
-    assert not cpu_linear.cap_onednn_isa(None) and cpu_linear.ISA_ENV not in cpu_linear.os.environ
-    monkeypatch.setattr(cpu_linear.platform, "machine", lambda: "arm64")  # an Apple CPU: no x86 ISA names
-    assert not cpu_linear.cap_onednn_isa("AVX512_CORE_BF16") and cpu_linear.ISA_ENV not in cpu_linear.os.environ
