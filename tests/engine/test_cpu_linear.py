@@ -53,4 +53,3 @@ def test_engine_packs_on_cpu_unless_told_not_to():
 
     assert LLMEngine(EngineConfig(model="tiny-llama-random")).model_runner.num_packed_linears > 0
     assert LLMEngine(EngineConfig(model="tiny-llama-random", pack_cpu_weights=False)).model_runner.num_packed_linears == 0
-
