@@ -48,6 +48,36 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _attend_kv_tile(
+    q, q_pos, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+    stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over context positions [start, start + BLOCK_N), capped at kv_end,
+    read through the block table; returns the updated running max, sum and accumulator."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < kv_end
+    block_ids = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+    kv_offs = block_ids * stride_cache_block + (offs_n % block_size) * stride_cache_slot
+    kv_offs += kv_head * stride_cache_head
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
+    visible = n_valid[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -86,23 +116,10 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, num_before + (q_tile + 1) * BLOCK_Q)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
     for start in range(0, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
-        kv_offs = block_ids * stride_cache_block + (offs_n % block_size) * stride_cache_slot
-        kv_offs += kv_head * stride_cache_head
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        s = tl.where(n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_kv_tile(
+            q, q_pos, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
+            CAUSAL=True, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -139,23 +156,11 @@ def _paged_decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
-    for start in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
-        kv_offs = block_ids * stride_cache_block + (offs_n % block_size) * stride_cache_slot
-        kv_offs += kv_head * stride_cache_head
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    for start in range(kv_start, kv_end, BLOCK_N):  # a decode token sees its whole context: no q_pos
+        m_i, l_i, acc = _attend_kv_tile(
+            q, 0, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
+            CAUSAL=False, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
     # partials are [T, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
     part = (token * NUM_HEADS + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
