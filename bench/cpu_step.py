@@ -24,6 +24,7 @@ is the process's: run once as is and once with ONEDNN_MAX_CPU_ISA=ALL to compare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -109,10 +110,10 @@ def part_timings(engine, args) -> dict:
     heads, kv_heads, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = (torch.randn(rows, h, dim).to(dtype) for h in (heads, kv_heads, kv_heads))
     attn = layer.self_attn.attn
-    # Fresh metadata object per call: the backend re-plans the step once, as a real forward does.
-    def attention():
+
+    def attention():  # a fresh metadata object per call: the backend plans the step once, as a forward does
         with torch.inference_mode():
-            step_meta = type(meta)(**vars(meta)) if hasattr(meta, "__dict__") else meta
+            step_meta = dataclasses.replace(meta)
             for kv_cache in kv_caches:
                 attn.forward(q, k, v, kv_cache, step_meta, dim**-0.5)
 
