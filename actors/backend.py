@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.messages import Admitted, BackendError, BackendInfo
-from cluster.metrics import BACKEND_METRICS, Recorder
+from tandem.actors.messages import Admitted, BackendError, BackendInfo
+from tandem.actors.metrics import BACKEND_METRICS, Recorder
 
 logger = logging.getLogger("tandem.backend")
 
@@ -78,8 +78,8 @@ class BackendActor:
     ) -> None:
         import torch
 
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
+        from tandem.engine.config import EngineConfig
+        from tandem.engine.llm_engine import LLMEngine
 
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus and reuses workers: set our own.
         torch.set_num_threads(threads)
@@ -142,8 +142,8 @@ class BackendActor:
         return self.engine.tokenizer
 
     async def profile(self, max_active: int | None = None, **kwargs: Any) -> dict[str, Any]:
-        """Measure this backend's rates (nothing else may run meanwhile); see cluster/profile.py."""
-        from cluster.profile import measure_rates
+        """Measure this backend's rates (nothing else may run meanwhile); see engine/profiler.py."""
+        from tandem.engine.profiler import measure_rates
 
         if self._streams:
             raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
@@ -191,16 +191,15 @@ class BackendActor:
         one `finished`. Raises InvalidRequestError before `Admitted` if the engine rejects it.
         Closing the stream early (caller cancelled) aborts the request and frees its blocks."""
         if req_id in self._streams:
-            from engine.sampling_params import InvalidRequestError
+            from tandem.engine.sampling_params import InvalidRequestError
 
             raise InvalidRequestError(f"request id {req_id!r} is already running on {self.backend_id}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[req_id] = stream
-        admitted = finished = False
+        finished = False
         try:
             fn = lambda: self.engine.add_request(req_id, prompt_token_ids, params, arrival_time)  # noqa: E731
             num_prompt_tokens = await self._call(fn)
-            admitted = True
             yield Admitted(req_id, self.backend_id, num_prompt_tokens)
             while not finished:
                 item = await stream.queue.get()
@@ -213,7 +212,10 @@ class BackendActor:
                     raise pending_error
         finally:
             self._streams.pop(req_id, None)
-            if admitted and not finished:
+            if not finished:
+                # Cancelled at any moment, even while the add was queued or running: commands run
+                # in order on the engine thread, so this abort follows the add; aborting a request
+                # the engine never took is a no-op.
                 self._commands.put(lambda: self.engine.abort_request(req_id))
 
     def _stream_interval(self) -> float:
@@ -238,10 +240,17 @@ class BackendActor:
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
+            # The awaiting coroutine may have been cancelled (its client hung up): then the future
+            # is cancelled too, and nobody wants the result. Setting one would raise
+            # InvalidStateError here, in the engine thread, where it would fail every stream.
+            if not future.set_running_or_notify_cancel():
+                return
             try:
-                future.set_result(fn())
+                result = fn()
             except Exception as exc:  # handed to the awaiting coroutine
                 future.set_exception(exc)
+            else:
+                future.set_result(result)
 
         self._commands.put(command)
         return await asyncio.wrap_future(future)
@@ -280,11 +289,18 @@ class BackendActor:
         except queue.Empty:
             return
         while True:
-            command()
+            self._run_command(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_command(self, command: Callable[[], None]) -> None:
+        """One request's bookkeeping must never fail the loop that serves everyone else."""
+        try:
+            command()
+        except Exception:
+            logger.exception("backend %s: a command failed; the engine keeps serving", self.backend_id)
 
     def _deliver(self, outputs: list) -> None:
         """Merge a step's outputs into their streams and hand over those that are due, with one

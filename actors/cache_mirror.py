@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.kv_cache.hashing import hash_request_blocks
-from engine.kv_cache.manager import num_cached_prefix_tokens
+from tandem.engine.kv_cache.hashing import hash_request_blocks
+from tandem.engine.kv_cache.manager import num_cached_prefix_tokens
 
 
 class CacheMirror:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.cache_mirror import CacheMirror, prompt_block_hashes
-from actors.messages import BackendInfo, Decision
-from cluster.metrics import ROUTER_METRICS, Recorder
+from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
+from tandem.actors.messages import BackendInfo, Decision
+from tandem.actors.metrics import ROUTER_METRICS, Recorder
 
 logger = logging.getLogger("tandem.router")
 
@@ -62,7 +62,7 @@ class RouterActor:
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False,
                  spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
-        from routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
+        from tandem.routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(
             [], policy=policy,
@@ -85,7 +85,7 @@ class RouterActor:
     # -- membership --------------------------------------------------------------------------
     async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
         """(Re)join routing; `cached_hashes` is the backend's prefix-cache index right now."""
-        from routing import BackendSpec, RateProfile
+        from tandem.routing import BackendSpec, RateProfile
 
         rates = info.rates or self.known_rates.get(info.backend_id)
         if rates is None:
@@ -153,7 +153,7 @@ class RouterActor:
     # -- decisions ---------------------------------------------------------------------------
     async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
         """Place a request. `attempt` > 1 means its previous backend failed before it started."""
-        from routing import NoBackendError, RouteRequest
+        from tandem.routing import NoBackendError, RouteRequest
 
         num_cached = self._num_cached(prompt_token_ids)
         if not self.backends:
@@ -234,7 +234,7 @@ class RouterActor:
         return applied
 
     def _events_for(self, p: Any) -> list[Any]:
-        from routing import ProgressEvent
+        from tandem.routing import ProgressEvent
 
         if p.status == "finished":
             return [ProgressEvent(p.req_id, "finished")]

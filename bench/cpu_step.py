@@ -226,7 +226,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from engine.model import cpu_linear
+    from tandem.engine.model import cpu_linear
 
     torch.set_num_threads(args.threads)
     if args.pack_hint is not None:  # the row count oneDNN lays packed weights out for

@@ -47,7 +47,7 @@ import torch
 from tqdm import tqdm
 
 from bench._machine import CpuInterference, machine_info, run_stamp, source_digest, wait_until_idle
-from routing.sim_report import percentile
+from tandem.routing.sim_report import percentile
 
 # Real text for the shared prefix (cycled when a run needs more tokens than it holds).
 PASSAGE = (
@@ -121,7 +121,7 @@ def build_prompts(encode, num_requests: int, prompt_tokens: int, prefix_tokens: 
 def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, tag: str,
                preseed_prefix: list[int] | None = None, progress: bool = True) -> RunResult:
     """Submit every prompt at once, step until all finish; optionally compute the prefix first."""
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     if preseed_prefix is not None:
         _preseed(engine, preseed_prefix, tag)
@@ -153,7 +153,7 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, t
 
 def _preseed(engine, prefix: list[int], tag: str) -> None:
     """Compute the shared prefix with a throwaway request so its blocks sit in the prefix cache."""
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     # One extra token: a hit is capped at prompt length - 1, and this keeps every prefix block full.
     engine.add_request(f"{tag}-preseed", prefix + prefix[:1],
@@ -215,8 +215,8 @@ def load_hf_model(model_name: str, device: str, dtype: torch.dtype):
     """The HF transformers model with the engine's exact weights."""
     from transformers import AutoModelForCausalLM
 
-    from engine.model.loader import load_model
-    from engine.model.presets import PRESETS, RandomPreset, build_hf_model
+    from tandem.engine.model.loader import load_model
+    from tandem.engine.model.presets import PRESETS, RandomPreset, build_hf_model
 
     if isinstance(PRESETS.get(model_name), RandomPreset):
         model = build_hf_model(model_name)
@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from transformers.utils import logging as hf_logging
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     hf_logging.set_verbosity_error()
     threads = args.threads or torch.get_num_threads()

@@ -58,15 +58,15 @@ def _sync(device: str) -> None:
 
 # -- Tandem's engine ------------------------------------------------------------------------
 def make_engine(model: str, device: str, max_active: int, dtype: str = "auto", threads: int | None = None, **kw):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_active=max_active,
                                   num_threads=threads, **kw))
 
 
 def _add(engine, prompts, max_tokens: int, tag: str) -> list[str]:
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -246,7 +246,7 @@ def eager_prefill_split(engine, seed: int) -> dict:
         out["host_enqueue_ms"] = 1e3 * (time.perf_counter() - t0)
         torch.cuda.synchronize()
         out["gpu_ms"] = start.elapsed_time(end)
-        from engine.model.fused_layers import rms_norm  # one small Triton launch, host cost only
+        from tandem.engine.model.fused_layers import rms_norm  # one small Triton launch, host cost only
 
         x = torch.randn(4, 896, device="cuda", dtype=torch.bfloat16)
         w = torch.ones(896, device="cuda", dtype=torch.bfloat16)
@@ -329,7 +329,7 @@ def hf_model(name: str, device: str, dtype, attn: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.model.presets import build_hf_model, get_preset
+    from tandem.engine.model.presets import build_hf_model, get_preset
 
     if device == "cpu":
         return build_hf_model(name).to(dtype).eval()  # our random weights, float32 first
@@ -573,7 +573,7 @@ def cpu_op_profile(make, batch: int = 4, steps: int = 3) -> dict:
 def section_floor(args) -> dict:
     import torch
 
-    from engine.model.loader import load_model
+    from tandem.engine.model.loader import load_model
 
     model = load_model(args.model, "cuda", torch.bfloat16).model
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())

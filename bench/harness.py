@@ -94,7 +94,7 @@ class Layout:
 def init_ray(log_to_driver: bool = False) -> None:
     import ray
 
-    from cluster.launcher import ray_env_defaults
+    from tandem.cluster.launcher import ray_env_defaults
 
     ray_env_defaults()
     if not ray.is_initialized():
@@ -108,8 +108,8 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
 
     import torch
 
-    from cluster.config import TandemConfig, parse_backends
-    from cluster.plan import plan_backends
+    from tandem.cluster.config import TandemConfig, parse_backends
+    from tandem.cluster.plan import plan_backends
 
     config = TandemConfig.validated({"model": model, "backends": parse_backends(backends_spec),
                                      "cpu_threads": cpu_threads})
@@ -129,7 +129,7 @@ def profile_rates(layout: Layout, accel_max_active: int, cpu_max_active: int, ou
     config = {"model": layout.model, "rates_cache": str(out_dir / "rates-cache.json"),
               "backends": layout.arm_backends("cost", accel_max_active, cpu_max_active)}
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [sys.executable, "-m", "cluster.cli", "profile", "--config", str(config_path), "--output", str(rates_path)]
+    command = [sys.executable, "-m", "tandem.cluster.cli", "profile", "--config", str(config_path), "--output", str(rates_path)]
     done = subprocess.run(command, capture_output=True, text=True)
     (out_dir / "profile.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -159,8 +159,8 @@ class BenchCluster:
     def __enter__(self) -> BenchCluster:
         import ray
 
-        from cluster.config import TandemConfig
-        from cluster.launcher import start
+        from tandem.cluster.config import TandemConfig
+        from tandem.cluster.launcher import start
 
         namespace = f"bench-{uuid.uuid4().hex[:8]}"
         self.routing_log = self.log_dir / f"routing-{namespace}.jsonl"
@@ -225,7 +225,7 @@ def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
     """Prefill every seed prompt on every backend; return each backend's reusable prefix for request 0."""
     import ray
 
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step: warms it too
     backends = cluster.tandem.backends

@@ -50,7 +50,7 @@ PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
 
 
 def register_preset() -> None:
-    from engine.model.presets import _TINY_SHAPE, PRESETS, RandomPreset
+    from tandem.engine.model.presets import _TINY_SHAPE, PRESETS, RandomPreset
 
     shape = dict(_TINY_SHAPE, vocab_size=VOCAB_SIZE, rope_theta=10000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False)
@@ -59,10 +59,10 @@ def register_preset() -> None:
 
 
 def make_engine(max_active: int, threads: int, real_tokenizer: bool):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model.loader import models_cache_dir
-    from engine.tokenizer import load_tokenizer
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.model.loader import models_cache_dir
+    from tandem.engine.tokenizer import load_tokenizer
 
     register_preset()
     engine = LLMEngine(EngineConfig(model=PRESET_NAME, device="cpu", max_active=max_active,
@@ -114,7 +114,7 @@ def random_prompts(num: int, length: int, rng: random.Random) -> list[list[int]]
 
 
 def add_and_prefill(engine, batch: int, prompt_len: int, rng: random.Random, tag: str) -> None:
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, prompt_len, rng)):

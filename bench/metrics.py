@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from routing.sim_report import percentile
+from tandem.routing.sim_report import percentile
 
 # metric -> True if higher is better
 METRICS: dict[str, bool] = {

@@ -35,11 +35,11 @@ import statistics
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from routing.backend_spec import BackendSpec
-from routing.oracle import AssignmentEvaluator, find_oracle
-from routing.rates import RateProfile
-from routing.scenario import Scenario, SimBackendSpec, SimRequest
-from routing.simulator import simulate
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.oracle import AssignmentEvaluator, find_oracle
+from tandem.routing.rates import RateProfile
+from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
+from tandem.routing.simulator import simulate
 
 MIN_ORACLE_GAIN = 1e-3  # below this fraction of the baseline's makespan the share is undefined
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from routing import POLICIES, BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
+from tandem.routing import POLICIES, BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
 
 SPEC_BACKENDS = [
     BackendSpec("cuda0", "cuda", RateProfile(2551, 293), max_active=4),

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from bench._machine import machine_info, run_stamp
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +52,7 @@ def params(args: argparse.Namespace) -> SamplingParams:
 
 
 def run_in_process(args: argparse.Namespace) -> float:
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=args.model, max_active=args.num_requests, num_threads=args.threads))
     best = 0.0
@@ -68,7 +68,7 @@ def run_in_process(args: argparse.Namespace) -> float:
 
 
 def run_served(args: argparse.Namespace, stream_interval_s: float, max_messages: float, tmp: Path) -> dict:
-    import cluster
+    from tandem import cluster
 
     tandem = cluster.start(model=args.model, backends=["cpu"], cpu_threads=args.threads,
                            max_active=args.num_requests, serve_http=False, rates=str(tmp / "rates.json"),

@@ -14,7 +14,7 @@ __all__ = ["Tandem", "connect", "start"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from cluster import launcher
+        from tandem.cluster import launcher
 
         return getattr(launcher, name)
-    raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+    raise AttributeError(f"module 'tandem.cluster' has no attribute {name!r}")

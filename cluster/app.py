@@ -32,9 +32,9 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.dispatch import RequestFailed, RequestStream
-from cluster.metrics import INGRESS_METRICS, Recorder
-from cluster.protocol import (
+from tandem.cluster.dispatch import RequestFailed, RequestStream
+from tandem.actors.metrics import INGRESS_METRICS, Recorder
+from tandem.cluster.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -51,7 +51,7 @@ from cluster.protocol import (
     UsageInfo,
     error_body,
 )
-from cluster.tokenize import encode_chat, encode_prompt
+from tandem.cluster.tokenize import encode_chat, encode_prompt
 
 logger = logging.getLogger("tandem.app")
 
@@ -273,7 +273,7 @@ class TandemIngress:
                            "invalid_request_error", code="invalid_api_key")
 
     def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any]:
-        from engine.sampling_params import InvalidRequestError, SamplingParams
+        from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
         prompt_token_ids = self._tokenize(body, chat)
         max_model_len = self.settings.max_model_len

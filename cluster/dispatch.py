@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from actors.messages import Admitted, BackendError, Decision
+from tandem.actors.messages import Admitted, BackendError, Decision
 
 logger = logging.getLogger("tandem.dispatch")
 
@@ -67,8 +67,8 @@ class RequestStream:
         """Route and start the request; returns once a backend has admitted it."""
         import ray.exceptions
 
-        from actors.router import NoBackendAvailable
-        from engine.sampling_params import InvalidRequestError
+        from tandem.actors.router import NoBackendAvailable
+        from tandem.engine.sampling_params import InvalidRequestError
 
         last_error = "no backend is alive"
         while self.attempts < self.max_attempts:

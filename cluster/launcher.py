@@ -1,7 +1,7 @@
 """Start a Tandem cluster (or connect to a running one) and drive it from Python.
 
-    import cluster
-    from engine.sampling_params import SamplingParams
+    from tandem import cluster
+    from tandem.engine.sampling_params import SamplingParams
 
     tandem = cluster.start(model="smollm2-135m", backends=["cpu", "auto"])   # or cluster.connect()
     for out in tandem.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)):
@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config import ConfigError, TandemConfig
-from cluster.plan import BackendPlan, plan_backends
+from tandem.cluster.config import ConfigError, TandemConfig
+from tandem.cluster.plan import BackendPlan, plan_backends
 
 logger = logging.getLogger("tandem.launcher")
 
@@ -87,8 +87,8 @@ class Tandem:
 
     async def agenerate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> AsyncIterator[Any]:
         """The async form of `generate`, for drivers that run their own event loop."""
-        from cluster.dispatch import RequestStream
-        from engine.sampling_params import SamplingParams
+        from tandem.cluster.dispatch import RequestStream
+        from tandem.engine.sampling_params import SamplingParams
 
         params = params or SamplingParams()
         prompt_token_ids = await self._tokenize(prompt, chat)
@@ -102,14 +102,14 @@ class Tandem:
             await stream.close()
 
     async def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:
-        from cluster.tokenize import encode_chat, encode_prompt
+        from tandem.cluster.tokenize import encode_chat, encode_prompt
 
         if not isinstance(prompt, str):
             return list(prompt)
         if self._tokenizer is None:
             backends = await self.router.list_backends.remote()
             if not backends:
-                from cluster.dispatch import BackendUnavailable
+                from tandem.cluster.dispatch import BackendUnavailable
 
                 raise BackendUnavailable("no backend is alive")
             self._tokenizer = await next(iter(backends.values())).tokenizer.remote()
@@ -202,8 +202,8 @@ def _init_ray(config: TandemConfig) -> bool:
 def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bool) -> Tandem:
     import ray
 
-    from actors.backend import BackendActor
-    from actors.router import RouterActor
+    from tandem.actors.backend import BackendActor
+    from tandem.actors.router import RouterActor
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
@@ -237,7 +237,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, Any],
              rates: dict[str, dict[str, Any]], log: Any) -> None:
     """Every backend decodes together once, so calibration starts from co-running speeds."""
-    from cluster.warmup import warm_up_together
+    from tandem.cluster.warmup import warm_up_together
 
     try:
         seconds = warm_up_together(backends, infos, rates, config.warmup_tokens)
@@ -270,7 +270,7 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     """Rates per backend: the rates file, else the profile cache, else a fresh profile (one at a time)."""
     import ray
 
-    from cluster.profile import load_cache, profile_key, store_in_cache
+    from tandem.cluster.profile import load_cache, profile_key, store_in_cache
 
     from_file = _load_rates_file(config) if config.rates else {}
     cache = load_cache(config.rates_cache) if config.profile != "always" else {}
@@ -297,7 +297,7 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
 def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
     from dataclasses import asdict
 
-    from routing import load_rate_profiles
+    from tandem.routing import load_rate_profiles
 
     return {name: asdict(profile) for name, profile in load_rate_profiles(config.rates).items()}
 
@@ -306,7 +306,7 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any) -> 
     import ray
     from ray import serve
 
-    from cluster.app import IngressSettings, build_app
+    from tandem.cluster.app import IngressSettings, build_app
 
     tokenizer = ray.get(backend.tokenizer.remote())
     settings = IngressSettings(

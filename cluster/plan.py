@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from cluster.config import BackendConfig, TandemConfig
+from tandem.cluster.config import BackendConfig, TandemConfig
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import gc
 import sys
 import time
 
-from cluster.config import ConfigError
-from cluster.serve_cli import add_cluster_arguments, load_config
+from tandem.cluster.config import ConfigError
+from tandem.cluster.serve_cli import add_cluster_arguments, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.plan import plan_backends
-    from cluster.profile import measure_rates, profile_key, store_in_cache, write_rates_file
+    from tandem.cluster.plan import plan_backends
+    from tandem.cluster.profile import profile_key, store_in_cache, write_rates_file
+    from tandem.engine.profiler import measure_rates
 
     try:
         config = load_config(args)
@@ -54,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_engine(config, plan, cuda_index: int):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     device = f"cuda:{cuda_index}" if plan.device == "cuda" else plan.device
     return LLMEngine(EngineConfig(

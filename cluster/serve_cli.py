@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from cluster.config import ConfigError, TandemConfig, parse_backends
+from tandem.cluster.config import ConfigError, TandemConfig, parse_backends
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.launcher import start
+    from tandem.cluster.launcher import start
 
     try:
         config = load_config(

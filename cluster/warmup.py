@@ -30,7 +30,7 @@ def warmup_tokens(rates: dict[str, dict[str, Any]], max_actives: dict[str, int],
     """Tokens per warm-up request for each backend: `max_tokens` for the slowest (by profiled
     seconds per token of one request at its full batch), proportionally more for faster ones,
     at most `max_scale` times; backends without a profile get `max_tokens`."""
-    from routing.rates import RateProfile
+    from tandem.routing.rates import RateProfile
 
     per_token_s = {b: m / RateProfile(**rates[b]).decode_rate(m) for b, m in max_actives.items() if b in rates}
     slowest = max(per_token_s.values(), default=0.0)
@@ -43,7 +43,7 @@ def warm_up_together(backends: dict[str, Any], infos: dict[str, Any], rates: dic
     """Run the warm-up on these backend actor handles (infos: their BackendInfo); returns seconds."""
     import ray
 
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     tokens = warmup_tokens(rates, {b: infos[b].max_active for b in backends}, max_tokens)

@@ -2,7 +2,7 @@
 
 Run `python dashboards/generate.py` after changing a panel; the JSON files are committed so
 Grafana users need nothing but the files. Every query uses only series from
-cluster/metrics.py (tests/cluster/test_dashboards.py checks), with the `ray_` prefix that
+actors/metrics.py (tests/cluster/test_dashboards.py checks), with the `ray_` prefix that
 Ray's metrics export adds. Gauges are summed over Ray's per-worker label sets, by backend.
 """
 

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from tandem.engine.config import DEFAULT_MODEL, EngineConfig
+from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate(prompt: str, params: SamplingParams, config: EngineConfig, chat: bool = False) -> dict:
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     prompt_ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

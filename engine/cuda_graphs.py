@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
-from engine.host_tensors import int_tensor
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.host_tensors import int_tensor
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache.manager import KVCacheManager, cdiv
-from engine.model.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
-from engine.request import Request, RequestStatus
-from engine.sampler import SamplingRow
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
+from tandem.engine.model.loader import load_model
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import SamplingRow
+from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
 
 MAX_DEFAULT_MODEL_LEN = 8192
 

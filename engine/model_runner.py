@@ -19,12 +19,12 @@ import importlib.util
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.host_tensors import int_tensor
-from engine.kv_cache.manager import KVCacheManager
-from engine.model.loader import LoadedModel
-from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SchedulerOutput
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.host_tensors import int_tensor
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.model.loader import LoadedModel
+from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -45,17 +45,17 @@ class ModelRunner:
         if self.attention_backend == "triton":
             self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager)
         elif device.type == "cpu" and pack_cpu_weights:
-            from engine.model.cpu_linear import pack_model
+            from tandem.engine.model.cpu_linear import pack_model
 
             self.num_packed_linears = pack_model(self.model)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
-        from engine.attention.triton_paged import TritonPagedAttention
-        from engine.model.fused_layers import fuse_model
+        from tandem.engine.attention.triton_paged import TritonPagedAttention
+        from tandem.engine.model.fused_layers import fuse_model
 
         fuse_model(self.model, TritonPagedAttention())
         if not enforce_eager and self.device.type == "cuda":
-            from engine.cuda_graphs import CUDAGraphRunner
+            from tandem.engine.cuda_graphs import CUDAGraphRunner
 
             max_blocks_per_seq = -(-max_model_len // self.block_size)
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.kv_cache.hashing import hash_request_blocks
-from engine.sampling_params import SamplingParams
+from tandem.engine.kv_cache.hashing import hash_request_blocks
+from tandem.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -15,8 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
 
 
 @dataclass

@@ -6,15 +6,15 @@ simulator and an oracle split so a policy's gain can be set against the attainab
 The Ray actor that hosts the `Router` lives in `actors/`; see docs/routing.md.
 """
 
-from routing.backend_spec import BackendSpec
-from routing.decision import BackendScore, DecisionRecord
-from routing.errors import ConfigError, NoBackendError
-from routing.ledger import Ledger, LedgerEntry
-from routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
-from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from routing.policies import POLICIES, SpillGuard, make_policy
-from routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
-from routing.router import PendingSummary, RemovedRequests, Router
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.errors import ConfigError, NoBackendError
+from tandem.routing.ledger import Ledger, LedgerEntry
+from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
+from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
+from tandem.routing.policies import POLICIES, SpillGuard, make_policy
+from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
+from tandem.routing.router import PendingSummary, RemovedRequests, Router
 
 __all__ = [
     "BackendScore",

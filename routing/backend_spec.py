@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.rates import RateProfile
+from tandem.routing.rates import RateProfile
 
 
 @dataclass

@@ -16,10 +16,10 @@ spec's formula. Inputs are the ledger's running sums, so this is O(1) per backen
 
 from __future__ import annotations
 
-from routing.backend_spec import BackendSpec
-from routing.decision import BackendScore
-from routing.ledger import Ledger
-from routing.rates import RateProfile
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.decision import BackendScore
+from tandem.routing.ledger import Ledger
+from tandem.routing.rates import RateProfile
 
 
 def decode_rate_for(rates: RateProfile, max_active: int, num_requests: int) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing import messages
+from tandem.routing import messages
 
 QUEUED = "queued"
 ACTIVE = "active"

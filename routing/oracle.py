@@ -24,9 +24,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from routing.scenario import Scenario
-from routing.sim_backend import SimBackend
-from routing.simulator import RequestOutcome, collect_outcomes, make_job
+from tandem.routing.scenario import Scenario
+from tandem.routing.sim_backend import SimBackend
+from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_job
 
 Assignment = tuple[int, ...]  # backend index per request, scenario order
 

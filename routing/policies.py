@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from routing.decision import BackendScore
-from routing.errors import NoBackendError
+from tandem.routing.decision import BackendScore
+from tandem.routing.errors import NoBackendError
 
 
 class Policy(Protocol):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from routing.errors import ConfigError, format_validation_errors
+from tandem.routing.errors import ConfigError, format_validation_errors
 
 
 @dataclass(frozen=True)

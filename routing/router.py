@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
-from routing import messages
-from routing.backend_spec import BackendSpec
-from routing.cost_model import pending_seconds, score_backend
-from routing.decision import BackendScore, DecisionRecord
-from routing.ledger import ACTIVE, Ledger, LedgerEntry
-from routing.messages import ProgressEvent, RouteRequest
-from routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from routing.policies import SpillGuard, make_policy
-from routing.rates import CalibrationConfig, RateProfile, calibrate
+from tandem.routing import messages
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.cost_model import pending_seconds, score_backend
+from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
+from tandem.routing.messages import ProgressEvent, RouteRequest
+from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
+from tandem.routing.policies import SpillGuard, make_policy
+from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
 
 
 @dataclass

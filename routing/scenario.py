@@ -21,11 +21,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from routing.backend_spec import BackendSpec
-from routing.errors import ConfigError, format_validation_errors
-from routing.new_token_ratio import NewTokenRatioConfig
-from routing.policies import POLICIES, SpillGuard
-from routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.errors import ConfigError, format_validation_errors
+from tandem.routing.new_token_ratio import NewTokenRatioConfig
+from tandem.routing.policies import POLICIES, SpillGuard
+from tandem.routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
 
 
 @dataclass

@@ -28,9 +28,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from routing import messages
-from routing.messages import ProgressEvent
-from routing.rates import RateProfile
+from tandem.routing import messages
+from tandem.routing.messages import ProgressEvent
+from tandem.routing.rates import RateProfile
 
 
 @dataclass

@@ -4,7 +4,7 @@ Output on stdout: one JSON line per routing decision (`"type": "decision"`), one
 summary (`"type": "summary"`) and one for the oracle (`"type": "oracle"`), then a blank line
 and a plain-text table. `--no-decisions` drops the decision lines; `--json-out` also writes
 everything as one JSON document. The `tandem` CLI calls `add_arguments` and `run`; until then
-`python -m routing.sim_cli SCENARIO` does the same.
+`python -m tandem.routing.sim_cli SCENARIO` does the same.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from routing.errors import ConfigError
-from routing.oracle import find_oracle
-from routing.policies import POLICIES
-from routing.scenario import Scenario, load_scenario
-from routing.sim_report import Summary, add_gains, format_table, summarize
-from routing.simulator import SimResult, simulate
+from tandem.routing.errors import ConfigError
+from tandem.routing.oracle import find_oracle
+from tandem.routing.policies import POLICIES
+from tandem.routing.scenario import Scenario, load_scenario
+from tandem.routing.sim_report import Summary, add_gains, format_table, summarize
+from tandem.routing.simulator import SimResult, simulate
 
 BASELINE = "accelerator-only"
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from routing.simulator import RequestOutcome
+from tandem.routing.simulator import RequestOutcome
 
 GAIN_EPSILON_S = 1e-9
 

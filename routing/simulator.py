@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.decision import DecisionRecord
-from routing.messages import ProgressEvent, RouteRequest
-from routing.router import Router
-from routing.scenario import Scenario, SimRequest
-from routing.sim_backend import SimBackend, SimJob
+from tandem.routing.decision import DecisionRecord
+from tandem.routing.messages import ProgressEvent, RouteRequest
+from tandem.routing.router import Router
+from tandem.routing.scenario import Scenario, SimRequest
+from tandem.routing.sim_backend import SimBackend, SimJob
 
 
 @dataclass

@@ -5,7 +5,7 @@ SDPA), runs on cpu, cuda and mps. Fast paths (CUDA graphs, paged decode kernels)
 the same `forward` and are tested against it.
 """
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_ref import TorchRefAttention
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.torch_ref import TorchRefAttention
 
 __all__ = ["AttentionMetadata", "TorchRefAttention"]

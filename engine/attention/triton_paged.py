@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -2,9 +2,9 @@
 reused by a later request with the same prefix. No torch here: the tensors live in the model
 runner; this package only hands out block ids, so it is tested on exact ids in milliseconds."""
 
-from engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from engine.kv_cache.hashing import hash_block_tokens, hash_request_blocks
-from engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from tandem.engine.kv_cache.hashing import hash_block_tokens, hash_request_blocks
+from tandem.engine.kv_cache.manager import KVCacheManager
 
 __all__ = [
     "BlockPool",

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache.hashing import hash_request_blocks
+from tandem.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tandem.engine.kv_cache.hashing import hash_request_blocks
 
 if TYPE_CHECKING:  # engine.request imports engine.kv_cache.hashing: a runtime import would be circular
-    from engine.request import Request
+    from tandem.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

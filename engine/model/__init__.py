@@ -4,10 +4,10 @@
 the `ModelConfig` the KV cache and sampler size themselves from.
 """
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import LoadedModel, build_empty_model, load_model, models_cache_dir
-from engine.model.presets import DEFAULT_MODEL, PRESETS, build_hf_model
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.loader import LoadedModel, build_empty_model, load_model, models_cache_dir
+from tandem.engine.model.presets import DEFAULT_MODEL, PRESETS, build_hf_model
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.metadata import AttentionMetadata
 
 
 @triton.jit

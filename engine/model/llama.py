@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_ref import TorchRefAttention
-from engine.model.config import ModelConfig
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.torch_ref import TorchRefAttention
+from tandem.engine.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.model.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
-from engine.model.weights import load_hf_weights
-from engine.tokenizer import build_byte_tokenizer, load_tokenizer
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
+from tandem.engine.model.weights import load_hf_weights
+from tandem.engine.tokenizer import build_byte_tokenizer, load_tokenizer
 
 _CONVERTED_MARKER = "tandem-source.json"
 _CONVERSION_FORMAT = 1

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer_eos_ids
+from tandem.engine.model.config import ModelConfig
+from tandem.engine.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer_eos_ids
 
 DEFAULT_MODEL = "smollm2-135m"
 

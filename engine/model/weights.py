@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.llama import LlamaForCausalLM
 
 # HF projection name -> (our merged module, shard name)
 _MERGED = {

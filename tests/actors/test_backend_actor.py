@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from actors.backend import BackendActor
-from actors.messages import Admitted
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from tandem.actors.backend import BackendActor
+from tandem.actors.messages import Admitted
+from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
 ENGINE = dict(model="tiny-llama-random", device="cpu", max_active=4, block_size=16)
 
@@ -59,8 +59,8 @@ def test_generate_streams_deltas_and_finishes(backend):
 
 
 def test_waiting_outputs_merge_into_one_message_and_an_error_stops_the_merge():
-    from actors.backend import _coalesce
-    from engine.outputs import RequestOutput, Usage
+    from tandem.actors.backend import _coalesce
+    from tandem.engine.outputs import RequestOutput, Usage
 
     def out(token, text, done=False):
         return RequestOutput("m", [token], text, done, "length" if done else None, Usage(3, token, 0))
@@ -169,7 +169,7 @@ def test_progress_reaches_the_router_in_batches():
 def test_reported_cache_changes_mirror_the_engine_prefix_cache():
     """The router answers prefix hits from the hashes backends report; they must agree with
     the engine's own answer, without asking it."""
-    from actors.cache_mirror import CacheMirror, prompt_block_hashes
+    from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 
     router = FakeRouter()
     actor = BackendActor("cpu8", ENGINE, threads=1, router=None)

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from actors.messages import BackendInfo
-from actors.router import NoBackendAvailable, RouterActor
-from engine.kv_cache.hashing import hash_request_blocks
-from engine.outputs import RequestProgress
+from tandem.actors.messages import BackendInfo
+from tandem.actors.router import NoBackendAvailable, RouterActor
+from tandem.engine.kv_cache.hashing import hash_request_blocks
+from tandem.engine.outputs import RequestProgress
 
 SPEC_RATES = {"cuda0": {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0},
               "cpu0": {"prefill_tok_s": 73.0, "decode_tok_s": 45.0}}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.cpu_step import bytes_read_per_step, main
-from engine.model.cpu_linear import available, pack_model
-from engine.model.loader import load_model
+from tandem.engine.model.cpu_linear import available, pack_model
+from tandem.engine.model.loader import load_model
 
 
 def test_breakdown_writes_its_parts(tmp_path):

@@ -24,7 +24,7 @@ def test_sweep_on_one_reused_cluster(tmp_path):
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps({"cpu0": RATES, "cpu1": RATES}))
     out = tmp_path / "sweep"
-    command = [sys.executable, "-m", "cluster.cli", "bench", "sweep", "--out", str(out),
+    command = [sys.executable, "-m", "tandem.cluster.cli", "bench", "sweep", "--out", str(out),
                "--model", "tiny-llama-random", "--cpu-threads", "1", "--rates", str(rates),
                "--num-requests", "4", "--runs", "1", "--prompt-tokens", "48", "--max-tokens", "4",
                "--accel-max-active", "1,2", "--base-max-active", "2", "--arrival-rates", "", "--cache-hit", "",

@@ -15,10 +15,10 @@ from bench.metrics import aggregate, compare, run_metrics, spread
 from bench.oracle import cell_oracle, fit_factor, meets_target, share_of_oracle_gain
 from bench.summary import first_offload_window, summarize
 from bench.workload import CellSpec, poisson_arrivals, spec_workload, sweep_workload
-from routing.backend_spec import BackendSpec
-from routing.rates import RateProfile
-from routing.scenario import Scenario, SimBackendSpec, SimRequest
-from routing.simulator import simulate
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.rates import RateProfile
+from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
+from tandem.routing.simulator import simulate
 
 # -- workloads -------------------------------------------------------------------------------
 
@@ -244,7 +244,7 @@ def test_report_renders_tables_and_plots(tmp_path):
 def test_sweep_plan_with_seed_groups_cells_by_max_active():
     from bench.cli import plan
     from bench.runner import groups, total_requests
-    from cluster.cli import build_parser
+    from tandem.cluster.cli import build_parser
 
     argv = ["bench", "sweep", "--out", "x", "--with-seed", "--num-requests", "6", "--runs", "2",
             "--other-max-active-runs", "1", "--accel-max-active", "1,4,8", "--arrival-rates", "10",

@@ -51,8 +51,8 @@ def tandem(tmp_path_factory):
     import ray
     from ray import serve
 
-    from cluster.app import IngressSettings, build_app
-    from cluster.launcher import start
+    from tandem.cluster.app import IngressSettings, build_app
+    from tandem.cluster.launcher import start
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process")

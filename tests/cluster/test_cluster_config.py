@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import ConfigError, TandemConfig, parse_backends
-from cluster.plan import plan_backends
+from tandem.cluster.config import ConfigError, TandemConfig, parse_backends
+from tandem.cluster.plan import plan_backends
 
 
 def test_yaml_then_flags_override(tmp_path):

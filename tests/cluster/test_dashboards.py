@@ -1,4 +1,4 @@
-"""Every query in dashboards/ uses only series Tandem exports (cluster/metrics.py), and the
+"""Every query in dashboards/ uses only series Tandem exports (actors/metrics.py), and the
 Prometheus scrape config points at the default metrics port."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import TandemConfig
-from cluster.metrics import REGISTRY, exported_series
+from tandem.cluster.config import TandemConfig
+from tandem.actors.metrics import REGISTRY, exported_series
 
 DASHBOARDS = sorted((Path(__file__).parents[2] / "dashboards").glob("*.json"))
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",

@@ -46,7 +46,7 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict, dict
 def run_gpu_cluster_checks(log=print) -> dict:
     import ray
 
-    import cluster
+    from tandem import cluster
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

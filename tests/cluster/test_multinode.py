@@ -16,8 +16,8 @@ SCRIPT = textwrap.dedent("""
     import json, pathlib, sys, tempfile
     import ray
     from ray.cluster_utils import Cluster
-    import cluster
-    from engine.sampling_params import SamplingParams
+    from tandem import cluster
+    from tandem.engine.sampling_params import SamplingParams
 
     ray_cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
     ray_cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.profile import load_cache, measure_rates, profile_key, store_in_cache, write_rates_file
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from routing import load_rate_profiles
+from tandem.cluster.profile import load_cache, profile_key, store_in_cache, write_rates_file
+from tandem.engine.profiler import measure_rates
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.routing import load_rate_profiles
 
 
 @pytest.fixture(scope="module")

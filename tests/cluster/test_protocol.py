@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 
 
 def test_completion_defaults_and_extras():

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", "tiny-llama-random", "--backends", "cpu,auto",
+    command = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--port", str(port), "--metrics-port", str(free_port()),
                "--routing-log", str(tmp_path / "routing.jsonl")]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -54,7 +54,7 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
             raise
     assert returncode == 0
     cache = json.loads((tmp_path / "cache" / "tandem" / "rates-cache.json").read_text())
-    from cluster.profile import profile_key
+    from tandem.cluster.profile import profile_key
 
     assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1)]
     with pytest.raises(httpx.HTTPError):

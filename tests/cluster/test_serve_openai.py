@@ -23,9 +23,9 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def reference():
     """Greedy text from `tandem generate` (the in-process engine), for plain and chat prompts."""
-    from engine.cli import generate
-    from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.cli import generate
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     config = EngineConfig(model=MODEL, num_threads=1)
@@ -132,7 +132,7 @@ def test_metrics_on_the_scrape_endpoint(tandem):
 
 
 def test_driver_api_generates_without_http(tandem, reference):
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     outs = list(tandem.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
     assert "".join(o.new_text for o in outs) == reference["plain"]
@@ -144,7 +144,7 @@ def test_connect_from_another_process(tandem):
 
     # The explicit address, not "auto": other Ray instances may run on this machine.
     address = ray.get_runtime_context().gcs_address
-    script = (f"import cluster; t = cluster.connect({address!r}); "
+    script = (f"from tandem import cluster; t = cluster.connect({address!r}); "
               "print(sorted(t.backends)); t.shutdown()")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,6 +1,6 @@
 """The start-up warm-up's token counts: the slowest backend gets the base, faster ones more."""
 
-from cluster.warmup import warmup_tokens
+from tandem.cluster.warmup import warmup_tokens
 
 
 def test_warmup_keeps_faster_backends_busy_as_long_as_the_slowest():

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engine.attention import TorchRefAttention
+from tandem.engine.attention import TorchRefAttention
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -96,7 +96,7 @@ def test_negative_slot_writes_nowhere(make_step):
 
 def test_repeated_kv_fallback_matches_native_gqa(make_step, monkeypatch):
     """Old torch and MPS before 2.7 lack SDPA's enable_gqa; the repeat_interleave path must agree."""
-    from engine.attention import torch_ref
+    from tandem.engine.attention import torch_ref
 
     monkeypatch.setattr(torch_ref, "_native_gqa", lambda device: False)
     out, expected, _, _ = run_step([(2, 1), (5, 1), (0, 6), (7, 3)], 6, 2, make_step)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_linear
-from engine.model.cpu_linear import PackedLinear, pack_model
+from tandem.engine.model import cpu_linear
+from tandem.engine.model.cpu_linear import PackedLinear, pack_model
 
 
 def needs(dtype):
@@ -29,7 +29,7 @@ def test_packed_linear_equals_f_linear(dtype, atol, rows):
 @pytest.mark.parametrize("preset", ["tiny-llama-random", "tiny-qwen2-random"])
 def test_packed_model_matches_the_plain_model(preset):
     needs(torch.float32)
-    from engine.model.loader import load_model
+    from tandem.engine.model.loader import load_model
 
     plain = load_model(preset, torch.device("cpu"), torch.float32).model
     packed = load_model(preset, torch.device("cpu"), torch.float32).model
@@ -48,8 +48,8 @@ def test_packed_model_matches_the_plain_model(preset):
 
 def test_engine_packs_on_cpu_unless_told_not_to():
     needs(torch.float32)
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     assert LLMEngine(EngineConfig(model="tiny-llama-random")).model_runner.num_packed_linears > 0
     assert LLMEngine(EngineConfig(model="tiny-llama-random", pack_cpu_weights=False)).model_runner.num_packed_linears == 0

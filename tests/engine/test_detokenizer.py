@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
-from engine.tokenizer import build_byte_tokenizer
+from tandem.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from tandem.engine.tokenizer import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,8 @@ def test_lean_detokenizer_agrees_with_fresh_decodes_byte_tokenizer(tok):
 
 
 def test_lean_detokenizer_agrees_with_fresh_decodes_smollm2_tokenizer():
-    from engine.model.loader import models_cache_dir
-    from engine.tokenizer import load_tokenizer
+    from tandem.engine.model.loader import models_cache_dir
+    from tandem.engine.tokenizer import load_tokenizer
 
     path = models_cache_dir() / "smollm2-135m"
     if not (path / "tokenizer.json").is_file():

@@ -12,18 +12,18 @@ import math
 import pytest
 import torch
 
-from engine.attention import TorchRefAttention
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.loader import load_model
-from engine.sampling_params import SamplingParams
+from tandem.engine.attention import TorchRefAttention
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.model.loader import load_model
+from tandem.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path needs CUDA")
 
 if torch.cuda.is_available():
-    from engine.attention.triton_paged import TritonPagedAttention
-    from engine.cuda_graphs import CUDAGraphRunner, bucket_sizes
-    from engine.model.fused_layers import fuse_model
+    from tandem.engine.attention.triton_paged import TritonPagedAttention
+    from tandem.engine.cuda_graphs import CUDAGraphRunner, bucket_sizes
+    from tandem.engine.model.fused_layers import fuse_model
 
 DEVICE = "cuda"
 
@@ -134,7 +134,7 @@ def test_graph_replay_matches_eager_and_pads_safely(dtype):
     ids, positions = [17, 99, 3], [s - 1 for s in seq_lens]
     logits = runner.run(ids, positions, slots, seq_lens, tables).clone()
 
-    from engine.attention.metadata import AttentionMetadata
+    from tandem.engine.attention.metadata import AttentionMetadata
 
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(

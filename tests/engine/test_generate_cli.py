@@ -8,7 +8,7 @@ import pytest
 
 
 def tandem(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tandem.cluster.cli", *args], capture_output=True,
                           text=True, timeout=300, check=check)
 
 

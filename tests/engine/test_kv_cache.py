@@ -3,9 +3,9 @@
 import subprocess
 import sys
 
-from engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager, hash_request_blocks
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tandem.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager, hash_request_blocks
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 
 BS = 4
 
@@ -15,12 +15,12 @@ def make_request(req_id, token_ids, max_tokens=8):
 
 
 def test_bookkeeping_imports_no_torch():
-    code = "import sys, engine.scheduler, engine.kv_cache; assert 'torch' not in sys.modules"
+    code = "import sys, tandem.engine.scheduler, tandem.engine.kv_cache; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_each_bookkeeping_module_imports_first_without_a_cycle():
-    for module in ("engine.request", "engine.kv_cache.manager", "engine.scheduler", "engine.kv_cache"):
+    for module in ("tandem.engine.request", "tandem.engine.kv_cache.manager", "tandem.engine.scheduler", "tandem.engine.kv_cache"):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
 
 

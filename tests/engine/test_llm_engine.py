@@ -9,11 +9,11 @@ from functools import lru_cache
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.loader import load_model
-from engine.model.presets import build_hf_model
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.model.loader import load_model
+from tandem.engine.model.presets import build_hf_model
+from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

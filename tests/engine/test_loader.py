@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from engine.model import PRESETS, LlamaForCausalLM, ModelConfig, build_hf_model, load_model
-from engine.model import loader
-from engine.model.presets import get_preset, hf_weight_shapes
-from engine.model.weights import load_hf_weights
-from engine.tokenizer import build_byte_tokenizer
+from tandem.engine.model import PRESETS, LlamaForCausalLM, ModelConfig, build_hf_model, load_model
+from tandem.engine.model import loader
+from tandem.engine.model.presets import get_preset, hf_weight_shapes
+from tandem.engine.model.weights import load_hf_weights
+from tandem.engine.tokenizer import build_byte_tokenizer
 
 
 def test_unknown_model_name_lists_presets():

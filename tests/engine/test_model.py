@@ -8,7 +8,7 @@ full-sequence logits at every position.
 import pytest
 import torch
 
-from engine.model import build_hf_model, load_model
+from tandem.engine.model import build_hf_model, load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

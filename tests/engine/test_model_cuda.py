@@ -8,8 +8,8 @@ HF transformers running the same weights on the same device.
 import pytest
 import torch
 
-from engine.model import build_hf_model, load_model
-from engine.model.weights import load_hf_weights
+from tandem.engine.model import build_hf_model, load_model
+from tandem.engine.model.weights import load_hf_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from engine.model.loader import load_model
-from engine.host_tensors import int_tensor
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.model.loader import load_model
+from tandem.engine.host_tensors import int_tensor
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 
@@ -52,7 +52,7 @@ def test_prepare_inputs_mixes_decodes_and_prefill_chunks():
 def test_cuda_graph_inputs_pack_like_nested_torch_tensor():
     """The CUDA-graph runner's host-side packing (CPU code, so it is checked here) equals the
     nested `torch.tensor` construction it replaced."""
-    from engine.cuda_graphs import pack_decode_inputs
+    from tandem.engine.cuda_graphs import pack_decode_inputs
 
     ids, pos, slots, lens = [5, 6, 7], [16, 3, 40], [33, 51, 70], [17, 4, 41]
     tables = [[2, 9], [3], [4, 8, 11]]

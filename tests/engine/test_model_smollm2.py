@@ -7,7 +7,7 @@ runs load the converted safetensors in about a second.
 import pytest
 import torch
 
-from engine.model import load_model
+from tandem.engine.model import load_model
 
 pytestmark = pytest.mark.slow
 

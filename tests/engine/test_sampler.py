@@ -2,8 +2,8 @@
 
 import torch
 
-from engine.sampler import Sampler, SamplingRow
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.sampling_params import SamplingParams
 
 
 def seeded_row(seed, **kw):

@@ -3,9 +3,9 @@ preemption by recompute, abort, and that no block ever leaks (no torch)."""
 
 import random
 
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 EOS = 0

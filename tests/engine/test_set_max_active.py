@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 
 def test_set_max_active_limits_running_requests_and_rejects_more_than_built_for():

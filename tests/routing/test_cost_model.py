@@ -2,7 +2,7 @@
 
 import pytest
 
-from routing import BackendSpec, RateProfile, RouteRequest, Router
+from tandem.routing import BackendSpec, RateProfile, RouteRequest, Router
 
 
 def test_batch_aware_profile_uses_the_rate_at_the_resulting_batch_size():

@@ -1,6 +1,6 @@
 """The per-backend ledger: running sums, frozen estimates, idempotent and late reports."""
 
-from routing import Ledger, LedgerEntry, ProgressEvent
+from tandem.routing import Ledger, LedgerEntry, ProgressEvent
 
 
 def entry(req_id: str, prompt: int = 100, cached: int = 60, max_tokens: int = 10) -> LedgerEntry:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from routing import NewTokenRatio, NewTokenRatioConfig
+from tandem.routing import NewTokenRatio, NewTokenRatioConfig
 
 
 def test_off_by_default_is_one():

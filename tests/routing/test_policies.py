@@ -2,7 +2,7 @@
 
 import pytest
 
-from routing import BackendSpec, NoBackendError, POLICIES, RateProfile, RouteRequest, Router
+from tandem.routing import BackendSpec, NoBackendError, POLICIES, RateProfile, RouteRequest, Router
 
 SAME = RateProfile(100, 10)
 
@@ -55,7 +55,7 @@ def test_least_requests_counts_active_and_queued():
 
 
 def _scores(cpu_score: float, accel_score: float, cpu_active: int = 0, cpu_queued: int = 0):
-    from routing import BackendScore
+    from tandem.routing import BackendScore
 
     def score(backend_id, kind, value, active, queued):
         return BackendScore(backend_id, kind, 0, 0, 0, 0.0, value, value, active, queued, max_active=4)
@@ -64,8 +64,8 @@ def _scores(cpu_score: float, accel_score: float, cpu_active: int = 0, cpu_queue
 
 
 def test_spill_guard_margin_and_free_slot():
-    from routing import SpillGuard
-    from routing.policies import CostPolicy
+    from tandem.routing import SpillGuard
+    from tandem.routing.policies import CostPolicy
 
     plain = CostPolicy()
     assert plain.choose(_scores(3.0, 3.1)) == "cpu0"  # the spec's rule: any lower score wins
@@ -82,7 +82,7 @@ def test_spill_guard_margin_and_free_slot():
 
 
 def test_spill_guard_needs_an_accelerator_to_act():
-    from routing import SpillGuard
+    from tandem.routing import SpillGuard
 
     guard = SpillGuard(margin=0.5, allow_queue=False)
     router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cpu1", "cpu", SAME)], spill_guard=guard)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from routing import CalibrationConfig, ConfigError, RateProfile, calibrate, load_rate_profiles
+from tandem.routing import CalibrationConfig, ConfigError, RateProfile, calibrate, load_rate_profiles
 
 
 def test_decode_rate_by_batch_interpolates_and_clamps():

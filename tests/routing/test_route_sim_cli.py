@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from routing import sim_cli
+from tandem.routing import sim_cli
 
 from routing_test_helpers import EXAMPLE
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from routing import (BackendSpec, CalibrationConfig, NewTokenRatioConfig, NoBackendError,
+from tandem.routing import (BackendSpec, CalibrationConfig, NewTokenRatioConfig, NoBackendError,
                      ProgressEvent, RateProfile, RouteRequest, Router)
 
 

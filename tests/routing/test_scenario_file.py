@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from routing import ConfigError
-from routing.scenario import load_scenario, parse_scenario
+from tandem.routing import ConfigError
+from tandem.routing.scenario import load_scenario, parse_scenario
 
 from routing_test_helpers import EXAMPLE, spec_scenario
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from routing import RateProfile
-from routing.sim_backend import SimBackend, SimJob, first_step_at_or_after
+from tandem.routing import RateProfile
+from tandem.routing.sim_backend import SimBackend, SimJob, first_step_at_or_after
 
 
 def job(index: int, arrival: float, prefill: int, outputs: int) -> SimJob:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from routing.oracle import AssignmentEvaluator
-from routing.scenario import parse_scenario
-from routing.simulator import simulate
+from tandem.routing.oracle import AssignmentEvaluator
+from tandem.routing.scenario import parse_scenario
+from tandem.routing.simulator import simulate
 
 from routing_test_helpers import random_scenario, spec_scenario
 

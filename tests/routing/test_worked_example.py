@@ -4,7 +4,7 @@ original bug (queued requests losing that discount) sending request 7 to the CPU
 
 import pytest
 
-from routing import BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
+from tandem.routing import BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
 
 PROMPT, CACHED, BUDGET = 516, 496, 128
 

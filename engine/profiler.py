@@ -1,0 +1,77 @@
+"""Measure one engine's rates, alone: what the router's cost model reads as a backend's speed.
+
+`measure_rates` drives a bare `LLMEngine` (no Ray, no other load) the way the router's cost
+model reads rates: prefill tok/s on a long prompt that cannot hit the prefix cache, and
+aggregate decode tok/s at each batch size from 1 to `max_active` (the batch-aware table; its
+batch-1 entry is the spec's isolated decode rate). Times come from the engine's own per-step
+timer, and a step counts as prefill or decode only if it did nothing else. Every shape is run
+once untimed first: a GPU backend compiles kernels and captures graphs on first use, and
+timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
+that the GPU would have finished sooner.
+
+It lives in the engine layer because it needs nothing but an engine; the backend actor calls it
+and the cluster layer caches its results (cluster/profile.py).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from tandem.engine.sampling_params import SamplingParams
+
+# Bumped when the engine gets much faster or slower, so cached rates from before are not reused
+# (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box; 3: the CPU decode's
+# context gather by whole blocks, 3-4 ms less per step on 14 Xeon threads).
+ENGINE_SPEED_VERSION = 3
+
+
+
+def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
+                  seed: int = 0, prefill_repeats: int = 3) -> dict[str, Any]:
+    """Rates in routing's RateProfile fields: prefill_tok_s, decode_tok_s, decode_tok_s_by_batch."""
+    rng = random.Random(seed)
+    num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    prompt_len = max(16, min(prompt_len, engine.max_model_len - decode_tokens - 2))
+
+    def prompt(n: int) -> list[int]:  # random ids: no two prompts share a first block
+        return [rng.randrange(3, num_tokens) for _ in range(n)]
+
+    _run(engine, [prompt(prompt_len)], max_tokens=2)  # warm-up: kernels for this prefill shape
+    prefill_rates = sorted(tokens / seconds for tokens, seconds in
+                           (_run(engine, [prompt(prompt_len)], max_tokens=1)[0] for _ in range(prefill_repeats)))
+    by_batch = {}
+    for batch in range(1, max_active + 1):
+        _run(engine, [prompt(16) for _ in range(batch)], max_tokens=3)  # warm-up: this batch size
+        _, (decode_tok, decode_s) = _run(engine, [prompt(16) for _ in range(batch)], max_tokens=decode_tokens)
+        by_batch[batch] = round(decode_tok / decode_s, 3)
+    engine.drain_progress()  # profile requests are nobody's business
+    return {"prefill_tok_s": round(prefill_rates[len(prefill_rates) // 2], 3), "decode_tok_s": by_batch[1],
+            "decode_tok_s_by_batch": by_batch}
+
+
+def _run(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[tuple[int, float], tuple[int, float]]:
+    """Run prompts to completion; returns (prefill tokens, s) and (decode tokens, s) of pure steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"profile-{id(prompts)}-{i}", ids, params)
+    prefill = [0, 0.0]
+    decode = [0, 0.0]
+    while engine.has_unfinished_requests():
+        before = _token_totals(engine)
+        engine.step()
+        st = engine.get_stats()
+        if _token_totals(engine) == before:  # no model run this step
+            continue
+        if st.step_prefill_tokens and not st.step_decode_tokens:
+            prefill[0] += st.step_prefill_tokens
+            prefill[1] += st.step_time_s
+        elif st.step_decode_tokens and not st.step_prefill_tokens:
+            decode[0] += st.step_decode_tokens
+            decode[1] += st.step_time_s
+    return (prefill[0], prefill[1] or 1e-9), (decode[0], decode[1] or 1e-9)
+
+
+def _token_totals(engine: Any) -> tuple[int, int]:
+    st = engine.get_stats()
+    return st.num_prompt_tokens_total, st.num_generation_tokens_total
