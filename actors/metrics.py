@@ -1,11 +1,25 @@
-"""Every metric Tandem exports, declared once, and a thin recorder over `ray.util.metrics`.
+"""Every metric Tandem exports, declared once, and a recorder over `ray.util.metrics` that keeps
+every series in every scrape.
 
 The actors record through Ray's metrics API, so all of them land on one Prometheus scrape
-endpoint per node (Ray's metrics export port, `--metrics-port`) without each process opening
-its own port. Ray prefixes every name with `ray_`, and counters get a `_total` suffix;
+endpoint per node (Ray's metrics export port, `--metrics-port`, also served as `/metrics` on the
+API port) without each process opening its own port, and the Ray dashboard's Prometheus sees
+them too. Ray prefixes every name with `ray_`, and counters get a `_total` suffix;
 `MetricSpec.exported_series` spells out what Prometheus actually sees, and the dashboards test
 checks every query in `dashboards/` against it, so a renamed metric cannot leave a dashboard
 panel silently empty.
+
+Ray's export has two gaps that would leave panels empty, and `Recorder` closes both:
+- Ray 2.60's metrics agent drops a gauge that was not set for two report intervals (20 s), and
+  Tandem sets most gauges on events (a decision, a request), so an idle server lost them. The
+  recorder re-sets every gauge's last value, per label set, every `GAUGE_REFRESH_S`.
+- A counter appears only once incremented, and Ray refuses `Counter.inc(0)`. The recorder
+  declares each counter at 0 for every label set it can name: the actor's default tags (a
+  backend's id), values known up front (`MetricSpec.known_values`, e.g. finish reasons), and
+  values it has seen on any other metric (a router learns a backend id from its first gauge),
+  or that a caller names with `declare`. It records the 0 through the counter's internal
+  `_record`, below the public `inc`'s check.
+Histograms still appear at their first observation: Ray has no way to export an empty one.
 
 Token counters are per backend; latency histograms are per backend and observed when a
 request finishes, from the engine's own timestamps (arrival, first scheduled, first token,
@@ -14,15 +28,28 @@ finished). Router metrics are per backend and policy.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 RAY_PREFIX = "ray_"
 
+logger = logging.getLogger("tandem.metrics")
+
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+# Ray drops a gauge after 2 x metrics_report_interval_ms (10 s by default) without a new value.
+GAUGE_REFRESH_S = 5.0
+
+FINISH_REASONS = ("stop", "length", "abort")
+HTTP_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -32,6 +59,7 @@ class MetricSpec:
     description: str
     tag_keys: tuple[str, ...]
     boundaries: tuple[float, ...] = ()
+    known_values: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tag key, values to declare up front)
 
     @property
     def exported_name(self) -> str:
@@ -58,7 +86,8 @@ BACKEND_METRICS = (
     MetricSpec("tandem_backend_prompt_tokens", COUNTER, "Prompt tokens computed (prefill, cache hits excluded).", B),
     MetricSpec("tandem_backend_generation_tokens", COUNTER, "Tokens generated (decode).", B),
     MetricSpec("tandem_backend_preemptions", COUNTER, "Requests preempted for lack of KV blocks.", B),
-    MetricSpec("tandem_backend_requests_finished", COUNTER, "Requests finished, by reason.", ("backend", "finish_reason")),
+    MetricSpec("tandem_backend_requests_finished", COUNTER, "Requests finished, by reason.", ("backend", "finish_reason"),
+               known_values=(("finish_reason", FINISH_REASONS),)),
     MetricSpec("tandem_backend_steps", COUNTER, "Engine steps run.", B),
     MetricSpec("tandem_backend_ttft_seconds", HISTOGRAM, "Time to first token (arrival at the server to first token).", B, LATENCY_BUCKETS_S),
     MetricSpec("tandem_backend_e2e_seconds", HISTOGRAM, "End-to-end request latency (arrival to finish).", B, LATENCY_BUCKETS_S),
@@ -82,7 +111,8 @@ ROUTER_METRICS = (
 )
 
 INGRESS_METRICS = (
-    MetricSpec("tandem_http_requests", COUNTER, "HTTP API requests, by endpoint and status code.", ("endpoint", "status")),
+    MetricSpec("tandem_http_requests", COUNTER, "HTTP API requests, by endpoint and status code.", ("endpoint", "status"),
+               known_values=(("endpoint", HTTP_ENDPOINTS), ("status", ("200",)))),
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
 )
 
@@ -95,44 +125,156 @@ def exported_series() -> set[str]:
     return {series for spec in REGISTRY.values() for series in spec.exported_series}
 
 
-class Recorder:
-    """Creates Ray metric objects for a set of specs and records with default tags.
 
-    Metric objects are created lazily (on first use), inside the actor that records, since a
-    `ray.util.metrics` object belongs to the worker process that made it.
+
+Tags = tuple[tuple[str, str], ...]  # a label set, hashable
+
+
+class Recorder:
+    """Records Tandem metrics through Ray with default tags, and keeps every series exported.
+
+    Metric objects are created inside the process that records (a `ray.util.metrics` object
+    belongs to the worker that made it), on first use. While Ray is running, a daemon thread
+    declares counters and re-sets gauges every `refresh_s` (see the module docstring); it holds
+    the recorder weakly, so it ends when the recorder is gone. Thread-safe.
     """
 
-    def __init__(self, specs: tuple[MetricSpec, ...], default_tags: dict[str, str] | None = None) -> None:
+    def __init__(self, specs: tuple[MetricSpec, ...], default_tags: dict[str, str] | None = None,
+                 refresh_s: float = GAUGE_REFRESH_S) -> None:
         self._specs = {spec.name: spec for spec in specs}
-        self._default_tags = default_tags or {}
+        self._default_tags = {k: str(v) for k, v in (default_tags or {}).items()}
         self._metrics: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._known: dict[str, set[str]] = {k: {v} for k, v in self._default_tags.items()}
+        for spec in specs:
+            for key, values in spec.known_values:
+                self._known.setdefault(key, set()).update(values)
+        self._gauges: dict[tuple[str, Tags], float] = {}
+        self._declared: set[tuple[str, Tags]] = set()
+        if _ray_running():
+            threading.Thread(target=_refresh_loop, args=(weakref.ref(self), refresh_s),
+                             name="tandem-metrics", daemon=True).start()
 
+    # -- recording ---------------------------------------------------------------------------
+    def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value > 0:
+            self._metric(name).inc(value, tags=dict(self._tags(name, tags)))
+
+    def set(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        key = (name, self._tags(name, tags))
+        with self._lock:
+            self._gauges[key] = float(value)
+        self._metric(name).set(float(value), tags=dict(key[1]))
+
+    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        self._metric(name).observe(value, tags=dict(self._tags(name, tags)))
+
+    # -- keeping series alive ----------------------------------------------------------------
+    def declare(self, tags: dict[str, str]) -> None:
+        """Export every counter and gauge these tag values (with the defaults and the known
+        values) complete, from now on: counters at 0, gauges at 0 until set."""
+        if self._learn({k: str(v) for k, v in tags.items()}):
+            self._declare_new()
+
+    def forget(self, tags: dict[str, str]) -> None:
+        """Stop re-setting gauges whose label set includes `tags` (a backend that left): Ray
+        drops them after its TTL. Declaring the values again brings them back."""
+        items = {(k, str(v)) for k, v in tags.items()}
+        with self._lock:
+            for key in [key for key in self._gauges if items <= set(key[1])]:
+                del self._gauges[key]
+            self._declared = {key for key in self._declared if not items <= set(key[1])}
+            for k, v in items:
+                self._known.get(k, set()).discard(v)
+
+    def refresh(self) -> None:
+        """Declare what is new and re-set every gauge to its last value (the thread's tick)."""
+        self._declare_new()
+        with self._lock:
+            gauges = list(self._gauges.items())
+        for (name, tags), value in gauges:
+            self._metric(name).set(value, tags=dict(tags))
+
+    # -- internals ---------------------------------------------------------------------------
     def _metric(self, name: str) -> Any:
         metric = self._metrics.get(name)
         if metric is None:
-            from ray.util import metrics
-
-            spec = self._specs[name]
-            if spec.kind == COUNTER:
-                metric = metrics.Counter(spec.name, spec.description, tag_keys=spec.tag_keys)
-            elif spec.kind == GAUGE:
-                metric = metrics.Gauge(spec.name, spec.description, tag_keys=spec.tag_keys)
-            else:
-                metric = metrics.Histogram(spec.name, spec.description, boundaries=list(spec.boundaries),
-                                           tag_keys=spec.tag_keys)
-            self._metrics[name] = metric
+            with self._lock:
+                metric = self._metrics.get(name)
+                if metric is None:
+                    metric = self._metrics[name] = _make_metric(self._specs[name])
         return metric
 
-    def _tags(self, name: str, tags: dict[str, str] | None) -> dict[str, str]:
+    def _tags(self, name: str, tags: dict[str, str] | None) -> Tags:
         merged = {**self._default_tags, **(tags or {})}
-        return {k: str(merged[k]) for k in self._specs[name].tag_keys}
+        label_set = tuple((k, str(merged[k])) for k in self._specs[name].tag_keys)
+        if tags and self._learn(dict(label_set)):
+            self._declare_new()
+        return label_set
 
-    def inc(self, name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-        if value > 0:
-            self._metric(name).inc(value, tags=self._tags(name, tags))
+    def _learn(self, tags: dict[str, str]) -> bool:
+        with self._lock:
+            new = [(k, v) for k, v in tags.items() if v not in self._known.get(k, ())]
+            for k, v in new:
+                self._known.setdefault(k, set()).add(v)
+        return bool(new)
 
-    def set(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        self._metric(name).set(value, tags=self._tags(name, tags))
+    def _declare_new(self) -> None:
+        with self._lock:
+            todo = [(spec, tags) for spec in self._specs.values() if spec.kind != HISTOGRAM
+                    for tags in _label_sets(spec.tag_keys, self._known)
+                    if (spec.name, tags) not in self._declared]
+            self._declared.update((spec.name, tags) for spec, tags in todo)
+            for spec, tags in todo:
+                if spec.kind == GAUGE:
+                    self._gauges.setdefault((spec.name, tags), 0.0)
+        for spec, tags in todo:
+            if spec.kind == COUNTER:
+                _record_zero(self._metric(spec.name), dict(tags))
+            else:
+                self._metric(spec.name).set(self._gauges.get((spec.name, tags), 0.0), tags=dict(tags))
 
-    def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        self._metric(name).observe(value, tags=self._tags(name, tags))
+
+def _label_sets(tag_keys: tuple[str, ...], known: dict[str, set[str]]) -> list[Tags]:
+    """Every label set the known values complete for these keys (none if a key has no value)."""
+    choices = [sorted(known.get(key, ())) for key in tag_keys]
+    return [tuple(zip(tag_keys, values)) for values in itertools.product(*choices)]
+
+
+def _make_metric(spec: MetricSpec) -> Any:
+    from ray.util import metrics
+
+    if spec.kind == COUNTER:
+        return metrics.Counter(spec.name, spec.description, tag_keys=spec.tag_keys)
+    if spec.kind == GAUGE:
+        return metrics.Gauge(spec.name, spec.description, tag_keys=spec.tag_keys)
+    return metrics.Histogram(spec.name, spec.description, boundaries=list(spec.boundaries), tag_keys=spec.tag_keys)
+
+
+def _record_zero(counter: Any, tags: dict[str, str]) -> None:
+    """Export a counter at 0. `Counter.inc` refuses 0, but the point it would record is valid
+    (Ray 2.60 exports it as 0); `_record` is the step below that check."""
+    record = getattr(counter, "_record", None)
+    if record is not None:
+        record(0, tags=tags)
+
+
+def _ray_running() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def _refresh_loop(recorder_ref: weakref.ref, period_s: float) -> None:
+    while True:
+        recorder = recorder_ref()
+        if recorder is None:
+            return
+        try:
+            recorder.refresh()
+        except Exception as exc:  # a failed tick must not end the thread; the next one retries
+            logger.warning("metrics refresh failed: %s: %s", type(exc).__name__, exc)
+        del recorder
+        time.sleep(period_s)

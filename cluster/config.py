@@ -15,24 +15,28 @@ Example file::
         threads: 1
       - device: auto        # cuda, else mps, else a second cpu backend
     port: 8000
-    routing_log: tandem-routing.jsonl
+    routing_log: routing.jsonl   # off unless set
+
+Defaults that the engine also needs (model, max_active, block size) are the engine's
+(engine/config.py), and the cache root is the engine's `cache_root()`, so each is stated once.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, cache_root
+from tandem.routing.errors import ConfigError, format_validation_errors
+
 DEVICES = ("cpu", "cuda", "mps", "auto")
-DEFAULT_MODEL = "smollm2-135m"
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 
-
-class ConfigError(ValueError):
-    """A config file or flag is invalid; the message names the field."""
+__all__ = ["DEFAULT_MODEL", "ConfigError", "TandemConfig", "BackendConfig", "parse_backends", "cache_root"]
 
 
 class BackendConfig(BaseModel):
@@ -62,8 +66,8 @@ class TandemConfig(BaseModel):
     spill_allow_queue: bool = False  # let a CPU queue requests while an accelerator could take them
     warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
-    max_active: int = Field(default=4, ge=1)
-    block_size: int = Field(default=16, ge=1)
+    max_active: int = Field(default=DEFAULT_MAX_ACTIVE, ge=1)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     cpu_threads: int | None = Field(default=None, ge=1)  # per cpu backend; None: (cores - 1 - accelerators) / cpu backends
@@ -79,8 +83,8 @@ class TandemConfig(BaseModel):
 
     rates: Path | None = None  # rates file (routing's format); None: the profile cache
     profile: Literal["auto", "always", "never"] = "auto"
-    rates_cache: Path = Field(default_factory=lambda: cache_dir() / "rates-cache.json")
-    routing_log: Path | None = Path("tandem-routing.jsonl")
+    rates_cache: Path = Field(default_factory=lambda: cache_root() / "rates-cache.json")
+    routing_log: Path | None = None  # JSON lines, one per routing decision; None: off
 
     api_key: str | None = None
     max_pending_requests: int = Field(default=64, ge=1)  # admitted, unfinished; beyond: 429
@@ -90,7 +94,8 @@ class TandemConfig(BaseModel):
     max_stream_messages_per_s: float = Field(default=500.0, ge=0)  # per backend, all streams; 0: no cap
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
-    access_log: bool = True  # Serve's per-request log lines
+    access_log: bool = False  # Serve's per-request log lines
+    log_level: LogLevel = "warning"  # Ray's, Serve's and Tandem's logs
 
     @field_validator("backends")
     @classmethod
@@ -126,7 +131,7 @@ class TandemConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(format_errors(source, exc)) from None
+            raise ConfigError(format_validation_errors(source, exc.errors())) from None
 
     def with_overrides(self, **overrides: Any) -> TandemConfig:
         """A copy with every override that is not None applied, validated again."""
@@ -148,17 +153,3 @@ def parse_backends(spec: str) -> list[dict[str, str]]:
     if not backends:
         raise ConfigError("--backends needs at least one device, e.g. cpu,auto")
     return backends
-
-
-def format_errors(source: str, exc: ValidationError) -> str:
-    lines = [f"invalid {source}:"]
-    for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        lines.append(f"  {field}: {error['msg']}")
-    return "\n".join(lines)
-
-
-def cache_dir() -> Path:
-    """Per-user cache for rates profiles (XDG_CACHE_HOME respected)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tandem"

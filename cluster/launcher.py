@@ -102,7 +102,7 @@ class Tandem:
             await stream.close()
 
     async def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:
-        from tandem.cluster.tokenize import encode_chat, encode_prompt
+        from tandem.engine.tokenizer import encode_chat, encode_prompt
 
         if not isinstance(prompt, str):
             return list(prompt)

@@ -1,17 +1,37 @@
 """One engine's settings: which model, on which device, and how big its batch and cache are.
 
-Defaults follow the spec's experiment (16-token blocks, at most 4 active requests) and size
-themselves from the device, so `LLMEngine(EngineConfig())` works on any machine.
+Defaults follow the experiment Tandem was designed for (16-token blocks, at most 4 active
+requests) and size themselves from the device, so `LLMEngine(EngineConfig())` works on any
+machine. They are stated here once: the cluster's config model (cluster/config.py) and the
+command lines refer to these names. torch is imported only where a dtype is resolved, so the
+cluster's config and `tandem serve --help` do not pay for it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_ACTIVE = 4
+DEFAULT_BLOCK_SIZE = 16
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cache_root() -> Path:
+    """Tandem's one cache directory: converted models (`models/`) and measured rates
+    (`rates-cache.json`). `$TANDEM_CACHE_DIR` if set, else `$XDG_CACHE_HOME/tandem`, else
+    `~/.cache/tandem`."""
+    explicit = os.environ.get("TANDEM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tandem"
 
 
 @dataclass
@@ -19,8 +39,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"  # cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 elsewhere
-    max_active: int = 4
-    block_size: int = 16
+    max_active: int = DEFAULT_MAX_ACTIVE
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on cpu/mps, 8 GiB on cuda
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
@@ -43,13 +63,15 @@ class EngineConfig:
 
     @property
     def device_type(self) -> str:
-        return torch.device(self.device).type
+        return self.device.split(":", 1)[0]
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:

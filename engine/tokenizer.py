@@ -1,4 +1,9 @@
-"""Tokenizers for the engine: the model's own HF tokenizer, or a byte tokenizer built in code.
+"""Tokenizers for the engine: the model's own HF tokenizer, or a byte tokenizer built in code,
+and the two calls that turn a prompt into token ids.
+
+`encode_prompt` and `encode_chat` are the only tokenization path: the engine uses them for a
+text prompt, and the HTTP ingress and the Python driver use them with a copy of the engine's
+tokenizer (fetched from a backend once), so a prompt tokenizes the same wherever it enters.
 
 Random-weight presets run where no tokenizer files can be shipped (the GPU machine has no hub
 access), yet their outputs must still detokenize. A byte-level BPE with no merges needs no
@@ -9,6 +14,7 @@ few ChatML specials follow, and a ChatML template makes `--chat` work too.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -65,3 +71,14 @@ def byte_tokenizer_eos_ids() -> list[int]:
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The HF tokenizer saved in a model directory."""
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A completion prompt: the tokenizer's own special tokens (e.g. BOS) included."""
+    return list(tokenizer.encode(text))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Chat messages through the model's template, ending with the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -7,7 +7,8 @@ exists in float32 on the CPU on its way to a bfloat16 GPU.
 
 Reading a GGUF through transformers costs ~30 s (pure-Python parsing and dequantisation), so a
 GGUF is converted once into safetensors + config + tokenizer files under a user cache directory
-(`$TANDEM_CACHE_DIR`, default `~/.cache/tandem/models`) and loaded from there afterwards in about
+(`models/` under `engine.config.cache_root()`: `$TANDEM_CACHE_DIR`, else
+`$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem`) and loaded from there afterwards in about
 a second. The conversion writes a temporary directory and renames it into place under a file
 lock, so concurrent processes (test workers, several backends) never read a half-written model.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from tandem.engine.config import cache_root
 from tandem.engine.model.config import ModelConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
@@ -93,7 +95,7 @@ def build_empty_model(
 
 
 def models_cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem" / "models")
+    return cache_root() / "models"
 
 
 def _finish(model, tokenizer, config: ModelConfig, name: str, hf_path: str | None) -> LoadedModel:
