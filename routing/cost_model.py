@@ -37,8 +37,10 @@ def score_backend(
     num_prompt_tokens: int,
     num_cached_tokens: int,
     max_tokens: int,
+    num_inflight_cached_tokens: int = 0,
 ) -> BackendScore:
-    """Score one backend for a new request with `num_cached_tokens` of its prompt reusable there."""
+    """Score one backend for a new request with `num_cached_tokens` of its prompt reusable there
+    (the larger of what the backend reported and what requests in flight to it will cache)."""
     num_cached_tokens = min(max(0, num_cached_tokens), num_prompt_tokens)
     num_prefill_tokens = ledger.num_prefill_tokens + num_prompt_tokens - num_cached_tokens
     num_existing_decode_tokens = ledger.num_decode_tokens
@@ -63,6 +65,7 @@ def score_backend(
         new_token_ratio=new_token_ratio,
         prefill_tok_s=rates.prefill_tok_s,
         decode_tok_s=decode_rate,
+        num_inflight_cached_tokens=num_inflight_cached_tokens,
     )
 
 

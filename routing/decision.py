@@ -18,7 +18,7 @@ from typing import Any
 class BackendScore:
     backend_id: str
     device_kind: str
-    num_cached_tokens: int  # the new request's reusable prefix on this backend
+    num_cached_tokens: int  # the new request's reusable prefix on this backend (in flight included)
     num_prefill_tokens: float  # pending + new uncached prompt tokens
     num_decode_tokens: float  # pending budgets (times new_token_ratio) + the new max_tokens
     prefill_term_s: float
@@ -30,6 +30,7 @@ class BackendScore:
     new_token_ratio: float = 1.0
     prefill_tok_s: float = 0.0  # rates used (after calibration, if on)
     decode_tok_s: float = 0.0
+    num_inflight_cached_tokens: int = 0  # the prefix that requests in flight here will have cached
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The small, picklable messages that cross the router's boundary.
 
 `RouteRequest` is what the router needs to know about a new request (no token ids: only
-counts, and the reusable prefix each backend reports for it). `ProgressEvent` is what a
+counts, the reusable prefix each backend reports for it, and optionally the chained hashes of
+the prompt's full blocks, which the `prefix-affinity` policy and the in-flight prefix
+accounting use). `ProgressEvent` is what a
 backend reports back. Progress values are absolute counts, never deltas, so a report that
 arrives late, twice, or out of order cannot corrupt the ledger: the ledger keeps the maximum.
 """
@@ -24,12 +26,17 @@ EVENT_KINDS = (ADMITTED, PREFILL, GENERATED, FINISHED, ABORTED, EVICTED)
 @dataclass
 class RouteRequest:
     """A request to place. `num_cached_tokens` maps backend_id -> reusable prefix tokens;
-    a backend missing from the map is assumed to have no reusable prefix."""
+    a backend missing from the map is assumed to have no reusable prefix. `block_hashes` are
+    the chained hashes of the prompt's full blocks of `block_size` tokens (the engine's
+    prefix-cache hashes); without them the router neither homes the request by prefix nor
+    counts it as in flight."""
 
     req_id: str
     num_prompt_tokens: int
     max_tokens: int
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    block_hashes: tuple[int, ...] = ()
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -41,6 +48,13 @@ class RouteRequest:
                 raise ValueError(
                     f"num_cached_tokens[{backend_id!r}] must be >= 0 (got {num_cached})"
                 )
+        if self.block_hashes and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 when block_hashes are given (got {self.block_size})")
+        if len(self.block_hashes) * self.block_size > self.num_prompt_tokens:
+            raise ValueError(
+                f"{len(self.block_hashes)} blocks of {self.block_size} tokens exceed the prompt "
+                f"({self.num_prompt_tokens} tokens)"
+            )
 
     def num_prefill_tokens_on(self, backend_id: str) -> int:
         """Prompt tokens `backend_id` would have to compute: prompt minus its reusable prefix."""

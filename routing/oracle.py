@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, Sequence
 
 from tandem.routing.scenario import Scenario
 from tandem.routing.sim_backend import SimBackend
-from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_job
+from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_backend, make_job
 
 Assignment = tuple[int, ...]  # backend index per request, scenario order
 
@@ -78,7 +78,7 @@ class AssignmentEvaluator:
 
     def _replay(self, b: int, indices: Iterable[int]) -> SimBackend:
         sim_spec = self.scenario.backends[b]
-        backend = SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active)
+        backend = make_backend(self.scenario, sim_spec)
         for i in indices:
             backend.enqueue(make_job(i, self.scenario.requests[i], sim_spec.spec.backend_id))
         backend.run_to_completion()

@@ -9,6 +9,26 @@ that order, which is how ties go to the accelerator and then to the lower id.
   backend of that kind, simply that backend). The spec's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.
 - `least-requests`: fewest active + queued requests, the count-based baseline of other routers.
+- `prefix-affinity`: a home backend per prompt prefix by rendezvous hashing, spilling to the
+  least-loaded backend when the home is over a bound (below). The scheme of SGLang's
+  cache-aware router, Ray Serve LLM's prefix-aware router and consistent hashing with bounded
+  loads; a strong baseline for multi-tenant traffic with shared prefixes.
+
+Policies get the request too (`choose(scores, request)`); only `prefix-affinity` reads it.
+
+`prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first
+`num_prefix_blocks` full blocks (fewer when the prompt is shorter): chained, so it stands for
+the whole leading span, and short, so every request of a tenant whose shared prefix covers
+those blocks gets the same key whatever its suffix. The home is the backend with the highest
+rendezvous weight `blake2b(key, backend_id)` (hashlib, so it is the same in every process):
+adding or removing a backend moves only the keys whose home it was. Load is the number of
+active + queued requests, as in the routers it imitates; rates are ignored, which is exactly
+what makes it a count-based baseline. The bound is that of consistent hashing with bounded
+loads: the home takes the request if its load after taking it stays within
+`ceil(load_factor x (total load + 1) / number of candidates)`; otherwise the request spills to
+the least-loaded candidate. Candidates are the accelerators when there are any (a CPU home
+would be a slow home for a share of all tenants), otherwise every backend. A prompt with no
+full block has no key and goes to the least-loaded candidate.
 
 The spill guard is what makes `cost` "never worse than accelerator-only" in practice, not
 only on paper. The score ranks work with rates measured in isolation; a CPU next to a busy
@@ -23,18 +43,21 @@ backends only) the guard does nothing, and with `SpillGuard()` it is the spec's 
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from tandem.routing.decision import BackendScore
 from tandem.routing.errors import NoBackendError
+from tandem.routing.messages import RouteRequest
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
-        """Return the chosen backend_id; `scores` is non-empty and in preference order."""
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
+        """Return the chosen backend_id; `scores` is in preference order."""
         ...
 
 
@@ -42,6 +65,10 @@ def _lowest_score(scores: Sequence[BackendScore], policy: str) -> str:
     if not scores:
         raise NoBackendError(f"policy {policy!r} has no eligible backend for this request")
     return min(scores, key=lambda s: s.score_s).backend_id
+
+
+def _least_loaded(scores: Sequence[BackendScore]) -> BackendScore:
+    return min(scores, key=lambda s: s.num_active + s.num_queued)
 
 
 @dataclass(frozen=True)
@@ -67,7 +94,7 @@ class CostPolicy:
     def __init__(self, guard: SpillGuard | None = None) -> None:
         self.guard = guard or SpillGuard()
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
         best = min(scores, key=lambda s: s.score_s) if scores else None
         accelerators = [s for s in scores if s.device_kind != "cpu"]
         if best is None or best.device_kind != "cpu" or not accelerators:
@@ -79,14 +106,14 @@ class CostPolicy:
 class AcceleratorOnlyPolicy:
     name = "accelerator-only"
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
         return _lowest_score([s for s in scores if s.device_kind != "cpu"], self.name)
 
 
 class CpuOnlyPolicy:
     name = "cpu-only"
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
         return _lowest_score([s for s in scores if s.device_kind == "cpu"], self.name)
 
 
@@ -98,7 +125,7 @@ class RoundRobinPolicy:
         # which stays well defined when backends are added or the last one was removed.
         self.last_key: tuple[bool, str] | None = None
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
         if not scores:
             raise NoBackendError(f"policy {self.name!r} has no backend")
         keys = [(s.device_kind == "cpu", s.backend_id) for s in scores]
@@ -110,21 +137,76 @@ class RoundRobinPolicy:
 class LeastRequestsPolicy:
     name = "least-requests"
 
-    def choose(self, scores: Sequence[BackendScore]) -> str:
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
         if not scores:
             raise NoBackendError(f"policy {self.name!r} has no backend")
-        return min(scores, key=lambda s: s.num_active + s.num_queued).backend_id
+        return _least_loaded(scores).backend_id
+
+
+@dataclass(frozen=True)
+class PrefixAffinityConfig:
+    """`prefix-affinity`'s knobs (see the module doc)."""
+
+    num_prefix_blocks: int = 8  # blocks hashed into the prefix key (128 tokens at block size 16)
+    load_factor: float = 1.25  # the home may hold up to this times the mean load (rounded up)
+
+    def __post_init__(self) -> None:
+        if self.num_prefix_blocks < 1:
+            raise ValueError(f"num_prefix_blocks must be >= 1 (got {self.num_prefix_blocks!r})")
+        if self.load_factor < 1:
+            raise ValueError(f"load_factor must be >= 1 (got {self.load_factor!r})")
+
+
+def prefix_key(request: RouteRequest | None, num_prefix_blocks: int) -> int | None:
+    """The chained hash of the prompt's first `num_prefix_blocks` full blocks (or of all of
+    them when it has fewer); None without any full block."""
+    if request is None or not request.block_hashes:
+        return None
+    return request.block_hashes[min(num_prefix_blocks, len(request.block_hashes)) - 1]
+
+
+def rendezvous_weight(key: int, backend_id: str) -> int:
+    """Highest-random-weight hashing: the same in every process (no PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(f"{key}/{backend_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class PrefixAffinityPolicy:
+    name = "prefix-affinity"
+
+    def __init__(self, config: PrefixAffinityConfig | None = None) -> None:
+        self.config = config or PrefixAffinityConfig()
+
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
+        candidates = [s for s in scores if s.device_kind != "cpu"] or list(scores)
+        if not candidates:
+            raise NoBackendError(f"policy {self.name!r} has no backend")
+        key = prefix_key(request, self.config.num_prefix_blocks)
+        if key is None:
+            return _least_loaded(candidates).backend_id
+        home = max(candidates, key=lambda s: rendezvous_weight(key, s.backend_id))
+        total_load = sum(s.num_active + s.num_queued for s in candidates)
+        bound = math.ceil(self.config.load_factor * (total_load + 1) / len(candidates))
+        if home.num_active + home.num_queued + 1 <= bound:
+            return home.backend_id
+        return _least_loaded(candidates).backend_id
 
 
 POLICIES: dict[str, type] = {
     cls.name: cls
-    for cls in (CostPolicy, AcceleratorOnlyPolicy, CpuOnlyPolicy, RoundRobinPolicy, LeastRequestsPolicy)
+    for cls in (CostPolicy, AcceleratorOnlyPolicy, CpuOnlyPolicy, RoundRobinPolicy, LeastRequestsPolicy,
+                PrefixAffinityPolicy)
 }
 
 
-def make_policy(name: str, guard: SpillGuard | None = None) -> Policy:
+def make_policy(name: str, guard: SpillGuard | None = None,
+                prefix_affinity: PrefixAffinityConfig | None = None) -> Policy:
     """A fresh policy instance (round-robin keeps state). Unknown names raise ValueError.
-    `guard` applies to `cost` only; the other policies ignore it."""
+    `guard` applies to `cost` only and `prefix_affinity` to `prefix-affinity` only."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    return CostPolicy(guard) if name == CostPolicy.name else POLICIES[name]()
+    if name == CostPolicy.name:
+        return CostPolicy(guard)
+    if name == PrefixAffinityPolicy.name:
+        return PrefixAffinityPolicy(prefix_affinity)
+    return POLICIES[name]()

@@ -6,6 +6,10 @@ in the chosen backend's ledger as queued with its uncached-prefill estimate froz
 `on_progress()` applies a backend's batched, possibly late reports; reports for unknown
 requests are ignored. Backends can come and go (`add_backend`, `remove_backend`).
 
+A request that carries its prompt's block hashes is also recorded as in flight on the chosen
+backend (routing/inflight.py): until it finishes, later requests with the same prefix are
+scored as hitting it there, even before the backend has reported the blocks cached.
+
 Decisions cost O(number of backends), independent of how many requests are pending
 (bench/router_decision.py measures it).
 """
@@ -19,10 +23,11 @@ from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.cost_model import pending_seconds, score_backend
 from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
 from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from tandem.routing.policies import SpillGuard, make_policy
+from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
 
 
@@ -54,6 +59,7 @@ class _BackendState:
     rates: RateProfile  # current rates: the spec's profile, calibrated if calibration is on
     ledger: Ledger
     ratio: NewTokenRatio
+    inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
     cordoned: bool = False  # scored (for the log) but given no new requests
 
 
@@ -65,9 +71,11 @@ class Router:
         new_token_ratio: NewTokenRatioConfig | None = None,
         calibration: CalibrationConfig | None = None,
         spill_guard: SpillGuard | None = None,
+        prefix_affinity: PrefixAffinityConfig | None = None,
     ) -> None:
         self._spill_guard = spill_guard
-        self._policy = make_policy(policy, spill_guard)
+        self._prefix_affinity = prefix_affinity
+        self._policy = make_policy(policy, spill_guard, prefix_affinity)
         self._new_token_ratio_config = new_token_ratio
         self._calibration = calibration
         self._backends: dict[str, _BackendState] = {}  # kept in preference order
@@ -101,8 +109,8 @@ class Router:
         return removed
 
     def set_policy(self, policy: str) -> None:
-        """Route later requests with `policy` (same spill guard); pending work is kept."""
-        self._policy = make_policy(policy, self._spill_guard)
+        """Route later requests with `policy` (same options); pending work is kept."""
+        self._policy = make_policy(policy, self._spill_guard, self._prefix_affinity)
 
     def set_cordoned(self, backend_id: str, cordoned: bool) -> None:
         """A cordoned backend keeps its pending work, ledger and calibrated rates but gets no
@@ -131,14 +139,16 @@ class Router:
 
     def score(self, request: RouteRequest) -> list[BackendScore]:
         """Every backend's score for `request`, in preference order, without routing it."""
-        return [
-            score_backend(
+        scores = []
+        for backend_id, state in self._backends.items():
+            num_inflight = state.inflight.num_cached_tokens(
+                request.block_hashes, request.num_prompt_tokens, request.block_size)
+            num_cached = max(request.num_cached_tokens.get(backend_id, 0), num_inflight)
+            scores.append(score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
-                request.num_prompt_tokens, request.num_cached_tokens.get(backend_id, 0),
-                request.max_tokens,
-            )
-            for backend_id, state in self._backends.items()
-        ]
+                request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
+            ))
+        return scores
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued."""
@@ -146,17 +156,20 @@ class Router:
             raise ValueError(
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
             )
-        scores = self.score(request)
-        backend_id = self._policy.choose([s for s in scores if not self._backends[s.backend_id].cordoned])
+        scores = {s.backend_id: s for s in self.score(request)}
+        routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
+        backend_id = self._policy.choose(routable, request)
         entry = LedgerEntry(
             req_id=request.req_id,
             num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens,
-            num_prefill_tokens_est=request.num_prefill_tokens_on(backend_id),
+            num_prefill_tokens_est=request.num_prompt_tokens - scores[backend_id].num_cached_tokens,
         )
-        self._backends[backend_id].ledger.add_queued(entry)
+        state = self._backends[backend_id]
+        state.ledger.add_queued(entry)
+        state.inflight.add(request.req_id, request.block_hashes)
         self._req_to_backend[request.req_id] = backend_id
-        return DecisionRecord(request.req_id, self.policy, backend_id, {s.backend_id: s for s in scores})
+        return DecisionRecord(request.req_id, self.policy, backend_id, scores)
 
     # --- progress ---------------------------------------------------------------------------
 
@@ -181,6 +194,7 @@ class Router:
             num_applied += 1
             if event.kind in (messages.FINISHED, messages.ABORTED):
                 self._req_to_backend.pop(event.req_id, None)
+                state.inflight.remove(event.req_id)
         state.ratio.on_decode_steps(num_decode_steps)
         self._reset_ratio_if_idle(state)
         return num_applied
@@ -208,6 +222,7 @@ class Router:
             return False
         state = self._backends[backend_id]
         state.ledger.remove(req_id)
+        state.inflight.remove(req_id)
         self._reset_ratio_if_idle(state)
         return True
 

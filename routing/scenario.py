@@ -3,8 +3,12 @@
 A scenario names the backends (rates the router uses, optional `actual_rates` the simulated
 backend really runs at, `max_active`), the requests, the default policy and router options.
 Requests are listed explicitly under `requests:` and/or generated under `generate:` (n
-identical requests at a fixed interval, the spec's setting in six lines). The format is
-documented in docs/routing.md with an example in docs/route-sim-examples/.
+identical requests at a fixed interval, the spec's setting in six lines), each with the
+prefix each backend has cached for it fixed up front. Or they come from `tenants:`: several
+tenants, each with a shared prefix, picked with Zipf popularity, arriving as a Poisson
+process; then every backend simulates a prefix cache of `num_kv_blocks` blocks with LRU
+eviction (routing/sim_prefix_cache.py), and what hits is decided by where requests went. The
+format is documented in docs/routing.md with examples in docs/route-sim-examples/.
 
 The file is validated with pydantic at this edge, and every error names its field
 (`backends.0.rates.prefill_tok_s: Input should be greater than 0 (got -1.0)`); the result
@@ -13,7 +17,9 @@ is plain dataclasses (`Scenario`, `SimRequest`, `SimBackendSpec`).
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.errors import ConfigError, format_validation_errors
 from tandem.routing.new_token_ratio import NewTokenRatioConfig
-from tandem.routing.policies import POLICIES, SpillGuard
+from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard
 from tandem.routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
 
 
@@ -35,13 +41,16 @@ class SimRequest:
     num_prompt_tokens: int
     max_tokens: int
     num_output_tokens: int  # what the request really generates (<= max_tokens)
-    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # fixed hits (no cache model)
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (tenants)
+    tenant: int | None = None
 
 
 @dataclass
 class SimBackendSpec:
     spec: BackendSpec  # what the router believes (spec.rates)
     actual_rates: RateProfile  # what the simulated backend runs at
+    num_kv_blocks: int | None = None  # prefix-cache room (tenants scenarios); None: unlimited
 
 
 @dataclass
@@ -53,10 +62,16 @@ class Scenario:
     new_token_ratio: NewTokenRatioConfig | None = None
     calibration: CalibrationConfig | None = None
     spill_guard: SpillGuard | None = None
+    prefix_affinity: PrefixAffinityConfig | None = None
+    block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
     def backend_specs(self) -> list[BackendSpec]:
         return [b.spec for b in self.backends]
+
+    @property
+    def has_prefix_caches(self) -> bool:
+        return self.block_size is not None
 
 
 # --- file-edge schema ---------------------------------------------------------------------
@@ -71,6 +86,7 @@ class _BackendModel(BaseModel):
     max_active: int = Field(4, ge=1)
     rates: RateProfileModel
     actual_rates: RateProfileModel | None = None
+    num_kv_blocks: int | None = Field(None, ge=1)  # tenants scenarios: prefix-cache room in blocks
 
 
 class _RequestFields(BaseModel):
@@ -111,6 +127,36 @@ class _GenerateModel(_RequestFields):
     req_id_prefix: str = "r"
 
 
+class _TenantsModel(BaseModel):
+    """Multi-tenant traffic: each request is one tenant's shared prefix plus a unique suffix."""
+
+    model_config = _STRICT
+    num_requests: int = Field(ge=1)
+    rate_per_s: float = Field(gt=0)  # Poisson arrivals
+    num_tenants: int = Field(ge=1)
+    zipf_s: float = Field(1.0, ge=0)  # tenant k (1-based) is picked with weight 1 / k**zipf_s
+    prefix_tokens: int = Field(ge=1)  # shared by all of a tenant's requests
+    suffix_tokens: int = Field(1, ge=1)  # unique to each request
+    max_tokens: int = Field(ge=1)
+    num_output_tokens: int | None = Field(None, ge=1)  # default: max_tokens
+    seed: int = 0
+    start_s: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _output_within_budget(self) -> "_TenantsModel":
+        if self.num_output_tokens is not None and self.num_output_tokens > self.max_tokens:
+            raise ValueError(
+                f"num_output_tokens ({self.num_output_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
+
+
+class _PrefixAffinityModel(BaseModel):
+    model_config = _STRICT
+    num_prefix_blocks: int = Field(8, ge=1)
+    load_factor: float = Field(1.25, ge=1)
+
+
 class _NewTokenRatioModel(BaseModel):
     model_config = _STRICT
     init_ratio: float = Field(0.7, gt=0, le=1)
@@ -134,6 +180,7 @@ class _RouterModel(BaseModel):
     new_token_ratio: _NewTokenRatioModel | None = None
     calibration: _CalibrationModel | None = None
     spill_guard: _SpillGuardModel | None = None
+    prefix_affinity: _PrefixAffinityModel | None = None
 
 
 class _ScenarioModel(BaseModel):
@@ -143,6 +190,8 @@ class _ScenarioModel(BaseModel):
     backends: list[_BackendModel] = Field(min_length=1)
     requests: list[_RequestModel] = Field(default_factory=list)
     generate: _GenerateModel | None = None
+    tenants: _TenantsModel | None = None
+    block_size: int = Field(16, ge=1)  # tenants scenarios: tokens per KV block
     router: _RouterModel = Field(default_factory=_RouterModel)
 
     @field_validator("policy")
@@ -157,8 +206,13 @@ class _ScenarioModel(BaseModel):
         ids = [b.backend_id for b in self.backends]
         if len(set(ids)) != len(ids):
             raise ValueError(f"backends: backend_id values must be unique (got {ids})")
-        if not self.requests and self.generate is None:
-            raise ValueError("requests: give at least one request, or a generate: section")
+        if self.tenants is not None and (self.requests or self.generate is not None):
+            raise ValueError("tenants: cannot be combined with requests: or generate: (their hits are "
+                             "fixed up front; tenants' hits come from the simulated caches)")
+        if not self.requests and self.generate is None and self.tenants is None:
+            raise ValueError("requests: give at least one request, or a generate: or tenants: section")
+        if self.tenants is None and any(b.num_kv_blocks is not None for b in self.backends):
+            raise ValueError("backends: num_kv_blocks needs a tenants: section (only tenants' prefixes are cached)")
         return self
 
 
@@ -181,17 +235,23 @@ def load_scenario(path: str | Path, num_requests: int | None = None) -> Scenario
 
 def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None = None) -> Scenario:
     """Validate an already-parsed scenario document and build the dataclasses."""
-    if num_requests is not None and isinstance(data, dict) and isinstance(data.get("generate"), dict):
-        data = {**data, "generate": {**data["generate"], "num_requests": num_requests}}
+    if num_requests is not None and isinstance(data, dict):
+        for section in ("generate", "tenants"):
+            if isinstance(data.get(section), dict):
+                data = {**data, section: {**data[section], "num_requests": num_requests}}
     try:
         model = _ScenarioModel.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_errors(source, exc.errors())) from None
-    if num_requests is not None and model.generate is None:
-        raise ConfigError(f"{source}: --num-requests needs a generate: section to override")
+    if num_requests is not None and model.generate is None and model.tenants is None:
+        raise ConfigError(f"{source}: --num-requests needs a generate: or tenants: section to override")
     backends = [_backend(b, f"backends.{i}") for i, b in enumerate(model.backends)]
     backend_ids = [b.spec.backend_id for b in backends]
-    requests = _requests(model, backend_ids)
+    if model.tenants is not None:
+        requests = tenant_requests(model.tenants, model.block_size)
+    else:
+        requests = _requests(model, backend_ids)
+    affinity = model.router.prefix_affinity
     return Scenario(
         name=model.name,
         policy=model.policy,
@@ -200,6 +260,8 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         new_token_ratio=_new_token_ratio(model.router.new_token_ratio),
         calibration=CalibrationConfig(model.router.calibration.alpha) if model.router.calibration else None,
         spill_guard=SpillGuard(**model.router.spill_guard.model_dump()) if model.router.spill_guard else None,
+        prefix_affinity=PrefixAffinityConfig(**affinity.model_dump()) if affinity else None,
+        block_size=model.block_size if model.tenants is not None else None,
     )
 
 
@@ -207,7 +269,7 @@ def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
     rates = validate_rate_profile(model.rates, f"{path}.rates")
     actual = rates if model.actual_rates is None else validate_rate_profile(model.actual_rates, f"{path}.actual_rates")
     spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active)
-    return SimBackendSpec(spec, actual)
+    return SimBackendSpec(spec, actual, model.num_kv_blocks)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:
@@ -248,6 +310,39 @@ def _request(fields: _RequestFields, req_id: str, arrival_s: float, path: str, b
         num_output_tokens=fields.num_output_tokens or fields.max_tokens,
         num_cached_tokens=dict(cached),
     )
+
+
+def tenant_requests(tenants: _TenantsModel, block_size: int) -> list[SimRequest]:
+    """Poisson arrivals, Zipf-popular tenants; deterministic for a seed."""
+    rng = random.Random(tenants.seed)
+    cum_weights = list(itertools.accumulate(1 / (k + 1) ** tenants.zipf_s for k in range(tenants.num_tenants)))
+    num_prompt_tokens = tenants.prefix_tokens + tenants.suffix_tokens
+    requests, arrival_s = [], tenants.start_s
+    for n in range(tenants.num_requests):
+        if n:
+            arrival_s += rng.expovariate(tenants.rate_per_s)
+        tenant = rng.choices(range(tenants.num_tenants), cum_weights=cum_weights)[0]
+        requests.append(SimRequest(
+            req_id=f"r{n + 1}",
+            arrival_s=arrival_s,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=tenants.max_tokens,
+            num_output_tokens=tenants.num_output_tokens or tenants.max_tokens,
+            block_hashes=tenant_block_hashes(tenant, n, tenants.prefix_tokens, num_prompt_tokens, block_size),
+            tenant=tenant,
+        ))
+    return requests
+
+
+def tenant_block_hashes(tenant: int, index: int, num_prefix_tokens: int, num_prompt_tokens: int,
+                        block_size: int) -> tuple[int, ...]:
+    """Stand-ins for chained block hashes: equal for a tenant's full prefix blocks, unique after
+    (a block that straddles the end of the prefix is unique too). Tuples of ints hash the same in
+    every process."""
+    num_prefix_blocks = num_prefix_tokens // block_size
+    num_blocks = num_prompt_tokens // block_size
+    return tuple(hash((1, tenant, i)) if i < num_prefix_blocks else hash((2, index, i))
+                 for i in range(num_blocks))
 
 
 def _new_token_ratio(model: _NewTokenRatioModel | None) -> NewTokenRatioConfig | None:

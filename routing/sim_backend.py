@@ -12,6 +12,10 @@ The model, chosen to be simple, deterministic and close to nano-vllm's scheduler
   `decode_tok_s_by_batch[batch_size]`) is the aggregate rate the batch shares. Without a
   batch table, batching gives no throughput gain, the same assumption as the cost model.
 - A request finishes at the boundary where it reaches its actual `num_output_tokens`.
+- With a prefix cache (routing/sim_prefix_cache.py), a request's uncached prompt is decided
+  when it is admitted, from what the cache holds then, and the blocks its prefill publishes
+  (and any it evicts) are reported to the router at the end of that step, as a live backend's
+  batched report does.
 
 For speed the backend does not visit every decode step: while the batch stays the same it
 plans a *run* of k identical steps and jumps to the run's end, where k is the number of steps
@@ -31,6 +35,7 @@ from typing import Protocol
 from tandem.routing import messages
 from tandem.routing.messages import ProgressEvent
 from tandem.routing.rates import RateProfile
+from tandem.routing.sim_prefix_cache import SimPrefixCache
 
 
 @dataclass
@@ -39,8 +44,9 @@ class SimJob:
     req_id: str
     arrival_s: float
     num_prompt_tokens: int
-    num_prefill_tokens: int  # uncached prompt tokens on this backend
+    num_prefill_tokens: int  # uncached prompt tokens on this backend (set at admission with a cache)
     num_output_tokens_target: int
+    block_hashes: tuple[int, ...] = ()
     num_output_tokens: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -58,6 +64,8 @@ class Reporter(Protocol):
     def on_step(self, backend_id: str, num_prefill_tokens: int, num_decode_tokens: int,
                 batch_size: int, elapsed_s: float) -> None: ...
 
+    def on_cache_changes(self, backend_id: str, changes: dict[int, bool]) -> None: ...
+
 
 def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:
     """Smallest k >= 1 with `run_start_s + k * step_s >= t`, exact for that expression."""
@@ -71,11 +79,12 @@ def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:
 
 class SimBackend:
     def __init__(self, backend_id: str, rates: RateProfile, max_active: int,
-                 reporter: Reporter | None = None) -> None:
+                 reporter: Reporter | None = None, cache: SimPrefixCache | None = None) -> None:
         self.backend_id = backend_id
         self.rates = rates
         self.max_active = max_active
         self.reporter = reporter
+        self.cache = cache
         self.queue: deque[SimJob] = deque()
         self.active: list[SimJob] = []
         self.finished: list[SimJob] = []
@@ -123,6 +132,10 @@ class SimBackend:
     def _process_boundary(self) -> None:
         t = self.next_boundary()
         events: list[ProgressEvent] = []
+        if self.cache is not None and self.reporter is not None:
+            changes = self.cache.drain_changes()  # made when the step that ends now began
+            if changes:
+                self.reporter.on_cache_changes(self.backend_id, changes)
         if self.step == "prefill":
             self._end_prefill(t, events)
         elif self.step == "decode":
@@ -164,6 +177,8 @@ class SimBackend:
                 continue
             job.finish_s = t
             self.finished.append(job)
+            if self.cache is not None:
+                self.cache.release(job.block_hashes)
             if self.reporter is not None:
                 events.append(ProgressEvent(job.req_id, messages.FINISHED))
         self.active = still_running
@@ -171,6 +186,9 @@ class SimBackend:
     def _admit(self, t: float, events: list[ProgressEvent]) -> None:
         while len(self.active) < self.max_active and self.queue and self.queue[0].arrival_s <= t:
             job = self.queue.popleft()
+            if self.cache is not None:
+                num_cached = self.cache.admit(job.block_hashes, job.num_prompt_tokens)
+                job.num_prefill_tokens = job.num_prompt_tokens - num_cached
             self.active.append(job)
             if self.reporter is not None:
                 events.append(ProgressEvent(job.req_id, messages.ADMITTED))

@@ -60,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
 def _policies(value: str | None, scenario: Scenario) -> list[str]:
     if value is None:
         return [scenario.policy]
-    names = list(POLICIES) if value == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    if value == "all":  # every policy that has a backend to use here
+        has_cpu = any(b.spec.is_cpu for b in scenario.backends)
+        return [name for name in POLICIES if has_cpu or name != "cpu-only"]
+    names = [v.strip() for v in value.split(",") if v.strip()]
     for name in names:
         if name not in POLICIES:
             raise ConfigError(f"--policy: unknown policy {name!r}; choose from {sorted(POLICIES)} or 'all'")
@@ -78,7 +81,10 @@ def _report(scenario: Scenario, results: list[SimResult],
         by_policy = {BASELINE: by_policy.get(BASELINE) or simulate(scenario, BASELINE), **by_policy}
     summaries = [summarize(r.policy, r.outcomes, backend_ids) for r in by_policy.values()]
     oracle_summary, oracle_method, oracle_assignment = None, "skipped", None
-    if not args.no_oracle:
+    if scenario.has_prefix_caches:
+        # Its local search replays every backend per move: far too slow for hundreds of requests.
+        oracle_method = "skipped (not searched in tenants scenarios)"
+    elif not args.no_oracle:
         oracle = find_oracle(scenario, [r.assignment for r in by_policy.values()], args.oracle_exhaustive_max)
         oracle_summary = summarize("oracle", oracle.outcomes, backend_ids)
         oracle_method, oracle_assignment = oracle.method, oracle.assignment

@@ -2,7 +2,9 @@
 
 `percentile` interpolates linearly between order statistics (numpy's default), so results
 match what a notebook would compute. Makespan is last finish minus first arrival, as the
-spec's "completion time"; output tok/s is total output tokens over the makespan.
+spec's "completion time"; output tok/s is total output tokens over the makespan. The cache
+hit rate is prompt tokens reused from a prefix cache over all prompt tokens (the engine's
+prefix_cache_hits / prefix_cache_queries).
 
 A policy's gain is measured against `accelerator-only` and set against the oracle's:
 `share = (makespan_acc_only - makespan_policy) / (makespan_acc_only - makespan_oracle)`,
@@ -41,6 +43,7 @@ class Summary:
     e2e_p50_s: float
     e2e_p95_s: float
     num_requests_by_backend: dict[str, int]
+    cache_hit_rate: float = 0.0
     gain_s: float | None = None  # vs accelerator-only
     share_of_oracle_gain: float | None = None
 
@@ -54,6 +57,7 @@ def summarize(name: str, outcomes: Sequence[RequestOutcome], backend_ids: Sequen
     num_output_tokens = sum(o.num_output_tokens for o in outcomes)
     ttfts = [o.ttft_s for o in outcomes]
     e2es = [o.e2e_s for o in outcomes]
+    num_prompt_tokens = sum(o.num_prompt_tokens for o in outcomes)
     counts = {backend_id: 0 for backend_id in backend_ids}
     for o in outcomes:
         counts[o.backend_id] += 1
@@ -66,6 +70,7 @@ def summarize(name: str, outcomes: Sequence[RequestOutcome], backend_ids: Sequen
         e2e_p50_s=percentile(e2es, 50),
         e2e_p95_s=percentile(e2es, 95),
         num_requests_by_backend=counts,
+        cache_hit_rate=sum(o.num_cached_tokens for o in outcomes) / num_prompt_tokens if num_prompt_tokens else 0.0,
     )
 
 
@@ -82,7 +87,7 @@ def add_gains(summaries: Sequence[Summary], baseline: Summary | None, oracle: Su
 
 def format_table(summaries: Sequence[Summary]) -> str:
     header = ("policy", "makespan_s", "out_tok/s", "ttft_p50", "ttft_p95", "e2e_p50", "e2e_p95",
-              "requests", "gain_s", "of_oracle_gain")
+              "requests", "hit_rate", "gain_s", "of_oracle_gain")
     rows = [header] + [_row(s) for s in summaries]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i in (0, 7) else cell.rjust(w)
@@ -96,4 +101,5 @@ def _row(s: Summary) -> tuple[str, ...]:
     gain = "-" if s.gain_s is None else f"{s.gain_s:+.3f}"
     share = "-" if s.share_of_oracle_gain is None else f"{100 * s.share_of_oracle_gain:.0f}%"
     return (s.name, f"{s.makespan_s:.3f}", f"{s.output_tok_s:.1f}", f"{s.ttft_p50_s:.3f}",
-            f"{s.ttft_p95_s:.3f}", f"{s.e2e_p50_s:.3f}", f"{s.e2e_p95_s:.3f}", requests, gain, share)
+            f"{s.ttft_p95_s:.3f}", f"{s.e2e_p50_s:.3f}", f"{s.e2e_p95_s:.3f}", requests,
+            f"{100 * s.cache_hit_rate:.1f}%", gain, share)

@@ -5,6 +5,12 @@ router (the same `ProgressEvent`s a live backend sends: admitted, prefill, gener
 and observed step timings, used if calibration is on); then the router routes the request and
 the chosen backend queues it. Backends are modelled in routing/sim_backend.py. The result
 holds every decision and each request's timings; routing/sim_report.py summarises them.
+
+In a tenants scenario each backend simulates a prefix cache, and the router sees it as the
+live router does: through a mirror that learns published and evicted blocks from the
+backends' reports (at the end of the step that published them), plus its own record of the
+prefixes it has in flight. The request carries its block hashes, so `prefix-affinity` can
+home it and the in-flight accounting can count it.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.routing.decision import DecisionRecord
+from tandem.routing.inflight import num_cached_prefix_tokens
 from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.router import Router
-from tandem.routing.scenario import Scenario, SimRequest
-from tandem.routing.sim_backend import SimBackend, SimJob
+from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
+from tandem.routing.sim_backend import Reporter, SimBackend, SimJob
+from tandem.routing.sim_prefix_cache import SimPrefixCache
 
 
 @dataclass
@@ -32,6 +40,8 @@ class RequestOutcome:
     first_token_s: float
     finish_s: float
     num_output_tokens: int
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the backend reused (its prefix-cache hit)
 
     @property
     def ttft_s(self) -> float:
@@ -54,10 +64,27 @@ class SimResult:
 
 
 class _RouterReporter:
-    """Feeds a simulated backend's reports into the router, like the live actors do."""
+    """Feeds a simulated backend's reports into the router, like the live actors do, and
+    keeps the router's mirror of each backend's prefix cache."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, backend_ids: list[str]) -> None:
         self.router = router
+        self.mirrors: dict[str, set[int]] = {backend_id: set() for backend_id in backend_ids}
+
+    def on_cache_changes(self, backend_id: str, changes: dict[int, bool]) -> None:
+        mirror = self.mirrors[backend_id]
+        for block_hash, is_cached in changes.items():
+            if is_cached:
+                mirror.add(block_hash)
+            else:
+                mirror.discard(block_hash)
+
+    def num_cached_tokens(self, request: SimRequest, block_size: int) -> dict[str, int]:
+        return {
+            backend_id: num_cached_prefix_tokens(request.block_hashes, request.num_prompt_tokens,
+                                                 block_size, mirror.__contains__)
+            for backend_id, mirror in self.mirrors.items()
+        }
 
     def on_events(self, backend_id: str, events: list[ProgressEvent]) -> None:
         self.router.on_progress(backend_id, events)
@@ -77,26 +104,39 @@ def make_job(index: int, request: SimRequest, backend_id: str) -> SimJob:
         num_prompt_tokens=request.num_prompt_tokens,
         num_prefill_tokens=request.num_prompt_tokens - num_cached,
         num_output_tokens_target=request.num_output_tokens,
+        block_hashes=request.block_hashes,
     )
+
+
+def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None = None) -> SimBackend:
+    """A simulated backend at its actual rates, with a prefix cache in tenants scenarios."""
+    cache = None
+    if scenario.has_prefix_caches:
+        cache = SimPrefixCache(sim_spec.num_kv_blocks, scenario.block_size)
+    return SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active, reporter, cache)
+
+
+def route_request(request: SimRequest, scenario: Scenario, reporter: _RouterReporter) -> RouteRequest:
+    if not scenario.has_prefix_caches:
+        return RouteRequest(request.req_id, request.num_prompt_tokens, request.max_tokens,
+                            request.num_cached_tokens)
+    return RouteRequest(request.req_id, request.num_prompt_tokens, request.max_tokens,
+                        reporter.num_cached_tokens(request, scenario.block_size),
+                        request.block_hashes, scenario.block_size)
 
 
 def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
     """Run the scenario under `policy` (default: the scenario's)."""
-    router = Router(scenario.backend_specs, policy or scenario.policy,
-                    scenario.new_token_ratio, scenario.calibration, scenario.spill_guard)
-    reporter = _RouterReporter(router)
-    backends = {
-        b.spec.backend_id: SimBackend(b.spec.backend_id, b.actual_rates, b.spec.max_active, reporter)
-        for b in scenario.backends
-    }
+    router = Router(scenario.backend_specs, policy or scenario.policy, scenario.new_token_ratio,
+                    scenario.calibration, scenario.spill_guard, scenario.prefix_affinity)
+    reporter = _RouterReporter(router, [b.spec.backend_id for b in scenario.backends])
+    backends = {b.spec.backend_id: make_backend(scenario, b, reporter) for b in scenario.backends}
     decisions = []
     for index, request in enumerate(scenario.requests):
         for backend_id, backend in backends.items():
             backend.advance_to(request.arrival_s)
             router.on_progress(backend_id, backend.progress_events_at(request.arrival_s))
-        record = router.route(RouteRequest(
-            request.req_id, request.num_prompt_tokens, request.max_tokens, request.num_cached_tokens
-        ))
+        record = router.route(route_request(request, scenario, reporter))
         decisions.append(TimedDecision(request.arrival_s, record))
         backends[record.backend_id].enqueue(make_job(index, request, record.backend_id))
     for backend in backends.values():
@@ -111,6 +151,7 @@ def collect_outcomes(scenario: Scenario, backends) -> list[RequestOutcome]:
         for job in backend.finished:
             by_index[job.index] = RequestOutcome(
                 job.req_id, backend.backend_id, job.arrival_s, job.first_token_s,
-                job.finish_s, job.num_output_tokens,
+                job.finish_s, job.num_output_tokens, job.num_prompt_tokens,
+                job.num_prompt_tokens - job.num_prefill_tokens,
             )
     return [by_index[i] for i in range(len(scenario.requests))]

@@ -12,7 +12,8 @@ def req(n: int) -> RouteRequest:
 
 
 def test_policy_names():
-    assert set(POLICIES) == {"cost", "accelerator-only", "cpu-only", "round-robin", "least-requests"}
+    assert set(POLICIES) == {"cost", "accelerator-only", "cpu-only", "round-robin", "least-requests",
+                             "prefix-affinity"}
 
 
 def test_ties_go_to_the_accelerator_then_the_lower_id():

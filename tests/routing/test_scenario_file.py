@@ -84,6 +84,6 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "bad.yaml").write_text("backends: [")
     with pytest.raises(ConfigError, match="not valid yaml"):
         load_scenario(tmp_path / "bad.yaml")
-    with pytest.raises(ConfigError, match="needs a generate: section"):
+    with pytest.raises(ConfigError, match="needs a generate: or tenants: section"):
         parse_scenario({**spec_scenario(1), "generate": None, "requests": [
             {"arrival_s": 0, "num_prompt_tokens": 5, "max_tokens": 1}]}, num_requests=3)

@@ -1,0 +1,78 @@
+"""Prefixes in flight: what the router has sent to a backend counts as (soon) cached there.
+
+A backend reports the block hashes it published only after the step that scheduled their
+prefill, and the router's mirror of its prefix cache learns them from that report. A request
+routed before then, with the same prefix, saw no hit anywhere, so a burst of one tenant's
+requests used to spray over every backend, each paying the whole prefill. The router therefore
+remembers the prompt blocks of every request it holds on a backend (queued or running) and
+treats them as cached there: a queued request's blocks will be published when its prefill is
+scheduled, before any later request behind it on that backend is, and a running request's
+blocks are pinned in the cache until it finishes. The marks expire with the request (finished,
+aborted, forgotten, or its backend removed); by then the backend has reported the blocks and the
+mirror holds them for as long as they really stay cached.
+
+Lookups follow the engine's rule: the longest run of leading blocks, capped so the prompt's last
+token is always computed. Blocks are reference-counted, since requests share prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def num_cached_prefix_tokens(
+    block_hashes: Sequence[int], num_tokens: int, block_size: int, is_cached: Callable[[int], bool]
+) -> int:
+    """Tokens covered by the longest run of cached leading blocks, capped at `num_tokens - 1`
+    (the last token's logits are what the next token is sampled from). The engine applies the
+    same rule to its own cache; routing cannot import the engine, hence this copy."""
+    if block_size < 1:
+        return 0
+    max_blocks = (num_tokens - 1) // block_size
+    num_hits = 0
+    for block_hash in block_hashes[:max_blocks]:
+        if not is_cached(block_hash):
+            break
+        num_hits += 1
+    return num_hits * block_size
+
+
+class InflightPrefixes:
+    """The prompt blocks of the requests one backend holds, reference-counted."""
+
+    def __init__(self) -> None:
+        self.req_to_hashes: dict[str, Sequence[int]] = {}
+        self.hash_to_count: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.req_to_hashes)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self.hash_to_count
+
+    def add(self, req_id: str, block_hashes: Sequence[int]) -> None:
+        if req_id in self.req_to_hashes:
+            raise ValueError(f"request {req_id!r} is already in flight to this backend")
+        if not block_hashes:
+            return
+        self.req_to_hashes[req_id] = block_hashes
+        for block_hash in block_hashes:
+            self.hash_to_count[block_hash] = self.hash_to_count.get(block_hash, 0) + 1
+
+    def remove(self, req_id: str) -> bool:
+        block_hashes = self.req_to_hashes.pop(req_id, None)
+        if block_hashes is None:
+            return False
+        for block_hash in block_hashes:
+            count = self.hash_to_count[block_hash] - 1
+            if count:
+                self.hash_to_count[block_hash] = count
+            else:
+                del self.hash_to_count[block_hash]
+        return True
+
+    def num_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int, block_size: int) -> int:
+        """Prefix tokens of a new prompt that requests in flight here will have cached."""
+        if not self.hash_to_count:
+            return 0
+        return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, self.__contains__)
