@@ -1,66 +1,86 @@
-"""`BackendActor`: one `LLMEngine` on one device, serving many streaming requests at once.
+"""`BackendActor`: the serving front of one engine core, streaming many requests at once.
 
-Threading model. The engine is not thread-safe, so exactly one thread touches its mutable
-state: a dedicated engine thread that loops "apply queued commands, step, deliver outputs".
-The actor itself is an async Ray actor; its methods run on the actor's event loop and talk to
-the engine thread through a command queue (add, abort, stats), each command carrying a future
-the coroutine awaits. Torch releases the GIL inside kernels, so the event loop keeps answering
-(new requests, cache queries, pings) while a step runs, and every generate stream is just an
-`asyncio.Queue` the engine thread feeds with `call_soon_threadsafe`.
+Process layout. The engine runs in its own OS process, the engine core (actors/engine_core.py),
+whose loop is "take commands, step, send outputs" with no asyncio and no Ray. This actor is its
+thin front, an async Ray actor: it starts the core, forwards add/abort/stats/set_max_active/
+profile and cache queries to it over a pipe, and fans the core's one-message-per-step output
+out to the request streams. Serving work (Ray calls, streams, router reports, metrics) runs on
+this process's GIL, so it never holds up the engine's next step.
 
-Progress goes to the router in batches: the engine thread drains `engine.drain_progress()`
-after each step and sends it at most every `report_interval_s` (and whenever it goes idle) as
-one fire-and-forget `router.report.remote(...)`, never a per-token round trip. The same message
-carries each step's token counts and time, which the router may use to calibrate its rates,
-and the block hashes the prefix cache published or evicted, which keep the router's mirror of
-this backend's cache current: the router never asks a backend anything on its decision path.
+Threads of this process: the actor's event loop (Ray calls, streams) and a reader thread that
+receives the core's messages and does, per step, everything a step implies: merge and pace the
+outputs, hand them to the event loop with one wake-up, answer the commands' futures, batch the
+router's progress report and record the metrics.
+
+Two ways to stream:
+- `generate` (one Ray streaming generator per request): `Admitted`, then `RequestOutput`s.
+  Used by the warm-up and benchmarks, and simple to drive by hand.
+- `add` + `subscribe` (one multiplexed stream per caller process, see actors/channel.py): the
+  caller's process opens one `subscribe` stream per backend and every request it adds with
+  that channel id comes back on it, one batch of every request's new outputs per step. Ray's
+  per-item cost is then paid per step, not per request per step; the serving path
+  (cluster/dispatch.py) uses this.
+
+Pacing (`generate` streams only): the first output goes at once; later ones are merged and
+sent at most every `stream_interval_s`, and never held longer than `max_stream_delay_s`. A
+channel batch goes out every step: its consumer merges what it has not read yet, so a caller
+that falls behind reads fewer, larger messages without any cap here.
+
+Progress goes to the router in batches: at most every `report_interval_s` (and when the engine
+goes idle) as one fire-and-forget `router.report.remote(...)` carrying the latest state of each
+request, each step's token counts and time, and the block hashes the prefix cache published or
+evicted, which keep the router's mirror of this backend's cache current.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import copy
+import itertools
 import logging
 import os
-import queue
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.actors import engine_core as core
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
 
 logger = logging.getLogger("tandem.backend")
 
-IDLE_POLL_S = 0.05
-# After a stream's first token, send at most one message per this interval, merging the tokens
-# of the steps in between: each streamed item costs the actor about half a millisecond of its
-# GIL, which at one item per request per step slowed a GPU backend's served path ~2x.
+# A `generate` stream's pacing: after its first output, at most one message per interval.
 STREAM_INTERVAL_S = 0.01
-# ...and across all its streams at most this many messages per second: with 48 streams, one
-# message each per 10 ms would be 4,800 a second, more GIL than the process has. The interval
-# grows with the number of streams instead (48 streams: one message each per 96 ms); the first
-# token of every stream still goes out at once.
-MAX_STREAM_MESSAGES_PER_S = 500.0
-STATS_INTERVAL_S = 0.5
+# ...stretched with the number of streams to stay within a message budget (0: none), but never
+# past this: a stream always receives its tokens within 20 ms.
+MAX_STREAM_DELAY_S = 0.02
+MAX_STREAM_MESSAGES_PER_S = 0.0
+CORE_START_TIMEOUT_S = 600.0
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    # Engine-thread state: outputs merged but not yet handed over, and when the next hand-over
+    # Reader-thread state: outputs merged but not yet handed over, and when the next hand-over
     # is due (time.monotonic; 0: the first output goes at once).
     pending: Any = None
     next_send: float = 0.0
 
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+@dataclass
+class _Channel:
+    """One caller process's multiplexed stream: the batches its `subscribe` has not sent yet."""
+
+    loop: asyncio.AbstractEventLoop | None = None  # set by `subscribe`
+    pending: list = field(default_factory=list)  # event-loop side
+    wake: asyncio.Event | None = None
+    req_ids: set = field(default_factory=set)
+    closed: bool = False
+    early: list = field(default_factory=list)  # outputs that came before `subscribe` did
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class BackendActor:
@@ -76,59 +96,52 @@ class BackendActor:
         stream_interval_s: float = STREAM_INTERVAL_S,
         max_stream_messages_per_s: float = MAX_STREAM_MESSAGES_PER_S,
     ) -> None:
-        import torch
-
-        from tandem.engine.config import EngineConfig
-        from tandem.engine.llm_engine import LLMEngine
-
-        # Ray sets OMP_NUM_THREADS from the actor's num_cpus and reuses workers: set our own.
-        torch.set_num_threads(threads)
         self.backend_id = backend_id
         self.instance_id = uuid.uuid4().hex[:12]
         self.stream_interval_s = stream_interval_s
         self.max_stream_messages_per_s = max_stream_messages_per_s
         self.threads = threads
-        self.router = router
+        self.router = _router_handle(router)
         self.report_interval_s = report_interval_s
-        self.rates: dict[str, Any] | None = None
-        config = EngineConfig(**{**engine_kwargs, "num_threads": threads})
-        start = time.perf_counter()
-        self.engine = LLMEngine(config)
-        logger.warning(  # warning: shown under Python's default log level, and said once per start
-            "backend %s: device %s (%s), dtype %s, %d torch threads, model %s loaded in %.1f s",
-            backend_id, config.device, device_reason or f"requested {requested_device}",
-            str(self.engine.dtype).removeprefix("torch."), threads, self.engine.model_name,
-            time.perf_counter() - start)
         self.requested_device = requested_device
+        self.rates: dict[str, Any] | None = None
+        self.core = core.CoreProcess({**engine_kwargs, "num_threads": threads}, name=f"engine-core-{backend_id}")
+        ready = self.core.wait_ready(CORE_START_TIMEOUT_S)
+        self.engine_info = ready
+        logger.warning(  # warning: shown under Python's default log level, and said once per start
+            "backend %s: device %s (%s), dtype %s, %d torch threads, model %s loaded in %.1f s (engine core pid %d)",
+            backend_id, ready["device"], device_reason or f"requested {requested_device}", ready["dtype"], threads,
+            ready["model_name"], ready["load_s"], ready["pid"])
+        self.max_active = ready["max_active"]
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
+        self._channels: dict[str, _Channel] = {}
+        self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
-        # only the last state of each request matters (at batch 48 and ~1 ms steps a report
-        # would otherwise carry ~20 copies of each).
-        self._pending_progress: dict[str, Any] = {}
+        # only the last state of each request matters.
+        self._pending_progress: dict[str, tuple] = {}
         self._pending_steps: list[tuple[int, int, int, float]] = []
-        self._pending_cache_changes: dict[int, bool] = {}  # block hash -> published / evicted
+        self._pending_cache_changes: dict[int, bool] = {}
         self._last_report = 0.0
-        self._last_stats = 0.0
         self._stats_totals = (0, 0, 0, 0, 0)
         self._stopping = False
-        self._thread = threading.Thread(target=self._engine_loop, name=f"engine-{backend_id}", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read_core, name=f"core-reader-{backend_id}", daemon=True)
+        self._reader.start()
         if router is not None and _was_reconstructed():
             # Ray restarted us after a crash: rejoin routing with the rates the router kept.
             self.router.add_backend.remote(self._info(reconstructed=True), _self_handle())
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _info(self, reconstructed: bool = False) -> BackendInfo:
-        cfg = self.engine.config
+        e = self.engine_info
         return BackendInfo(
-            backend_id=self.backend_id, instance_id=self.instance_id, device=str(self.engine.device),
-            device_kind=self.engine.device.type, requested_device=self.requested_device,
-            dtype=str(self.engine.dtype).removeprefix("torch."), threads=self.threads,
-            max_active=cfg.max_active, block_size=cfg.block_size, model_name=self.engine.model_name,
-            max_model_len=self.engine.max_model_len, node_id=_node_id(), rates=self.rates,
+            backend_id=self.backend_id, instance_id=self.instance_id, device=e["device"],
+            device_kind=e["device_kind"], requested_device=self.requested_device, dtype=e["dtype"],
+            threads=self.threads, max_active=self.max_active, block_size=e["block_size"],
+            model_name=e["model_name"], max_model_len=e["max_model_len"], node_id=_node_id(), rates=self.rates,
             reconstructed=reconstructed)
 
     async def info(self) -> BackendInfo:
@@ -137,24 +150,21 @@ class BackendActor:
     async def ping(self) -> str:
         return self.instance_id
 
+    async def core_pid(self) -> int:
+        """The engine core's process id (tests check it dies with this actor)."""
+        return self.core.pid
+
     async def tokenizer(self) -> Any:
         """The engine's HF tokenizer object (picklable), so the HTTP ingress tokenizes alike."""
-        return self.engine.tokenizer
+        return self.engine_info["tokenizer"]
 
     async def profile(self, max_active: int | None = None, **kwargs: Any) -> dict[str, Any]:
         """Measure this backend's rates (nothing else may run meanwhile); see engine/profiler.py."""
-        from tandem.engine.profiler import measure_rates
-
-        if self._streams:
+        if self._streams or self._channel_of:
             raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
-        def measure() -> dict[str, Any]:
-            rates = measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)
-            st = self.engine.get_stats()  # profile tokens are not served tokens: not in the counters
-            self._stats_totals = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_prompt_tokens_total,
-                                  st.num_generation_tokens_total, st.num_preemptions)
-            return rates
-
-        return await self._call(measure)
+        rates, totals = await self._call("profile", max_active, kwargs)
+        self._stats_totals = totals[4:]  # profile tokens are not served tokens: not in the counters
+        return rates
 
     async def register(self, rates: dict[str, Any] | None) -> BackendInfo:
         """Join routing with these rates (routing's RateProfile fields) and a snapshot of the
@@ -162,44 +172,38 @@ class BackendActor:
         self.rates = rates
         info = self._info()
         if self.router is not None:
-            snapshot = await self._call(self._cache_snapshot)
+            snapshot = await self._call("cache_snapshot")
+            self._pending_cache_changes = {}  # the snapshot supersedes them
             await self.router.add_backend.remote(info, _self_handle(), snapshot)
         return info
 
     async def set_max_active(self, max_active: int) -> BackendInfo:
         """Run at most `max_active` requests at once from now on (up to the limit this engine was
         built with), and tell the router so its cost model uses the new batch size."""
-        await self._call(lambda: self.engine.set_max_active(max_active))
+        await self._call("set_max_active", max_active)
+        self.max_active = max_active
         if self.router is not None:
             await self.router.set_max_active.remote(self.backend_id, max_active)
         return self._info()
 
-    def _cache_snapshot(self) -> list[int]:
-        self.engine.drain_cache_changes()  # the snapshot supersedes them
-        self._pending_cache_changes = {}
-        return self.engine.cached_block_hashes()
-
     async def shutdown(self) -> None:
+        """Fail every stream and stop the engine core (the actor itself stays up)."""
         self._stopping = True
-        for stream in list(self._streams.values()):
-            stream.put(BackendError(f"backend {self.backend_id} is shutting down"))
+        self._fail_streams(BackendError(f"backend {self.backend_id} is shutting down"))
+        self.core.stop()
 
-    # -- requests ----------------------------------------------------------------------------
+    # -- requests: one stream per request -----------------------------------------------------
     async def generate(self, req_id: str, prompt_token_ids: list[int], params: Any,
                        arrival_time: float | None = None) -> AsyncIterator[Any]:
-        """Stream `Admitted`, then one `RequestOutput` per step that produced tokens, the last
-        one `finished`. Raises InvalidRequestError before `Admitted` if the engine rejects it.
+        """Stream `Admitted`, then `RequestOutput`s (each merging the steps since the last), the
+        last one `finished`. Raises InvalidRequestError before `Admitted` if the engine rejects it.
         Closing the stream early (caller cancelled) aborts the request and frees its blocks."""
-        if req_id in self._streams:
-            from tandem.engine.sampling_params import InvalidRequestError
-
-            raise InvalidRequestError(f"request id {req_id!r} is already running on {self.backend_id}")
+        self._check_new(req_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[req_id] = stream
         finished = False
         try:
-            fn = lambda: self.engine.add_request(req_id, prompt_token_ids, params, arrival_time)  # noqa: E731
-            num_prompt_tokens = await self._call(fn)
+            num_prompt_tokens = await self._add(req_id, prompt_token_ids, params, arrival_time)
             yield Admitted(req_id, self.backend_id, num_prompt_tokens)
             while not finished:
                 item = await stream.queue.get()
@@ -213,189 +217,268 @@ class BackendActor:
         finally:
             self._streams.pop(req_id, None)
             if not finished:
-                # Cancelled at any moment, even while the add was queued or running: commands run
-                # in order on the engine thread, so this abort follows the add; aborting a request
-                # the engine never took is a no-op.
-                self._commands.put(lambda: self.engine.abort_request(req_id))
+                # Cancelled at any moment, even while the add was on its way: the pipe keeps
+                # order, so this abort follows the add; aborting a request the engine never
+                # took is a no-op.
+                self._abort_quietly(req_id)
 
-    def _stream_interval(self) -> float:
-        """Seconds until a stream's next message: the configured interval, stretched so that all
-        streams together stay within `max_stream_messages_per_s` (0: no limit)."""
-        if self.max_stream_messages_per_s <= 0:
-            return self.stream_interval_s
-        return max(self.stream_interval_s, len(self._streams) / self.max_stream_messages_per_s)
+    # -- requests: one multiplexed stream per caller process ---------------------------------
+    async def add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None,
+                  channel_id: str) -> Admitted:
+        """Admit a request whose outputs go to `channel_id`'s `subscribe` stream. Raises
+        InvalidRequestError if the engine rejects it. A caller cancelled while this runs leaves
+        nothing behind: the request is aborted."""
+        self._check_new(req_id)
+        channel = self._channels.setdefault(channel_id, _Channel())
+        if channel.closed:
+            raise BackendError(f"channel {channel_id} of backend {self.backend_id} is closed")
+        channel.req_ids.add(req_id)
+        self._channel_of[req_id] = channel
+        admitted = False
+        try:
+            num_prompt_tokens = await self._add(req_id, prompt_token_ids, params, arrival_time)
+            admitted = True
+            return Admitted(req_id, self.backend_id, num_prompt_tokens)
+        finally:
+            if not admitted:
+                self._forget(req_id)
+                self._abort_quietly(req_id)
+
+    async def subscribe(self, channel_id: str) -> AsyncIterator[list]:
+        """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
+        (or `(req_id, BackendError)` pairs) per hand-over. Ends when the caller closes it, which
+        aborts that channel's unfinished requests."""
+        channel = self._channels.setdefault(channel_id, _Channel())
+        channel.wake = asyncio.Event()
+        with channel.lock:
+            channel.loop = asyncio.get_running_loop()
+            channel.pending, channel.early = channel.early, []
+        channel.wake.set()  # outputs may have arrived before we subscribed
+        try:
+            while not channel.closed or channel.pending:
+                await channel.wake.wait()
+                channel.wake.clear()
+                if channel.pending:
+                    batch, channel.pending = channel.pending, []
+                    yield batch
+        finally:
+            channel.closed = True
+            self._channels.pop(channel_id, None)
+            for req_id in list(channel.req_ids):
+                self._forget(req_id)
+                self._abort_quietly(req_id)
+
+    def _check_new(self, req_id: str) -> None:
+        if req_id in self._streams or req_id in self._channel_of:
+            from tandem.engine.sampling_params import InvalidRequestError
+
+            raise InvalidRequestError(f"request id {req_id!r} is already running on {self.backend_id}")
+        if self._stopping:
+            raise BackendError(f"backend {self.backend_id} is shutting down")
+
+    def _forget(self, req_id: str) -> None:
+        channel = self._channel_of.pop(req_id, None)
+        if channel is not None:
+            channel.req_ids.discard(req_id)
 
     async def abort(self, req_id: str) -> bool:
-        return await self._call(lambda: self.engine.abort_request(req_id))
+        return await self._call("abort", req_id)
 
     async def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
         """This engine's own prefix-hit answer (diagnostics; the router uses its mirror)."""
-        return await self._call(lambda: self.engine.num_cached_tokens(prompt_token_ids))
+        return await self._call("num_cached_tokens", prompt_token_ids)
 
     async def stats(self) -> Any:
-        return await self._call(lambda: copy.deepcopy(self.engine.get_stats()))
+        return await self._call("stats")
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the engine thread between steps and return its result."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    # -- talking to the core -----------------------------------------------------------------
+    async def _add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None) -> int:
+        call_id, future = self._new_call()
+        self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
+        return await future
 
-        def command() -> None:
-            # The awaiting coroutine may have been cancelled (its client hung up): then the future
-            # is cancelled too, and nobody wants the result. Setting one would raise
-            # InvalidStateError here, in the engine thread, where it would fail every stream.
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn()
-            except Exception as exc:  # handed to the awaiting coroutine
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+    async def _call(self, name: str, *args: Any) -> Any:
+        """Run the core's `call_<name>(*args)` between two steps and return its result."""
+        call_id, future = self._new_call()
+        self._send((core.CALL, call_id, name, args))
+        return await future
 
-        self._commands.put(command)
-        return await asyncio.wrap_future(future)
+    def _new_call(self) -> tuple[int, asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        call_id, future = next(self._call_ids), loop.create_future()
+        self._calls[call_id] = (loop, future)
+        return call_id, future
 
-    # -- the engine thread -------------------------------------------------------------------
-    def _engine_loop(self) -> None:
-        num_failures = 0
-        while not self._stopping:
-            try:
-                self._loop_once()
-                num_failures = 0
-            except Exception:  # a bug or device error: fail the requests, keep serving
-                num_failures += 1
-                self._fail_all(traceback.format_exc())
-                if num_failures >= 3:
-                    logger.error("backend %s: engine loop failed 3 times in a row; exiting so Ray restarts it",
-                                 self.backend_id)
-                    os._exit(1)
-
-    def _loop_once(self) -> None:
-        busy = self.engine.has_unfinished_requests()
-        self._apply_commands(block=not busy)
-        if not self.engine.has_unfinished_requests():
-            self._after_idle()
-            return
-        start = time.perf_counter()
-        outputs = self.engine.step()
-        self._deliver(outputs)
-        # Timed with the hand-off: the router's calibration wants how fast this backend drains
-        # work as served (the step loop's whole turn), not the model alone.
-        self._after_step(time.perf_counter() - start, outputs)
-
-    def _apply_commands(self, block: bool) -> None:
+    def _send(self, message: tuple) -> None:
         try:
-            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
+            self.core.send(message)
+        except (OSError, ValueError):  # the core is gone; the reader thread fails the streams
+            if len(message) > 1 and isinstance(message[1], int):
+                self._calls.pop(message[1], None)
+            raise BackendError(f"backend {self.backend_id}: its engine core is not running") from None
+
+    def _abort_quietly(self, req_id: str) -> None:
+        try:
+            self.core.send((core.ABORT, req_id))
+        except (OSError, ValueError):  # the core is gone: nothing left to free
+            pass
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read_core(self) -> None:
         while True:
-            self._run_command(command)
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
+                message = self.core.recv()
+            except (EOFError, OSError):
+                self._core_exited()
                 return
+            try:
+                if message[0] == core.STEP:
+                    self._on_step(*message[1:])
+                elif message[0] == core.FAILED:
+                    self._on_failure(message[1])
+            except Exception:  # our own bookkeeping failed: log it, keep serving
+                logger.exception("backend %s: handling the engine core's message failed", self.backend_id)
 
-    def _run_command(self, command: Callable[[], None]) -> None:
-        """One request's bookkeeping must never fail the loop that serves everyone else."""
-        try:
-            command()
-        except Exception:
-            logger.exception("backend %s: a command failed; the engine keeps serving", self.backend_id)
+    def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
+                 stats: Any) -> None:
+        if replies:
+            self._answer(replies)
+        if outputs:
+            self._deliver([core.unpack_output(t) for t in outputs])
+        if step is not None:
+            self.metrics.observe("tandem_backend_step_time_seconds", step[3])
+            self.metrics.inc("tandem_backend_steps")
+            self._pending_steps.append(step)
+        for t in outputs:
+            if t[3]:
+                self._record_finished(t)
+        for p in progress:
+            self._pending_progress[p[0]] = p
+        if cache_changes:
+            self._pending_cache_changes.update(cache_changes)
+        now = time.monotonic()
+        if step is None or now - self._last_report >= self.report_interval_s:
+            self._report(now)
+        if stats is not None:
+            self._record_stats(stats)
+
+    def _answer(self, replies: list) -> None:
+        by_loop: dict[Any, list] = {}
+        for call_id, ok, value in replies:
+            entry = self._calls.pop(call_id, None)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], ok, value))
+        for loop, answers in by_loop.items():
+            loop.call_soon_threadsafe(_resolve_all, answers)
 
     def _deliver(self, outputs: list) -> None:
-        """Merge a step's outputs into their streams and hand over those that are due, with one
-        wake-up of the event loop, not one per request. Pacing happens here, in the engine
-        thread: a stream's coroutine wakes only to send, not on every step to wait (48 woken
-        coroutines per step cost the engine more GIL than the messages themselves)."""
+        """Hand a step's outputs to their streams and channels with one wake-up of the event loop,
+        not one per request. `generate` streams are paced here (a stream's coroutine wakes only
+        to send); channels get every step's outputs in one batch."""
         now = time.monotonic()
+        batches: dict[int, tuple[_Channel, list]] = {}
         for out in outputs:
+            channel = self._channel_of.get(out.req_id)
+            if channel is not None:
+                batches.setdefault(id(channel), (channel, []))[1].append(out)
+                if out.finished:
+                    self._forget(out.req_id)
+                continue
             stream = self._streams.get(out.req_id)
             if stream is not None:
                 stream.pending = out if stream.pending is None else stream.pending.merge(out)
                 self._held[out.req_id] = stream
-        due = [(req_id, stream) for req_id, stream in self._held.items()
-               if stream.pending.finished or now >= stream.next_send]
-        if not due:
-            return
-        interval = self._stream_interval()
         deliveries = []
-        for req_id, stream in due:
-            del self._held[req_id]
-            deliveries.append((stream, stream.pending))
-            stream.pending, stream.next_send = None, now + interval
-        deliveries[0][0].loop.call_soon_threadsafe(_put_all, deliveries)
+        if self._held:
+            interval = self._stream_interval()
+            for req_id, stream in list(self._held.items()):
+                if stream.pending.finished or now >= stream.next_send:
+                    del self._held[req_id]
+                    deliveries.append((stream, stream.pending))
+                    stream.pending, stream.next_send = None, now + interval
+        _dispatch(deliveries, list(batches.values()))
 
-    def _fail_all(self, trace: str) -> None:
-        logger.error("backend %s: engine loop failed:\n%s", self.backend_id, trace)
+    def _stream_interval(self) -> float:
+        """Seconds until a `generate` stream's next message: the configured interval, stretched
+        to keep all streams within `max_stream_messages_per_s` (0: no budget), at most
+        `MAX_STREAM_DELAY_S`."""
+        interval = self.stream_interval_s
+        if self.max_stream_messages_per_s > 0:
+            interval = max(interval, len(self._streams) / self.max_stream_messages_per_s)
+        return min(interval, max(MAX_STREAM_DELAY_S, self.stream_interval_s))
+
+    def _on_failure(self, trace: str) -> None:
+        logger.error("backend %s: engine step failed:\n%s", self.backend_id, trace)
         error = BackendError(f"backend {self.backend_id}: engine failed: {trace.strip().splitlines()[-1]}")
+        for req_id in self._fail_streams(error):
+            self._abort_quietly(req_id)
+
+    def _fail_streams(self, error: BaseException) -> list[str]:
+        """Put `error` into every stream and channel request; returns their request ids."""
         self._held.clear()  # outputs not yet handed over: the error replaces them
-        for req_id, stream in list(self._streams.items()):
-            stream.put(error)
-            try:
-                self.engine.abort_request(req_id)
-            except Exception:  # the engine is in a bad state; the stream already has its error
-                logger.exception("backend %s: abort of %s after a failed step", self.backend_id, req_id)
+        streams = list(self._streams.items())
+        channel_reqs = list(self._channel_of.items())
+        deliveries = [(stream, error) for _, stream in streams]
+        batches: dict[int, tuple[_Channel, list]] = {}
+        for req_id, channel in channel_reqs:
+            batches.setdefault(id(channel), (channel, []))[1].append((req_id, error))
+            self._forget(req_id)
+        _dispatch(deliveries, list(batches.values()))
+        return [r for r, _ in streams] + [r for r, _ in channel_reqs]
 
-    def _after_step(self, elapsed: float, outputs: list) -> None:
-        self.metrics.observe("tandem_backend_step_time_seconds", elapsed)
-        self.metrics.inc("tandem_backend_steps")
-        for out in outputs:
-            if out.finished:
-                self._record_finished(out)
-        st = self.engine.get_stats()
-        # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
-        batch_size = st.step_decode_tokens or len(outputs)  # a decode step gives each request one token
-        self._pending_steps.append((st.step_prefill_tokens, st.step_decode_tokens, batch_size, elapsed))
-        now = time.monotonic()
-        self._pending_progress.update((p.req_id, p) for p in self.engine.drain_progress())
-        self._pending_cache_changes.update(self.engine.drain_cache_changes())
-        if now - self._last_report >= self.report_interval_s:
-            self._report(now)
-        if now - self._last_stats >= STATS_INTERVAL_S:
-            self._record_stats(now)
+    def _core_exited(self) -> None:
+        if self._stopping:
+            return
+        code = self.core.exitcode()
+        logger.error("backend %s: engine core exited (code %s); exiting so Ray restarts this backend",
+                     self.backend_id, code)
+        self._fail_streams(BackendError(f"backend {self.backend_id}: engine core exited (code {code})"))
+        self._fail_calls(core.CoreDied(f"backend {self.backend_id}: engine core exited (code {code})"))
+        time.sleep(0.2)  # let the event loop hand the errors over before the process goes
+        os._exit(1)
 
-    def _after_idle(self) -> None:
-        now = time.monotonic()
-        self._pending_progress.update((p.req_id, p) for p in self.engine.drain_progress())
-        self._pending_cache_changes.update(self.engine.drain_cache_changes())
-        if self._pending_progress or self._pending_steps or self._pending_cache_changes:
-            self._report(now)
-        if now - self._last_stats >= STATS_INTERVAL_S:
-            self._record_stats(now)
+    def _fail_calls(self, error: BaseException) -> None:
+        calls, self._calls = self._calls, {}
+        by_loop: dict[Any, list] = {}
+        for loop, future in calls.values():
+            by_loop.setdefault(loop, []).append((future, False, error))
+        for loop, answers in by_loop.items():
+            loop.call_soon_threadsafe(_resolve_all, answers)
 
+    # -- router reports and metrics ----------------------------------------------------------
     def _report(self, now: float) -> None:
         self._last_report = now
         if not (self._pending_progress or self._pending_steps or self._pending_cache_changes):
             return
-        progress, self._pending_progress = list(self._pending_progress.values()), {}
+        progress = [core.unpack_progress(p) for p in self._pending_progress.values()]
+        self._pending_progress = {}
         steps, self._pending_steps = self._pending_steps, []
         cache_changes, self._pending_cache_changes = self._pending_cache_changes, {}
         if self.router is not None:
             self.router.report.remote(self.backend_id, self.instance_id, progress, steps, cache_changes)
 
-    def _record_finished(self, out: Any) -> None:
-        self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})
-        if out.finish_reason == "abort":
+    def _record_finished(self, t: tuple) -> None:
+        # t: engine_core.pack_output's tuple
+        reason, arrival, first_scheduled, first_token, finished = t[4], t[8], t[9], t[10], t[11]
+        self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": reason or "unknown"})
+        if reason == "abort":
             return
-        if out.first_token_time is not None:
-            self.metrics.observe("tandem_backend_ttft_seconds", max(0.0, out.first_token_time - out.arrival_time))
-        if out.first_scheduled_time is not None:
-            self.metrics.observe("tandem_backend_queue_time_seconds",
-                                 max(0.0, out.first_scheduled_time - out.arrival_time))
-        if out.finished_time is not None:
-            self.metrics.observe("tandem_backend_e2e_seconds", max(0.0, out.finished_time - out.arrival_time))
+        if first_token is not None:
+            self.metrics.observe("tandem_backend_ttft_seconds", max(0.0, first_token - arrival))
+        if first_scheduled is not None:
+            self.metrics.observe("tandem_backend_queue_time_seconds", max(0.0, first_scheduled - arrival))
+        if finished is not None:
+            self.metrics.observe("tandem_backend_e2e_seconds", max(0.0, finished - arrival))
 
-    def _record_stats(self, now: float) -> None:
-        self._last_stats = now
-        st = self.engine.get_stats()
+    def _record_stats(self, stats: tuple) -> None:
+        num_running, num_waiting, kv_usage, free_blocks = stats[:4]
         m = self.metrics
         m.set("tandem_backend_up", 1)
-        m.set("tandem_backend_running_requests", st.num_running)
-        m.set("tandem_backend_waiting_requests", st.num_waiting)
-        m.set("tandem_backend_kv_cache_usage", st.kv_cache_usage)
-        m.set("tandem_backend_kv_cache_free_blocks", st.num_free_blocks)
-        totals = (st.prefix_cache_queries, st.prefix_cache_hits, st.num_prompt_tokens_total,
-                  st.num_generation_tokens_total, st.num_preemptions)
+        m.set("tandem_backend_running_requests", num_running)
+        m.set("tandem_backend_waiting_requests", num_waiting)
+        m.set("tandem_backend_kv_cache_usage", kv_usage)
+        m.set("tandem_backend_kv_cache_free_blocks", free_blocks)
+        totals = stats[4:]
         names = ("tandem_backend_prefix_cache_queries", "tandem_backend_prefix_cache_hits",
                  "tandem_backend_prompt_tokens", "tandem_backend_generation_tokens",
                  "tandem_backend_preemptions")
@@ -404,16 +487,47 @@ class BackendActor:
         self._stats_totals = totals
 
 
-def _put_all(deliveries: list[tuple[_Stream, Any]]) -> None:
+def _resolve_all(answers: list[tuple[asyncio.Future, bool, Any]]) -> None:
+    """On the event loop: answer the commands' futures. A caller cancelled meanwhile (its client
+    hung up) has a cancelled future, which is left alone."""
+    for future, ok, value in answers:
+        if future.done():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
+def _dispatch(deliveries: list[tuple[_Stream, Any]], channels: list[tuple[_Channel, list]]) -> None:
+    """From the reader thread: hand outputs over with one wake-up per event loop (one, in an
+    actor). A channel not subscribed yet keeps them until `subscribe` takes them."""
+    by_loop: dict[Any, tuple[list, list]] = {}
+    for stream, out in deliveries:
+        by_loop.setdefault(stream.loop, ([], []))[0].append((stream, out))
+    for channel, outs in channels:
+        with channel.lock:
+            if channel.loop is None:
+                channel.early.extend(outs)
+                continue
+        by_loop.setdefault(channel.loop, ([], []))[1].append((channel, outs))
+    for loop, (streams, batches) in by_loop.items():
+        loop.call_soon_threadsafe(_hand_over, streams, batches)
+
+
+def _hand_over(deliveries: list[tuple[_Stream, Any]], channels: list[tuple[_Channel, list]]) -> None:
     for stream, out in deliveries:
         stream.queue.put_nowait(out)
+    for channel, outs in channels:
+        channel.pending.extend(outs)
+        if channel.wake is not None:
+            channel.wake.set()
 
 
 def _coalesce(item: Any, queue: asyncio.Queue) -> tuple[Any, BaseException | None]:
     """Merge the outputs already waiting behind `item` into it, so a stream whose consumer fell
-    behind sends one message per catch-up rather than one per engine step (Ray's per-item cost
-    otherwise caps a backend's served tokens/s far below what its engine produces). An error
-    found while draining is returned to be raised after the merged output is sent."""
+    behind sends one message per catch-up rather than one per engine step. An error found
+    while draining is returned to be raised after the merged output is sent."""
     while not item.finished and not queue.empty():
         following = queue.get_nowait()
         if isinstance(following, BaseException):
@@ -430,6 +544,18 @@ def _was_reconstructed() -> bool:
     with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
         warnings.simplefilter("ignore")
         return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _router_handle(router: Any) -> Any:
+    """The router as a handle, or as (name, namespace). The launcher passes the name: a handle
+    among a restartable actor's arguments travels by reference, and Ray logs an error that
+    restarts could fail."""
+    if not isinstance(router, tuple):
+        return router
+    import ray
+
+    name, namespace = router
+    return ray.get_actor(name, namespace=namespace)
 
 
 def _self_handle() -> Any:

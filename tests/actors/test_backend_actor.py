@@ -197,7 +197,8 @@ def test_reported_cache_changes_mirror_the_engine_prefix_cache():
 
 def test_pacing_sends_the_first_token_at_once_then_one_message_per_interval():
     """With a long interval, a 12-token stream arrives as the first token alone, then the rest in
-    few messages; with the message cap, the interval stretches with the number of streams."""
+    few messages; a message budget stretches the interval with the number of streams, but never
+    past the 20 ms bound on how long a stream's tokens may wait."""
     actor = BackendActor("cpu1", ENGINE, threads=1, stream_interval_s=10.0)
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -206,8 +207,10 @@ def test_pacing_sends_the_first_token_at_once_then_one_message_per_interval():
         assert outs[-1].finished
         capped = BackendActor.__new__(BackendActor)
         capped.stream_interval_s, capped.max_stream_messages_per_s = 0.01, 500.0
+        capped._streams = {f"r{i}": None for i in range(8)}
+        assert capped._stream_interval() == pytest.approx(8 / 500)
         capped._streams = {f"r{i}": None for i in range(48)}
-        assert capped._stream_interval() == pytest.approx(48 / 500)
+        assert capped._stream_interval() == pytest.approx(0.02)
         capped.max_stream_messages_per_s = 0.0
         assert capped._stream_interval() == 0.01
     finally:

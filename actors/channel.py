@@ -1,0 +1,145 @@
+"""The caller's side of the hop from a backend to whoever streams its requests (the HTTP
+ingress, the Python driver): one multiplexed stream per backend per event loop.
+
+A Ray streaming generator per request costs an item (an object, a task event, a wake-up on
+both sides) per request per message; at 64 streams and a message per stream every few
+milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
+one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add`; every
+engine step then comes back as one batch holding all of this caller's outputs, which a reader
+task sorts into per-request queues. A request's reader merges whatever has piled up since its
+last read into one output, so a caller that falls behind reads fewer, larger deltas instead of
+queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
+
+`open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
+and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
+add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died. Set
+`TANDEM_STREAM_HOP=generate` to use one Ray streaming generator per request instead
+(`BackendActor.generate`), e.g. to measure the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from typing import Any
+
+from tandem.actors.messages import Admitted, BackendError
+
+logger = logging.getLogger("tandem.channel")
+
+STREAM_HOP_ENV = "TANDEM_STREAM_HOP"
+_channels: dict[tuple[int, str], BackendChannel] = {}
+
+
+def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
+                arrival_time: float | None) -> Any:
+    """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
+    if os.environ.get(STREAM_HOP_ENV, "channel") == "generate":
+        return GeneratorStream(handle, req_id, prompt_token_ids, params, arrival_time)
+    return ChannelStream(channel_for(handle), req_id, prompt_token_ids, params, arrival_time)
+
+
+def channel_for(handle: Any) -> BackendChannel:
+    """This event loop's channel to the backend behind `handle` (one per actor, shared)."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), handle._actor_id.hex())
+    channel = _channels.get(key)
+    if channel is None or channel.error is not None:
+        channel = _channels[key] = BackendChannel(handle, key)
+    return channel
+
+
+class BackendChannel:
+    def __init__(self, handle: Any, key: tuple[int, str]) -> None:
+        self.handle = handle
+        self.key = key
+        self.channel_id = f"ch-{uuid.uuid4().hex}"
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.error: BaseException | None = None
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
+            async for ref in gen:
+                for item in await ref:
+                    req_id = item[0] if isinstance(item, tuple) else item.req_id
+                    queue = self.queues.get(req_id)
+                    if queue is not None:
+                        queue.put_nowait(item[1] if isinstance(item, tuple) else item)
+            raise BackendError(f"backend channel {self.channel_id} ended")
+        except BaseException as exc:  # the backend died or restarted, or this loop is closing
+            self.error = exc
+            if _channels.get(self.key) is self:
+                del _channels[self.key]
+            for queue in self.queues.values():
+                queue.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+
+class ChannelStream:
+    """One request on a `BackendChannel`."""
+
+    def __init__(self, channel: BackendChannel, req_id: str, prompt_token_ids: list[int], params: Any,
+                 arrival_time: float | None) -> None:
+        self.channel = channel
+        self.req_id = req_id
+        self._add_args = (req_id, prompt_token_ids, params, arrival_time, channel.channel_id)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending_error: BaseException | None = None
+        self._admitted = False
+
+    async def next(self) -> Any:
+        if not self._admitted:
+            return await self._add()
+        if self._pending_error is not None:
+            raise self._pending_error
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        while not item.finished and not self._queue.empty():  # catch up in one delta
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException):
+                self._pending_error = following
+                break
+            item = item.merge(following)
+        if item.finished:
+            self.close()
+        return item
+
+    async def _add(self) -> Admitted:
+        channel = self.channel
+        channel.queues[self.req_id] = self._queue  # before the add: its first output may come first
+        if channel.error is not None:
+            self.close()
+            raise channel.error
+        try:
+            admitted = await channel.handle.add.remote(*self._add_args)
+        except BaseException:
+            self.close()
+            raise
+        self._admitted = True
+        return admitted
+
+    def close(self) -> None:
+        if self.channel.queues.get(self.req_id) is self._queue:
+            del self.channel.queues[self.req_id]
+
+
+class GeneratorStream:
+    """One request on its own Ray streaming generator (`BackendActor.generate`)."""
+
+    def __init__(self, handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
+                 arrival_time: float | None) -> None:
+        self._gen = handle.generate.options(num_returns="streaming").remote(
+            req_id, prompt_token_ids, params, arrival_time)
+
+    async def next(self) -> Any:
+        return await (await self._gen.__anext__())
+
+    def close(self) -> None:
+        pass
