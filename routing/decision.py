@@ -31,6 +31,12 @@ class BackendScore:
     prefill_tok_s: float = 0.0  # rates used (after calibration, if on)
     decode_tok_s: float = 0.0
     num_inflight_cached_tokens: int = 0  # the prefix that requests in flight here will have cached
+    recompute_term_s: float = 0.0  # weighted prefill of a prefix another routable backend holds
+
+    @property
+    def rank_s(self) -> float:
+        """What the score-based policies minimise: the score plus the recompute term."""
+        return self.score_s + self.recompute_term_s
 
 
 @dataclass

@@ -4,8 +4,9 @@ All policies see the same `BackendScore`s (routing/cost_model.py), listed in pre
 (accelerators first, then lower backend_id). Every policy picks the *first* best candidate in
 that order, which is how ties go to the accelerator and then to the lower id.
 
-- `cost` (default): lowest score, the spec's router, optionally behind a spill guard (below).
-- `accelerator-only` / `cpu-only`: lowest score among non-CPU / CPU backends (with a single
+- `cost` (default): lowest rank (the score plus the recompute term, below), the spec's router,
+  optionally behind a spill guard (below).
+- `accelerator-only` / `cpu-only`: lowest rank among non-CPU / CPU backends (with a single
   backend of that kind, simply that backend). The spec's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.
 - `least-requests`: fewest active + queued requests, the count-based baseline of other routers.
@@ -15,6 +16,17 @@ that order, which is how ties go to the accelerator and then to the lower id.
   loads; a strong baseline for multi-tenant traffic with shared prefixes.
 
 Policies get the request too (`choose(scores, request)`); only `prefix-affinity` reads it.
+
+The recompute term. The score is the new request's completion time on a backend; it does not
+see that recomputing a prefix another backend already holds is work the system did not need:
+GPU time every later request on that backend waits for. Greedy on the score alone, `cost` gave
+up a hit whenever the holder's queue was a little longer, and under saturating multi-tenant
+load those avoidable prefills were what saturated it (route-sim: TTFT p50 about 1 s against
+prefix-affinity's 0.6 s). The router therefore adds, for each backend,
+`recompute_weight x (largest reusable prefix among the routable backends - this backend's) /
+its prefill rate` (`BackendScore.recompute_term_s`; weight 1 by default, 0 restores the
+spec's plain score). Where every backend reports the same prefix, as in the spec's worked
+example, the term is zero.
 
 `prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first
 `num_prefix_blocks` full blocks (fewer when the prompt is shorter): chained, so it stands for
@@ -64,7 +76,7 @@ class Policy(Protocol):
 def _lowest_score(scores: Sequence[BackendScore], policy: str) -> str:
     if not scores:
         raise NoBackendError(f"policy {policy!r} has no eligible backend for this request")
-    return min(scores, key=lambda s: s.score_s).backend_id
+    return min(scores, key=lambda s: s.rank_s).backend_id
 
 
 def _least_loaded(scores: Sequence[BackendScore]) -> BackendScore:
@@ -75,7 +87,7 @@ def _least_loaded(scores: Sequence[BackendScore]) -> BackendScore:
 class SpillGuard:
     """When a CPU backend may take a request while an accelerator could (see module doc)."""
 
-    margin: float = 0.0  # the CPU's score must be below (1 - margin) x the best accelerator's
+    margin: float = 0.0  # the CPU's rank must be below (1 - margin) x the best accelerator's
     allow_queue: bool = True  # False: only a CPU with a free slot (active + queued < max_active)
 
     def __post_init__(self) -> None:
@@ -85,7 +97,7 @@ class SpillGuard:
     def permits(self, cpu: BackendScore, accelerator: BackendScore) -> bool:
         if not self.allow_queue and cpu.num_active + cpu.num_queued >= cpu.max_active:
             return False
-        return cpu.score_s < (1 - self.margin) * accelerator.score_s
+        return cpu.rank_s < (1 - self.margin) * accelerator.rank_s
 
 
 class CostPolicy:
@@ -95,11 +107,11 @@ class CostPolicy:
         self.guard = guard or SpillGuard()
 
     def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
-        best = min(scores, key=lambda s: s.score_s) if scores else None
+        best = min(scores, key=lambda s: s.rank_s) if scores else None
         accelerators = [s for s in scores if s.device_kind != "cpu"]
         if best is None or best.device_kind != "cpu" or not accelerators:
             return _lowest_score(scores, self.name)
-        best_accelerator = min(accelerators, key=lambda s: s.score_s)
+        best_accelerator = min(accelerators, key=lambda s: s.rank_s)
         return best.backend_id if self.guard.permits(best, best_accelerator) else best_accelerator.backend_id
 
 

@@ -72,7 +72,13 @@ class Router:
         calibration: CalibrationConfig | None = None,
         spill_guard: SpillGuard | None = None,
         prefix_affinity: PrefixAffinityConfig | None = None,
+        recompute_weight: float = 1.0,
+        inflight_prefixes: bool = True,
     ) -> None:
+        if recompute_weight < 0:
+            raise ValueError(f"recompute_weight must be >= 0 (got {recompute_weight!r})")
+        self._recompute_weight = recompute_weight
+        self._inflight_prefixes = inflight_prefixes  # False: only what backends reported counts
         self._spill_guard = spill_guard
         self._prefix_affinity = prefix_affinity
         self._policy = make_policy(policy, spill_guard, prefix_affinity)
@@ -138,7 +144,8 @@ class Router:
     # --- decisions ------------------------------------------------------------------------
 
     def score(self, request: RouteRequest) -> list[BackendScore]:
-        """Every backend's score for `request`, in preference order, without routing it."""
+        """Every backend's score for `request`, in preference order, without routing it. The
+        recompute term is relative to the routable (not cordoned) backends."""
         scores = []
         for backend_id, state in self._backends.items():
             num_inflight = state.inflight.num_cached_tokens(
@@ -148,7 +155,18 @@ class Router:
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
             ))
+        self._add_recompute_terms(scores)
         return scores
+
+    def _add_recompute_terms(self, scores: list[BackendScore]) -> None:
+        """Charge each backend for recomputing a prefix a routable backend already holds
+        (routing/policies.py says why)."""
+        routable = [s.num_cached_tokens for s in scores if not self._backends[s.backend_id].cordoned]
+        if not routable or self._recompute_weight == 0:
+            return
+        top = max(routable)
+        for s in scores:
+            s.recompute_term_s = self._recompute_weight * max(0, top - s.num_cached_tokens) / s.prefill_tok_s
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued."""
@@ -167,7 +185,8 @@ class Router:
         )
         state = self._backends[backend_id]
         state.ledger.add_queued(entry)
-        state.inflight.add(request.req_id, request.block_hashes)
+        if self._inflight_prefixes:
+            state.inflight.add(request.req_id, request.block_hashes)
         self._req_to_backend[request.req_id] = backend_id
         return DecisionRecord(request.req_id, self.policy, backend_id, scores)
 

@@ -63,6 +63,8 @@ class Scenario:
     calibration: CalibrationConfig | None = None
     spill_guard: SpillGuard | None = None
     prefix_affinity: PrefixAffinityConfig | None = None
+    recompute_weight: float = 1.0
+    inflight_prefixes: bool = True
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
@@ -181,6 +183,8 @@ class _RouterModel(BaseModel):
     calibration: _CalibrationModel | None = None
     spill_guard: _SpillGuardModel | None = None
     prefix_affinity: _PrefixAffinityModel | None = None
+    recompute_weight: float = Field(1.0, ge=0)  # 0: the spec's plain score
+    inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
 
 
 class _ScenarioModel(BaseModel):
@@ -219,8 +223,10 @@ class _ScenarioModel(BaseModel):
 # --- loading --------------------------------------------------------------------------------
 
 
-def load_scenario(path: str | Path, num_requests: int | None = None) -> Scenario:
-    """Read a JSON or YAML scenario. `num_requests` overrides `generate.num_requests`."""
+def load_scenario(path: str | Path, num_requests: int | None = None,
+                  overrides: list[str] = ()) -> Scenario:
+    """Read a JSON or YAML scenario. `num_requests` overrides `generate.num_requests` (or
+    `tenants.num_requests`); each override `a.b.0.c=VALUE` sets one field (VALUE is YAML)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -230,7 +236,28 @@ def load_scenario(path: str | Path, num_requests: int | None = None) -> Scenario
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"scenario {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from None
+    for override in overrides:
+        apply_override(data, override)
     return parse_scenario(data, source=f"scenario {path}", num_requests=num_requests)
+
+
+def apply_override(data: Any, override: str) -> None:
+    """Set `a.b.0.c` to VALUE (parsed as YAML) in a loaded scenario document, in place."""
+    path, sep, value = override.partition("=")
+    keys = path.split(".")
+    if not sep or not all(keys):
+        raise ConfigError(f"--set {override!r}: expected FIELD.PATH=VALUE, e.g. tenants.rate_per_s=100")
+    node = data
+    try:
+        for key in keys[:-1]:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        last = keys[-1]
+        if isinstance(node, list):
+            node[int(last)] = yaml.safe_load(value)
+        else:
+            node[last] = yaml.safe_load(value)
+    except (ValueError, IndexError, TypeError, AttributeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--set {override!r}: cannot set {path}: {exc}") from None
 
 
 def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None = None) -> Scenario:
@@ -261,6 +288,8 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         calibration=CalibrationConfig(model.router.calibration.alpha) if model.router.calibration else None,
         spill_guard=SpillGuard(**model.router.spill_guard.model_dump()) if model.router.spill_guard else None,
         prefix_affinity=PrefixAffinityConfig(**affinity.model_dump()) if affinity else None,
+        recompute_weight=model.router.recompute_weight,
+        inflight_prefixes=model.router.inflight_prefixes,
         block_size=model.block_size if model.tenants is not None else None,
     )
 

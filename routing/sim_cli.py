@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the scenario's policy")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="override generate.num_requests in the scenario")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override one scenario field, e.g. tenants.rate_per_s=100 or "
+                             "backends.0.num_kv_blocks=384 (repeatable; VALUE is YAML)")
     parser.add_argument("--no-decisions", action="store_true", help="do not print decision lines")
     parser.add_argument("--no-oracle", action="store_true", help="skip the oracle search")
     parser.add_argument("--oracle-exhaustive-max", type=int, default=2**16,
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        scenario = load_scenario(args.scenario, num_requests=args.num_requests)
+        scenario = load_scenario(args.scenario, num_requests=args.num_requests, overrides=args.set)
         policies = _policies(args.policy, scenario)
     except ConfigError as exc:
         print(f"route-sim: {exc}", file=sys.stderr)
