@@ -1,14 +1,18 @@
 """What serving through the Ray actors costs, against the engine's own speed in the same run.
 
-A backend actor adds work per streamed message (Ray's streaming-generator item, the event-loop
-hand-off, pickling an output) and that work shares the actor process's GIL with the engine
-thread. This script runs the same N concurrent requests (a) in-process through `LLMEngine` and
-(b) through `cluster.start(...)`'s driver API (router + backend actor, no HTTP) once per
-`--stream-intervals` value (uncapped) and once per `--max-stream-messages` cap, and prints
-output tok/s for each beside the in-process baseline.
+Serving adds work per request and per streamed message (Ray calls and streaming items, the
+router, the backend front's hand-offs). Default mode: the same N concurrent requests (a)
+in-process through `LLMEngine` and (b) through `cluster.start(...)`'s driver API (router +
+backend actor + engine core, no HTTP) once per `--stream-intervals` value and once per
+`--max-stream-messages` budget, with output tok/s beside the in-process baseline.
+
+`--http` (the GPU mode, see bench/served_http.py): the in-process engine against the same
+workloads through `tandem serve`'s HTTP API with a streaming HTTP client, the ratio per row,
+single-request TTFT, and a request-rate capacity curve.
 
     python -m bench.served_path                       # tiny model: the overhead dominates
     python -m bench.served_path --model smollm2-135m --num-requests 8 --max-tokens 64
+    python3 -m bench.served_path --http --model qwen2.5-0.5b-random --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -35,11 +39,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default 1)")
     parser.add_argument("--stream-intervals", default="0,0.01",
                         help="comma-separated stream_interval_s values to serve with (default 0,0.01)")
-    parser.add_argument("--max-stream-messages", default="0,500",
-                        help="comma-separated caps on one backend's messages per second, all streams "
-                             "together, each served with the last stream interval (default 0,500; 0: none)")
+    parser.add_argument("--max-stream-messages", default="0",
+                        help="comma-separated budgets of one backend's generate messages per second, each "
+                             "served with the last stream interval (default 0: none)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system; the best is reported")
     parser.add_argument("--out", default="out/bench_served_path.json", help="JSON output path")
+    http = parser.add_argument_group("--http mode")
+    http.add_argument("--http", action="store_true", help="in-process engine vs tandem serve's HTTP API")
+    http.add_argument("--device", default="cpu", help="engine device (default cpu)")
+    http.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
+    http.add_argument("--scale", type=float, default=1.0,
+                      help="scale every size (requests, prompt and output lengths, max_active) for a small run")
+    http.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
+    http.add_argument("--capacity-rates", default="250,500,1000,1500",
+                      help="comma-separated request rates of short requests ('' to skip)")
+    http.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
+    http.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
+    http.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
+    http.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
+    http.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     return parser.parse_args(argv)
 
 
@@ -74,7 +92,7 @@ def run_served(args: argparse.Namespace, stream_interval_s: float, max_messages:
                            max_active=args.num_requests, serve_http=False, rates=str(tmp / "rates.json"),
                            rates_cache=str(tmp / "rates-cache.json"), profile="never",
                            routing_log=str(tmp / "routing.jsonl"), stream_interval_s=stream_interval_s,
-                           max_stream_messages_per_s=max_messages,
+                           max_stream_messages_per_s=max_messages, metrics_port=_free_port(),
                            log=lambda line: None)
     try:
         runs = [asyncio.run(_served_run(tandem, args)) for _ in range(args.repeats + 1)][1:]
@@ -102,26 +120,54 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if args.http:
+        return main_http(args)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     (tmp / "rates.json").write_text(json.dumps({"cpu": {"prefill_tok_s": 500.0, "decode_tok_s": 50.0}}))
     baseline = run_in_process(args)
     rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
     intervals = [float(v) for v in args.stream_intervals.split(",")]
     caps = [float(v) for v in args.max_stream_messages.split(",")]
-    settings = [(i, 0.0) for i in intervals] + [(intervals[-1], c) for c in caps if c > 0]
-    for interval, cap in settings:
+    settings = [("channel", intervals[-1], 0.0)] + [("generate", i, 0.0) for i in intervals]
+    settings += [("generate", intervals[-1], c) for c in caps if c > 0]
+    for hop, interval, cap in settings:
+        os.environ["TANDEM_STREAM_HOP"] = hop
         served = run_served(args, interval, cap, tmp)
-        name = f"through actors, stream_interval_s={interval:g}" + (f", <= {cap:g} msgs/s" if cap else "")
+        if hop == "channel":
+            name = "through actors, one channel per caller (the default)"
+        else:
+            name = f"through actors, a generator per request, stream_interval_s={interval:g}"
+            name += f", budget {cap:g} msgs/s" if cap else ""
         rows.append({"system": name, **served})
+    os.environ.pop("TANDEM_STREAM_HOP", None)
     print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
           f"{args.threads} engine thread(s), best of {args.repeats}")
-    print(f"{'system':<56} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")
+    print(f"{'system':<72} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")
     for row in rows:
         msgs = "" if row["messages_per_request"] is None else f"{row['messages_per_request']:.0f}"
-        print(f"{row['system']:<56} {row['output_tok_s']:>10.0f} {row['output_tok_s'] / baseline:>9.2f}x {msgs:>9}")
+        print(f"{row['system']:<72} {row['output_tok_s']:>10.0f} {row['output_tok_s'] / baseline:>9.2f}x {msgs:>9}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "machine": machine_info(args.threads),
+                               **run_stamp()}, indent=1) + "\n")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main_http(args: argparse.Namespace) -> int:
+    from bench.served_http import run
+
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), **result, "machine": machine_info(args.threads, args.device),
                                **run_stamp()}, indent=1) + "\n")
     return 0
 

@@ -1,0 +1,296 @@
+"""`python -m bench.served_path --http`: the in-process engine against the same workloads through
+`tandem serve`'s HTTP API (a real HTTP client, streaming), in one run, with the ratio per row.
+
+Rows (the sizes scale down with --scale for a CPU smoke run):
+- burst rows: N requests at once, `prompt -> max_tokens` each, at a given max_active;
+  output tok/s from the first request sent to the last token received;
+- the mixed row: 256 requests, prompts uniform in [64, 1024], outputs uniform in [32, 512];
+- TTFT: one request at a time (516 -> 16), median time to the first token (in-process: from
+  `add_request` to the step that produced it; HTTP: from sending to the first SSE event);
+- capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed arrival rates from
+  several client processes; achieved rate, p50 and p99 latency per offered rate.
+
+Token-id prompts, EOS ignored, greedy. The in-process engine is freed before the cluster starts,
+so both see the same device memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VOCAB_LOW = 3  # token ids are drawn from [VOCAB_LOW, min(vocab, VOCAB_HIGH))
+VOCAB_HIGH = 20000
+
+
+@dataclass
+class Workload:
+    name: str
+    max_active: int
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def workloads(scale: float, vocab: int, seed: int = 0) -> list[Workload]:
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(VOCAB_LOW, vocab) for _ in range(n)]
+
+    def n(x: int) -> int:
+        return max(1, int(x * scale))
+
+    burst = [prompt(n(516)) for _ in range(n(48))]
+    mixed_len = [rng.randint(n(64), n(1024)) for _ in range(n(256))]
+    return [
+        Workload(f"{len(burst)} x ({n(516)} -> {n(128)}), max_active 4", 4, burst, [n(128)] * len(burst)),
+        Workload(f"{len(burst)} x ({n(516)} -> {n(128)}), max_active {n(64)}", n(64), burst, [n(128)] * len(burst)),
+        Workload(f"{len(mixed_len)} x ([{n(64)}, {n(1024)}] -> [{n(32)}, {n(512)}]), max_active {n(256)}", n(256),
+                 [prompt(k) for k in mixed_len], [rng.randint(n(32), n(512)) for _ in mixed_len]),
+    ]
+
+
+# -- in-process -------------------------------------------------------------------------------
+def in_process(args: Any) -> tuple[dict[str, Any], list[Workload], list[int], int]:
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                    max_active=max(4, int(256 * args.scale)), num_threads=args.threads))
+    vocab = min(engine.model_config.vocab_size, VOCAB_HIGH)
+    loads = workloads(args.scale, vocab)
+    ttft_prompt = [VOCAB_LOW + (7 * j) % (vocab - VOCAB_LOW) for j in range(max(1, int(516 * args.scale)))]
+    results: dict[str, Any] = {}
+    for w in loads:
+        engine.set_max_active(w.max_active)
+        best = 0.0
+        for rep in range(args.repeats + 1):  # the first run warms up (graphs, allocator)
+            for i, (ids, m) in enumerate(zip(w.prompts, w.max_tokens)):
+                engine.add_request(f"{rep}-{i}-{w.name}", ids, SamplingParams(max_tokens=m, temperature=0.0,
+                                                                              ignore_eos=True))
+            start, tokens = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+            if rep:
+                best = max(best, tokens / (time.perf_counter() - start))
+        results[w.name] = best
+    ttfts = []
+    engine.set_max_active(4)
+    for i in range(args.ttft_requests + 2):
+        ids = [VOCAB_LOW + (t + i) % (vocab - VOCAB_LOW) for t in ttft_prompt]  # no prefix hits between them
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{i}", ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(o.new_token_ids for o in outs):
+                first = time.perf_counter() - start
+        if i >= 2:
+            ttfts.append(first)
+    results["ttft"] = sorted(ttfts)[len(ttfts) // 2]
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results, loads, ttft_prompt, vocab
+
+
+# -- through HTTP -----------------------------------------------------------------------------
+async def _stream_one(session: Any, url: str, model: str, ids: list[int], max_tokens: int) -> tuple[int, float]:
+    """One streamed completion: (completion tokens, seconds to the first event)."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, tokens = None, 0
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return tokens, first or 0.0
+
+
+async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttft_prompt: list[int],
+                     vocab: int, set_max_active: Any) -> dict[str, Any]:
+    import aiohttp
+
+    results: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        for w in loads:
+            await set_max_active(w.max_active)
+            best = 0.0
+            for _ in range(args.repeats + 1):
+                start = time.perf_counter()
+                done = await asyncio.gather(*(_stream_one(session, url, model, ids, m)
+                                              for ids, m in zip(w.prompts, w.max_tokens)))
+                rate = sum(t for t, _ in done) / (time.perf_counter() - start)
+                best = max(best, rate)
+            results[w.name] = best
+        await set_max_active(4)
+        ttfts = []
+        for i in range(args.ttft_requests + 2):
+            ids = [VOCAB_LOW + (t + i + 7919) % (vocab - VOCAB_LOW) for t in ttft_prompt]
+            _, first = await _stream_one(session, url, model, ids, 16)
+            if i >= 2:
+                ttfts.append(first)
+        results["ttft"] = sorted(ttfts)[len(ttfts) // 2]
+    return results
+
+
+def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
+                     seed: int, queue: Any) -> None:
+    """One client process: requests at `rate`/s (evenly spaced) for `duration_s`; latencies out."""
+    import aiohttp
+
+    async def run() -> tuple[list[float], int]:
+        rng = random.Random(seed)
+        latencies: list[float] = []
+        errors = 0
+
+        async def one(session: Any, due: float) -> None:
+            nonlocal errors
+            body = {"model": model, "prompt": [rng.randrange(VOCAB_LOW, vocab) for _ in range(32)],
+                    "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            delay = due - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                async with session.post(url, json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        return
+            except aiohttp.ClientError:
+                errors += 1
+                return
+            latencies.append(time.time() - due)
+
+        count = int(rate * duration_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            await asyncio.gather(*(one(session, start_at + i / rate) for i in range(count)))
+        return latencies, errors
+
+    queue.put(asyncio.run(run()))
+
+
+def capacity(url: str, model: str, vocab: int, rates: list[float], duration_s: float,
+             clients: int) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    rows = []
+    for rate in rates:
+        queue = ctx.Queue()
+        start_at = time.time() + 2.0  # every client is up by then
+        procs = [ctx.Process(target=_capacity_client, args=(url, model, vocab, rate / clients, duration_s, start_at,
+                                                            k, queue)) for k in range(clients)]
+        for p in procs:
+            p.start()
+        latencies, errors = [], 0
+        for _ in procs:
+            lat, err = queue.get()
+            latencies += lat
+            errors += err
+        for p in procs:
+            p.join()
+        latencies.sort()
+        done = len(latencies)
+        span = duration_s + (latencies[-1] if latencies else 0.0)
+        rows.append({"offered_req_s": rate, "completed": done, "errors": errors,
+                     "achieved_req_s": round(done / span, 1) if done else 0.0,
+                     "p50_ms": round(1e3 * latencies[done // 2], 1) if done else None,
+                     "p99_ms": round(1e3 * latencies[min(done - 1, int(done * 0.99))], 1) if done else None})
+        print(f"  capacity {rate:>6.0f} req/s offered: {rows[-1]}", flush=True)
+    return rows
+
+
+def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
+                 vocab: int) -> tuple[dict[str, Any], list, dict]:
+    import ray
+
+    from tandem import cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-served-http-"))
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    (tmp / "rates.json").write_text(json.dumps({kind: {"prefill_tok_s": 20000.0, "decode_tok_s": 500.0}}))
+    port = args.port or _free_port()
+    overrides = dict(model=args.model, backends=[{"device": kind, "dtype": args.dtype}],
+                     max_active=max(w.max_active for w in loads), serve_http=True, port=port,
+                     metrics_port=_free_port(), rates=str(tmp / "rates.json"), rates_cache=str(tmp / "rc.json"),
+                     profile="never", routing_log=str(tmp / "routing.jsonl"), warmup_tokens=0,
+                     max_pending_requests=args.max_pending, access_log=False, log=lambda line: None)
+    if kind == "cpu":
+        overrides["cpu_threads"] = args.threads
+    if args.http_replicas:
+        overrides["http_replicas"] = args.http_replicas
+    start = time.perf_counter()
+    tandem = cluster.start(**overrides)
+    setup = {"cluster_start_s": round(time.perf_counter() - start, 1)}
+    handle = next(iter(tandem.backends.values()))
+
+    async def set_max_active(n: int) -> None:
+        await handle.set_max_active.remote(n)
+
+    try:
+        url = f"{tandem.url}/v1/completions"
+        model = ray.get(handle.info.remote()).model_name
+        results = asyncio.run(_http_rows(args, url, model, loads, ttft_prompt, vocab, set_max_active))
+        curve = []
+        if args.capacity_rates:
+            ray.get(handle.set_max_active.remote(max(w.max_active for w in loads)))
+            rates = [float(r) for r in args.capacity_rates.split(",")]
+            curve = capacity(url, model, vocab, rates, args.capacity_seconds, args.capacity_clients)
+    finally:
+        tandem.shutdown()
+    return results, curve, setup
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(args: Any) -> dict[str, Any]:
+    engine, loads, ttft_prompt, vocab = in_process(args)
+    http, curve, setup = through_http(args, loads, ttft_prompt, vocab)
+    rows = [{"workload": w.name, "in_process_tok_s": round(engine[w.name], 1), "http_tok_s": round(http[w.name], 1),
+             "ratio": round(http[w.name] / engine[w.name], 3)} for w in loads]
+    ttft = {"workload": f"1 at a time ({len(ttft_prompt)} -> 16), median TTFT",
+            "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
+            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2)}
+    print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; {setup}")
+    print(f"{'workload':<58} {'engine tok/s':>12} {'HTTP tok/s':>11} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['workload']:<58} {r['in_process_tok_s']:>12.0f} {r['http_tok_s']:>11.0f} {r['ratio']:>6.2f}")
+    print(f"{ttft['workload']:<58} {ttft['in_process_ms']:>9.2f} ms {ttft['http_ms']:>8.2f} ms "
+          f"{ttft['difference_ms']:>+6.2f} ms")
+    if curve:
+        print(f"capacity (prompt 32, max_tokens 1, {args.capacity_clients} client processes, "
+              f"{args.capacity_seconds:g} s per rate):")
+        print(f"{'offered req/s':>14} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+        for c in curve:
+            print(f"{c['offered_req_s']:>14.0f} {c['achieved_req_s']:>9.0f} {c['p50_ms'] or 0:>8.1f} "
+                  f"{c['p99_ms'] or 0:>8.1f} {c['errors']:>7}")
+    return {"rows": rows, "ttft": ttft, "capacity": curve, "setup": setup,
+            "stream_hop": os.environ.get("TANDEM_STREAM_HOP", "channel")}

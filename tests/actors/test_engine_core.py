@@ -1,0 +1,198 @@
+"""The engine core process behind a real Ray backend actor: streaming over both hops (a Ray
+generator per request, and the per-caller channel), aborts, callers cancelled at random
+moments, and the core's life tied to its actor's (no orphan after `ray.kill`; a restarted
+actor starts a fresh core)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+from tandem.actors.messages import Admitted
+from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
+
+ENGINE = dict(model="tiny-llama-random", device="cpu", max_active=4, block_size=16)
+
+
+def run(coro, timeout_s: float = 120.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="test-engine-core",
+                 logging_level="WARNING")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def make_backend(ray, name: str, max_restarts: int = 0):
+    from tandem.actors.backend import BackendActor
+
+    actor = ray.remote(BackendActor).options(name=name, num_cpus=0, max_concurrency=1000,
+                                              max_restarts=max_restarts, max_task_retries=0).remote(name, ENGINE, 1)
+    ray.get(actor.ping.remote())  # waits for the core to load
+    return actor
+
+
+@pytest.fixture(scope="module")
+def backend(ray_local):
+    actor = make_backend(ray_local, "core-test")
+    yield actor
+    ray_local.kill(actor, no_restart=True)
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+async def read_all(stream) -> list:
+    items = [await stream.next()]
+    while not getattr(items[-1], "finished", False):
+        items.append(await stream.next())
+    return items
+
+
+def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
+    from tandem.actors.channel import open_stream
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {f"p{i}": list(range(20 + 9 * i, 50 + 9 * i)) for i in range(6)}
+
+    async def all_at_once(tag: str):
+        streams = [open_stream(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
+        return await asyncio.gather(*(read_all(s) for s in streams))
+
+    by_channel = run(all_at_once("ch"))
+    monkeypatch.setenv("TANDEM_STREAM_HOP", "generate")
+    by_generator = run(all_at_once("gen"))
+    for a, b in zip(by_channel, by_generator):
+        assert isinstance(a[0], Admitted) and isinstance(b[0], Admitted)
+        tokens_a = [t for o in a[1:] for t in o.new_token_ids]
+        assert tokens_a == [t for o in b[1:] for t in o.new_token_ids] and len(tokens_a) == 12
+        assert a[-1].finish_reason == "length" and all(o.new_token_ids for o in a[1:])
+
+
+def test_a_rejected_request_fails_its_add_and_the_channel_keeps_serving(backend):
+    from tandem.actors.channel import open_stream
+
+    async def both():
+        bad = open_stream(backend, "too-long", [1, 2, 3], SamplingParams(max_tokens=5000), time.time())
+        with pytest.raises(InvalidRequestError, match="context length"):
+            await bad.next()
+        good = open_stream(backend, "fine", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), time.time())
+        return await read_all(good)
+
+    assert run(both())[-1].finished
+
+
+def test_abort_ends_a_channel_stream_with_reason_abort(backend):
+    from tandem.actors.channel import open_stream
+
+    async def abort_midway():
+        stream = open_stream(backend, "to-abort", list(range(70, 90)),
+                             SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True), time.time())
+        await stream.next()  # Admitted
+        await stream.next()  # some tokens
+        assert await backend.abort.remote("to-abort")
+        while True:
+            out = await stream.next()
+            if out.finished:
+                return out
+
+    assert run(abort_midway()).finish_reason == "abort"
+
+
+def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend):
+    """Each caller gives up after a random delay (during the add, before or after its first
+    token, or never); the dispatch layer's close() then aborts it, as the HTTP ingress does.
+    Afterwards nothing runs, no block is held, and the backend serves on."""
+    from tandem.actors.channel import ChannelStream, GeneratorStream, channel_for, open_stream
+
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def caller(i: int, hop: str) -> None:
+        args = (f"rnd-{hop}-{i}", list(range(5 + i, 40 + i)), params, time.time())
+        if hop == "channel":
+            stream = ChannelStream(channel_for(backend), *args)
+        else:
+            stream = GeneratorStream(backend, *args)
+        try:
+            await asyncio.wait_for(read_all(stream), timeout=rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 5.0]))
+        except asyncio.TimeoutError:
+            backend.abort.remote(f"rnd-{hop}-{i}")
+        finally:
+            stream.close()
+
+    async def many():
+        await asyncio.gather(*(caller(i, hop) for i in range(24) for hop in ("channel", "generate")))
+
+    run(many())
+
+    def idle():
+        stats = ray_local.get(backend.stats.remote())
+        return stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+    wait_until(idle, "every cancelled request to be freed")
+
+    async def one_more():
+        return await read_all(open_stream(backend, "after", [4, 5, 6], params, time.time()))
+
+    assert run(one_more())[-1].finished
+
+
+def test_the_core_dies_with_its_actor(ray_local):
+    actor = make_backend(ray_local, "core-kill")
+    pid = ray_local.get(actor.core_pid.remote())
+    assert pid != os.getpid() and not is_gone(pid)
+    ray_local.kill(actor, no_restart=True)
+    wait_until(lambda: is_gone(pid), "the engine core to exit after ray.kill")
+
+
+def test_a_restarted_actor_starts_a_fresh_core_and_serves(ray_local):
+    from tandem.actors.channel import open_stream
+
+    actor = make_backend(ray_local, "core-restart", max_restarts=1)
+    old_pid, old_instance = ray_local.get([actor.core_pid.remote(), actor.ping.remote()])
+    ray_local.kill(actor, no_restart=False)
+    wait_until(lambda: is_gone(old_pid), "the old engine core to exit")
+
+    def restarted():
+        try:
+            return ray_local.get(actor.ping.remote(), timeout=5) != old_instance
+        except Exception:  # still restarting
+            return False
+
+    wait_until(restarted, "Ray to restart the backend", timeout_s=120)
+    assert ray_local.get(actor.core_pid.remote()) != old_pid
+
+    async def serve():
+        return await read_all(open_stream(actor, "after-restart", [7, 8, 9],
+                                          SamplingParams(max_tokens=4, temperature=0.0), time.time()))
+
+    assert run(serve())[-1].finished
+    ray_local.kill(actor, no_restart=True)
