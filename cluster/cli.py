@@ -29,7 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    _ray_env_defaults()
     return int(importlib.import_module(args._module).run(args) or 0)
+
+
+def _ray_env_defaults() -> None:
+    """Set before any subcommand imports Ray (see `launcher.ray_env_defaults`)."""
+    from tandem.cluster.launcher import ray_env_defaults
+
+    ray_env_defaults()
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

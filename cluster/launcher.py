@@ -21,8 +21,10 @@ joining an existing cluster backends are spread over its nodes.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -41,9 +43,46 @@ SERVE_APP_NAME = "tandem"
 
 
 def ray_env_defaults() -> None:
-    """Keep Ray offline and on loopback (see ENVIRONMENT.md); explicit settings win."""
+    """Tandem's own Ray environment, so users need not export it: no usage-stats reporting (a
+    server should not phone home) and the local cluster Ray starts on Linux. Explicit settings
+    win. The CLI calls this before Ray is imported; `start` and `connect` call it too."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def check_ports(config: TandemConfig, serve_http: bool = True) -> None:
+    """Fail in milliseconds, naming the port and its flag, if a port Tandem would bind is taken.
+
+    Ray would otherwise fail 30 s later with a raylet time-out (metrics port), or Serve at the
+    bottom of a long traceback after the models loaded (HTTP port). A port freed later is not
+    our concern; one taken between this check and Ray's bind still fails the old way."""
+    wanted = []
+    if serve_http:
+        wanted.append((config.host, config.port, "--port"))
+    if not config.address:
+        wanted.append(("127.0.0.1", config.metrics_port, "--metrics-port"))
+        if config.dashboard:
+            wanted.append(("127.0.0.1", config.dashboard_port, "--dashboard-port"))
+    seen: dict[int, str] = {}
+    for host, port, flag in wanted:
+        if port == 0:
+            continue
+        if port in seen:
+            raise ConfigError(f"{flag} {port} is also {seen[port]}; give each its own port")
+        seen[port] = flag
+        _check_free(host, port, flag)
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            reason = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise ConfigError(f"port {port} on {host} ({flag}) {reason}; stop what holds it or choose "
+                              f"another with {flag} N") from None
 
 
 @dataclass
@@ -148,6 +187,8 @@ def start(config: TandemConfig | None = None, *, serve_http: bool = True, log: A
           **overrides: Any) -> Tandem:
     """Start Ray (or join `config.address`), the actors and, unless `serve_http=False`, the HTTP app."""
     config = (config or TandemConfig()).with_overrides(**_normalise(overrides))
+    ray_env_defaults()
+    check_ports(config, serve_http)
     owns_ray = _init_ray(config)
     try:
         return _start_on_ray(config, serve_http, log, owns_ray)
@@ -187,16 +228,24 @@ def _normalise(overrides: dict[str, Any]) -> dict[str, Any]:
 def _init_ray(config: TandemConfig) -> bool:
     import ray
 
-    ray_env_defaults()
     if ray.is_initialized():
         return False
+    level = config.log_level.upper()
+    quiet_ray_notices()
     if config.address:
-        ray.init(address=config.address, namespace=config.namespace, logging_level=logging.WARNING)
+        ray.init(address=config.address, namespace=config.namespace, logging_level=level)
     else:
         ray.init(address="local", namespace=config.namespace, include_dashboard=config.dashboard,
                  dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
-                 _metrics_export_port=config.metrics_port, logging_level=logging.WARNING)
+                 _metrics_export_port=config.metrics_port, logging_level=level)
+    logging.getLogger("tandem").setLevel(level)
     return True
+
+
+def quiet_ray_notices() -> None:
+    """Ray's notice that it enabled token authentication (its default for a local cluster,
+    which Tandem keeps) is logged as a warning on every start; nothing is wrong, so hide it."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bool) -> Tandem:
@@ -216,7 +265,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
              calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio,
              spill_margin=config.spill_margin, spill_allow_queue=config.spill_allow_queue)
     placements = _cpu_backend_placements(plans) if config.address else {}
-    backends = {plan.backend_id: _create_backend(BackendActor, plan, config, router, placements.get(plan.backend_id))
+    backends = {plan.backend_id: _create_backend(BackendActor, plan, config, placements.get(plan.backend_id))
                 for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
     rates = _resolve_rates(config, plans, infos, backends, log)
@@ -230,7 +279,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         if config.dashboard:
             tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
     if serve_http:
-        tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0])
+        tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0], plans)
     return tandem
 
 
@@ -247,8 +296,7 @@ def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, An
     log(f"warm-up: all backends decoded together for {seconds:.1f} s (online calibration)")
 
 
-def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, router: Any,
-                    placement: Any = None) -> Any:
+def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, placement: Any = None) -> Any:
     import ray
 
     engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
@@ -261,7 +309,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, ro
     if placement is not None:
         options["scheduling_strategy"] = placement
     return ray.remote(actor_cls).options(**options).remote(
-        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, router,
+        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, (ROUTER_NAME, config.namespace),
         stream_interval_s=config.stream_interval_s, max_stream_messages_per_s=config.max_stream_messages_per_s)
 
 
@@ -277,9 +325,13 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     rates: dict[str, dict[str, Any]] = {}
     for plan, info in zip(plans, infos):
         key = profile_key(info.model_name, info.device_kind, info.dtype, info.threads)
-        found = from_file.get(plan.backend_id) or from_file.get(info.device_kind)
-        if found is None and config.profile != "always":
-            found = cache.get(key)
+        entry = plan.backend_id if plan.backend_id in from_file else info.device_kind
+        found = from_file.get(entry)
+        if found is not None:
+            log(f"rates for {plan.backend_id} from {config.rates} (entry {entry!r}): {_describe_rates(found)}")
+        elif config.profile != "always" and key in cache:
+            found = cache[key]
+            log(f"rates for {plan.backend_id} from the profile cache {config.rates_cache}: {_describe_rates(found)}")
         if found is None:
             if config.profile == "never":
                 raise ConfigError(f"no rates for backend {plan.backend_id} ({key}) and profiling is off; "
@@ -287,11 +339,18 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
             log(f"profiling backend {plan.backend_id} ({key}); this happens once per model/device/dtype/threads")
             start = time.perf_counter()
             found = ray.get(backends[plan.backend_id].profile.remote(plan.max_active))
-            log(f"  {plan.backend_id}: prefill {found['prefill_tok_s']:.0f} tok/s, decode "
-                f"{found['decode_tok_s']:.1f} tok/s (batch 1) in {time.perf_counter() - start:.1f} s")
+            log(f"  {plan.backend_id}: {_describe_rates(found)}, in {time.perf_counter() - start:.1f} s")
             store_in_cache(config.rates_cache, key, found)
         rates[plan.backend_id] = found
     return rates
+
+
+def _describe_rates(rates: dict[str, Any]) -> str:
+    text = f"prefill {rates['prefill_tok_s']:.0f} tok/s, decode {rates['decode_tok_s']:.1f} tok/s (batch 1)"
+    by_batch = rates.get("decode_tok_s_by_batch")
+    if by_batch:
+        text += f", by batch {{{', '.join(f'{b}: {r:.1f}' for b, r in by_batch.items())}}}"
+    return text
 
 
 def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
@@ -302,19 +361,31 @@ def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
     return {name: asdict(profile) for name, profile in load_rate_profiles(config.rates).items()}
 
 
-def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any) -> str:
+def http_replicas(config: TandemConfig) -> int:
+    """Serve ingress replicas: as configured, else one per 4 of this machine's cores, 1 to 4."""
+    return config.http_replicas or max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any, plans: list[BackendPlan]) -> str:
     import ray
     from ray import serve
 
     from tandem.cluster.app import IngressSettings, build_app
 
     tokenizer = ray.get(backend.tokenizer.remote())
+    replicas = http_replicas(config)
+    pending = config.max_pending_requests or max(64, 4 * sum(p.max_active for p in plans))
     settings = IngressSettings(
         served_model_name=config.served_model_name or info.model_name, max_model_len=info.max_model_len,
-        api_key=config.api_key, max_pending_requests=config.max_pending_requests,
+        api_key=config.api_key, max_pending_requests=-(-pending // replicas),
         max_request_bytes=config.max_request_bytes, max_route_attempts=config.max_route_attempts)
-    serve.start(http_options={"host": config.host, "port": config.port})
-    app = build_app(router, tokenizer, settings, access_log=config.access_log)
+    # Serve's driver-side INFO lines ("Connecting to existing Serve app ... New http_options will
+    # not be applied", printed by serve.run even though serve.start just applied them) and its
+    # per-request access log follow --log-level and --access-log.
+    logging.getLogger("ray.serve").setLevel(config.log_level.upper())
+    serve.start(http_options={"host": config.host, "port": config.port},
+                logging_config={"log_level": config.log_level.upper(), "enable_access_log": config.access_log})
+    app = build_app(router, tokenizer, settings, access_log=config.access_log, num_replicas=replicas)
     serve.run(app, name=SERVE_APP_NAME, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     return f"http://{host}:{config.port}"

@@ -17,10 +17,10 @@ import asyncio
 import functools
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 SCRAPE_TIMEOUT_S = 10.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # what Ray's exporter writes
 
 
 async def metrics_response() -> Response:
@@ -32,7 +32,7 @@ async def metrics_response() -> Response:
         page.raise_for_status()
     except (httpx.HTTPError, LookupError) as exc:
         return PlainTextResponse(f"metrics unavailable: {type(exc).__name__}: {exc}\n", status_code=503)
-    return Response(page.content, media_type=CONTENT_TYPE_LATEST)
+    return Response(page.content, media_type=page.headers.get("content-type", PROMETHEUS_TEXT))
 
 
 def local_metrics_port() -> int:

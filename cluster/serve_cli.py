@@ -11,13 +11,13 @@ import signal
 import sys
 import threading
 
-from tandem.cluster.config import ConfigError, TandemConfig, parse_backends
+from tandem.cluster.config import LOG_LEVELS, ConfigError, TandemConfig, cache_root, parse_backends
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
-                        "round-robin, least-requests")
+                        "round-robin, least-requests, prefix-affinity")
     parser.add_argument("--calibration-alpha", type=float,
                         help="EWMA weight of each observed engine step when calibrating the router's rates "
                              "online (default 0.2; 0 turns calibration off and keeps the profiled rates)")
@@ -35,16 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="discount queued decode budgets with SGLang's decaying new_token_ratio")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus scrape port (default 8080)")
+    parser.add_argument("--http-replicas", type=int,
+                        help="Serve ingress replicas (default: one per 4 cores of this machine, 1 to 4)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="Prometheus scrape port, Ray's metrics export (default 8080; /metrics on --port serves "
+                             "the same page)")
+    parser.add_argument("--dashboard-port", type=int, help="Ray dashboard port, with --dashboard (default 8265)")
     parser.add_argument("--rates", help="rates file (tandem profile --output); default: profile cache")
     parser.add_argument("--profile", choices=["auto", "always", "never"],
                         help="profile backends with no cached rates (auto, default), always, or never")
-    parser.add_argument("--routing-log", help="JSON-lines file of routing decisions (default tandem-routing.jsonl)")
+    parser.add_argument("--routing-log", help="append one JSON line per routing decision to this file (default: off)")
     parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
     parser.add_argument("--address", help="join this Ray cluster (e.g. auto or HOST:6379) instead of starting one")
     parser.add_argument("--served-model-name", help="model name clients send (default: the model's name)")
     parser.add_argument("--dashboard", action="store_true", default=None, help="start the Ray dashboard")
+    parser.add_argument("--log-level", choices=LOG_LEVELS,
+                        help="level of Ray's, Serve's and Tandem's log lines on this console (default warning)")
+    parser.add_argument("--access-log", action="store_true", default=None,
+                        help="log one line per HTTP request (Serve's access log; default off)")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
             spill_allow_queue=args.spill_allow_queue, warmup_tokens=args.warmup_tokens,
             new_token_ratio=args.new_token_ratio, host=args.host, port=args.port, metrics_port=args.metrics_port,
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
-            address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard)
+            address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard,
+            dashboard_port=args.dashboard_port, log_level=args.log_level, access_log=args.access_log,
+            http_replicas=args.http_replicas)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,14 +118,26 @@ def _print_urls(tandem) -> None:
     print(f"tandem: OpenAI API  {tandem.url}/v1  (model {model!r})", flush=True)
     print(f"tandem: health      {tandem.url}/health", flush=True)
     if tandem.metrics_url:
-        print(f"tandem: metrics     {tandem.metrics_url}  (Prometheus; series appear ~10 s after use)", flush=True)
+        print(f"tandem: metrics     {tandem.metrics_url} and {tandem.url}/metrics  (Prometheus; Ray reports "
+              "every 10 s)", flush=True)
     if tandem.dashboard_url:
         print(f"tandem: dashboard   {tandem.dashboard_url}  (Ray)", flush=True)
     if config.routing_log:
         print(f"tandem: routing log {os.path.abspath(config.routing_log)}", flush=True)
+    else:
+        print("tandem: routing log off (--routing-log FILE records each decision)", flush=True)
+    print(f"tandem: cache       {cache_root()}  (converted models, measured rates)", flush=True)
+    print(f"tandem: logs        {_ray_log_dir()}  (Ray, Serve, backends)", flush=True)
     print(f"tandem: try  curl {tandem.url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'", flush=True)
     print("tandem: Ctrl-C stops the server", flush=True)
+
+
+def _ray_log_dir() -> str:
+    import ray
+
+    context = ray.get_runtime_context()
+    return os.path.join(context.get_temp_dir(), context.get_session_name(), "logs")
 
 
 def _model_name(tandem) -> str:
