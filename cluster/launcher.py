@@ -44,8 +44,9 @@ SERVE_APP_NAME = "tandem"
 
 def ray_env_defaults() -> None:
     """Tandem's own Ray environment, so users need not export it: no usage-stats reporting (a
-    server should not phone home) and the local cluster Ray starts on Linux. Explicit settings
-    win. The CLI calls this before Ray is imported; `start` and `connect` call it too."""
+    server should not phone home) and Ray's own traffic on loopback (without the second, Ray 2.60
+    binds the machine's external address). Explicit settings win. The CLI calls this before
+    Ray is imported; `start` and `connect` call it too."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 

@@ -1,5 +1,6 @@
 """`tandem serve` as a user runs it: a subprocess that profiles on first start, prints its
-URLs, answers HTTP, and stops cleanly on Ctrl-C (SIGINT)."""
+URLs and nothing alarming, answers HTTP, and stops cleanly on Ctrl-C (SIGINT); and a port
+already in use, answered before Ray starts with one line naming the flag."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,10 @@ import pytest
 from tests.cluster.conftest import TIMEOUT_S, free_port
 
 pytestmark = pytest.mark.slow
+
+# Lines a healthy start used to print: Ray's token-auth notice, an error-level core_worker line
+# about actor restarts, and Serve's "New http_options ... will not be applied".
+ALARMING = ("Token authentication", "core_worker.cc", "will not be applied", "Traceback", "ERROR")
 
 
 def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
@@ -42,6 +48,9 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
         output = "".join(seen)
         assert "profiling backend cpu0" in output and "profiling backend cpu1" in output
         assert "auto -> cpu" in output and f"http://127.0.0.1:{port}/v1" in output
+        assert f"routing log {tmp_path / 'routing.jsonl'}" in output
+        assert f"cache       {tmp_path / 'cache' / 'tandem'}" in output
+        assert [line for line in seen if any(word in line for word in ALARMING)] == []
         body = {"model": "tiny-llama-random", "prompt": "hello", "max_tokens": 4}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -59,3 +68,20 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_is_named_with_its_flag_before_ray_starts(flag, tmp_path):
+    ports = {"--port": free_port(), "--metrics-port": free_port()}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports[flag]))
+        holder.listen()
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        command = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", "tiny-llama-random",
+                   "--port", str(ports["--port"]), "--metrics-port", str(ports["--metrics-port"])]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: port {ports[flag]} on 127.0.0.1 ({flag}) is already in use; stop what holds it or choose "
+        f"another with {flag} N"]
+    assert "backend cpu0" not in result.stdout  # stopped before Ray and the backends
