@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: the whole forward and the logits replayed as one launch.
+"""CUDA graphs for every step: the whole forward and the logits replayed as one launch.
 
 A decode step of a small model is launch-bound: ~250 kernels of a few microseconds each, which
 Python issues more slowly than the GPU runs them. Capturing the step once per batch-size bucket
@@ -14,6 +14,15 @@ which is 1 for every decode bucket); `TritonPagedAttention` does.
 Buckets are 1, 2, 4, 8, then every multiple of 8 up to the engine's `max_active`, captured
 largest first into one shared memory pool (vLLM's scheme), so intermediate activations of all
 buckets share memory and only each bucket's logits buffer is its own.
+
+Prefill and mixed steps (`MixedGraphRunner`) are captured per token-count bucket (256-token
+steps up to 2,048, then 512 up to 4,096, then 1,024 up to the step budget). Eagerly, such a step
+costs ~10 ms of host time to launch ~300 kernels while the GPU needs 1-5 ms. Attention is the
+one kernel whose launch grid depends on the batch (requests times query tiles); in a graph it
+runs over a fixed grid of work items, one per (request, query tile), read from a device buffer
+the host fills each step (`build_work_list`); items past the step's last are -1 and exit at
+once. Padded tokens write their K/V nowhere (slot -1), are in no work item, and their rows of
+the flat batch (row-independent everywhere else) are simply never sampled.
 """
 
 from __future__ import annotations
@@ -23,6 +32,11 @@ from torch import nn
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.host_tensors import int_tensor
+
+
+def _pinned(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Host values staged in pinned memory, so the copy to the device never waits for it."""
+    return int_tensor(values, dtype).pin_memory()
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -35,7 +49,7 @@ class CUDAGraphRunner:
     """Captured decode forwards (+ logits) for every bucket; `run` pads a batch into the smallest."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch_size: int,
-                 max_blocks_per_seq: int, block_size: int) -> None:
+                 max_blocks_per_seq: int, block_size: int, pool=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -51,6 +65,7 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.pool = pool
         self._capture()
 
     @property
@@ -75,7 +90,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
+        pool = self.pool
         for batch_size in reversed(self.batch_sizes):
             # An eager run first compiles the Triton kernels and lets cuBLAS choose its kernels
             # outside the capture; the padded inputs write nothing to the cache.
@@ -86,18 +101,22 @@ class CUDAGraphRunner:
                 self.logits[batch_size] = self._forward(batch_size)
             pool = graph.pool()
             self.graphs[batch_size] = graph
+        self.pool = pool
         torch.cuda.synchronize()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode token per request; returns float32 logits [len(input_ids), vocab]."""
+            block_tables: list[list[int]], before_replay=None) -> torch.Tensor:
+        """One decode token per request; returns float32 logits [len(input_ids), vocab].
+        `before_replay(inputs)` may patch the static inputs on the device (placeholder ids)."""
         num_reqs = len(input_ids)
         batch_size = next(b for b in self.batch_sizes if b >= num_reqs)
         rows, table = pack_decode_inputs(input_ids, positions, slots, seq_lens, block_tables, batch_size)
-        self.inputs[:, :batch_size].copy_(rows, non_blocking=True)
+        self.inputs[:, :batch_size].copy_(rows.pin_memory(), non_blocking=True)
         # Only the first ceil(seq_len / block_size) entries of a row are read, so columns past
         # this step's widest table may keep stale block ids; padded rows read column 0, set to 0.
-        self.block_tables[:batch_size, : table.shape[1]].copy_(table, non_blocking=True)
+        self.block_tables[:batch_size, : table.shape[1]].copy_(table.pin_memory(), non_blocking=True)
+        if before_replay is not None:
+            before_replay(self.inputs)
         self.graphs[batch_size].replay()
         return self.logits[batch_size][:num_reqs]
 
@@ -117,3 +136,131 @@ def pack_decode_inputs(input_ids: list[int], positions: list[int], slots: list[i
         table += [0] * (width - len(t))
     table += [0] * (width * pad)
     return rows, int_tensor(table, torch.int32).view(batch_size, width)
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """Token counts a prefill or mixed step is padded to: fine steps where a step is short
+    (a few hundred decodes plus a prompt) and padding costs most, coarser ones above."""
+    sizes = [*range(256, 2049, 256), *range(2560, 4097, 512), *range(5120, max_num_tokens, 1024)]
+    return [s for s in sizes if s < max_num_tokens] + [max_num_tokens]
+
+
+def build_work_list(query_lens: list[int], block_q: int) -> list[int]:
+    """Flat (request index, query tile) pairs covering every request's new tokens in tiles of
+    `block_q` tokens, in request order."""
+    work: list[int] = []
+    for i, n in enumerate(query_lens):
+        tiles = -(-n // block_q)
+        if tiles == 1:
+            work += (i, 0)
+        else:
+            pairs = [0] * (2 * tiles)
+            pairs[0::2] = [i] * tiles
+            pairs[1::2] = range(tiles)
+            work += pairs
+    return work
+
+
+class MixedGraphRunner:
+    """Captured forwards (+ logits of the sampled rows) for prefill and mixed steps, one per
+    token-count bucket; `run` pads a step into the smallest bucket that holds it."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, max_num_tokens: int, group: int) -> None:
+        from tandem.engine.attention.triton_paged import prefill_block_q
+
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.token_sizes = token_buckets(max_num_tokens)
+        self.block_q = prefill_block_q(group)
+        device = kv_caches[0].device
+        top = self.token_sizes[-1]
+        # One int64 buffer (ids, positions, slots, sampled rows) and one int32 buffer (query
+        # starts, sequence lengths, work list), laid out per bucket: one copy fills each.
+        self.i64 = torch.zeros(3 * top + self.num_seqs(top), dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(2 * self.num_seqs(top) + 1 + 2 * self.work_size(top), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._capture()
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.token_sizes[-1]
+
+    def num_seqs(self, num_tokens: int) -> int:
+        return min(self.max_num_seqs, num_tokens)
+
+    def work_size(self, num_tokens: int) -> int:
+        """Work items a bucket's grid has: enough for any split of its tokens among its requests."""
+        return -(-num_tokens // self.block_q) + self.num_seqs(num_tokens)
+
+    def _views(self, t: int):
+        r, w = self.num_seqs(t), self.work_size(t)
+        i64, i32 = self.i64, self.i32
+        return (i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t], i64[3 * t : 3 * t + r],
+                i32[: r + 1], i32[r + 1 : 2 * r + 1], i32[2 * r + 1 : 2 * r + 1 + 2 * w].view(w, 2))
+
+    def _forward(self, num_tokens: int) -> torch.Tensor:
+        ids, pos, slots, rows, query_start, seq_lens, work = self._views(num_tokens)
+        r = self.num_seqs(num_tokens)
+        meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens, slot_mapping=slots,
+                                 block_tables=self.block_tables[:r], query_lens_cpu=[1] * r,
+                                 seq_lens_cpu=[1] * r, block_size=self.block_size, work_list=work)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for num_tokens in reversed(self.token_sizes):
+            # Harmless inputs: token 0 at position 0, K/V written nowhere, no attention work.
+            _, _, slots, _, _, seq_lens, work = self._views(num_tokens)
+            self.i64.zero_()
+            self.i32.zero_()
+            slots.fill_(-1)
+            seq_lens.fill_(1)
+            work.fill_(-1)
+            self._forward(num_tokens)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[num_tokens] = self._forward(num_tokens)
+            pool = graph.pool()
+            self.graphs[num_tokens] = graph
+        self.pool = pool
+        torch.cuda.synchronize()
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
+            seq_lens: list[int], block_tables: list[list[int]], sample_rows: list[int],
+            before_replay=None) -> torch.Tensor:
+        """A flat varlen step; returns float32 logits [len(sample_rows), vocab] of those flat rows.
+        `before_replay(input_ids)` may patch the static ids on the device (placeholder ids)."""
+        num_tokens, num_reqs = len(input_ids), len(query_lens)
+        t = next(b for b in self.token_sizes if b >= num_tokens)
+        r, w = self.num_seqs(t), self.work_size(t)
+        pad = t - num_tokens
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        work = build_work_list(query_lens, self.block_q)
+        i64 = (input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad
+               + sample_rows + [0] * (r - len(sample_rows)))
+        i32 = (query_start + [num_tokens] * (r - num_reqs) + seq_lens + [1] * (r - num_reqs)
+               + work + [-1] * (2 * w - len(work)))
+        self.i64[: len(i64)].copy_(_pinned(i64, torch.int64), non_blocking=True)
+        self.i32[: len(i32)].copy_(_pinned(i32, torch.int32), non_blocking=True)
+        width = max(len(tb) for tb in block_tables)
+        table: list[int] = []
+        for tb in block_tables:
+            table += tb
+            table += [0] * (width - len(tb))
+        self.block_tables[:num_reqs, :width].copy_(_pinned(table, torch.int32).view(num_reqs, width),
+                                                   non_blocking=True)
+        if before_replay is not None:
+            before_replay(self.i64[:t])
+        self.graphs[t].replay()
+        return self.logits[t][: len(sample_rows)]

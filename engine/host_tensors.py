@@ -19,3 +19,14 @@ def int_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small int tensor on `device` without stalling the host. On cuda the values are staged
+    in pinned memory: a copy from pageable memory may wait for the device's queue to drain,
+    which would serialise the host's next step behind the GPU's current one. PyTorch's pinned
+    allocator keeps the staging block until the copy has run."""
+    host = int_tensor(values, dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,7 +1,10 @@
 """The engine a backend owns: add requests, step, stream outputs, abort.
 
 `step()` is the whole loop body, in nano-vllm's shape: schedule, run the model, update request
-state, turn new tokens into text and outputs. Everything a caller may get wrong (empty prompt,
+state, turn new tokens into text and outputs. With asynchronous scheduling (the default on
+cuda) a step call schedules and launches step N+1 first and only then waits for step N's
+sampled ids and turns them into outputs, so the host's per-request Python runs while the GPU
+computes; each call still returns the outputs of one forward, one call later. Everything a caller may get wrong (empty prompt,
 a prompt over the context, a request larger than the whole cache, bad sampling settings) is
 rejected in `add_request` with an `InvalidRequestError` naming the problem, so nothing bad
 ever reaches the step loop.
@@ -18,7 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.model.loader import load_model
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_runner import ModelRunner, StepHandle
 from tandem.engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import SamplingRow
@@ -26,6 +29,17 @@ from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled ids have not been read yet."""
+
+    handle: StepHandle
+    pending: list[tuple[Request, int]]  # (request, output index) per sampled id, in order
+    num_prefill: int
+    num_decode: int
+    start: float  # perf_counter() when its launch began
 
 
 @dataclass
@@ -64,7 +78,12 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
                                         cfg.attention_backend, cfg.max_active, self.max_model_len,
-                                        cfg.enforce_eager, cfg.pack_cpu_weights)
+                                        cfg.enforce_eager, cfg.pack_cpu_weights,
+                                        cfg.resolved_max_num_batched_tokens)
+        async_scheduling = getattr(cfg, "async_scheduling", None)  # None: on for cuda
+        self.async_scheduling = async_scheduling if async_scheduling is not None else self.device.type == "cuda"
+        self._in_flight: _InFlight | None = None
+        self._last_finish = 0.0
         self._tracked: dict[str, _Tracked] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._changed: dict[str, Request] = {}
@@ -155,7 +174,8 @@ class LLMEngine:
         self.scheduler.config.max_active = max_active
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+                or self._in_flight is not None)
 
     def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
         """Prefix-cache hit for this prompt right now; changes no cache state (router query)."""
@@ -165,20 +185,40 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return outputs
+        launched = None if sched.is_empty else self._launch(sched)
+        if self._in_flight is not None:  # the previous step ran while this one was planned
+            outputs.extend(self._finish(self._in_flight))
+            self._in_flight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs.extend(self._finish(launched))
+        return outputs
+
+    def _launch(self, sched) -> _InFlight:
+        """Enqueue the step on the device, then advance request state past it (placeholders)."""
+        start = time.perf_counter()
         num_decode = sched.num_decode_tokens
         num_prefill = sched.num_scheduled_tokens - num_decode
-        start = time.perf_counter()
         rows = {s.request.req_id: self._sampling_row(s.request) for s in sched.scheduled
                 if s.completes_prefill}
-        sampled = self.model_runner.execute(sched, self.kv_cache_manager, rows)
-        progressed = self.scheduler.update_from_output(sched, sampled)
-        self._record_step(num_prefill, num_decode, time.perf_counter() - start)
+        handle = self.model_runner.launch(sched, self.kv_cache_manager, rows)
+        pending = self.scheduler.advance(sched)
+        changed = self._changed
         for s in sched.scheduled:
-            self._changed[s.request.req_id] = s.request
-        outputs.extend(self._process_outputs(progressed))
-        return outputs
+            changed[s.request.req_id] = s.request
+        return _InFlight(handle, pending, num_prefill, num_decode, start)
+
+    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids and turn them into outputs."""
+        tokens = step.handle.tokens()
+        now = time.perf_counter()
+        # The step's share of the wall: from its launch, or from the previous step's end when
+        # it was launched while that one ran.
+        self._record_step(step.num_prefill, step.num_decode, now - max(step.start, self._last_finish))
+        self._last_finish = now
+        return self._process_outputs(step.pending, tokens)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         row = self._tracked[request.req_id].sampling_row
@@ -188,34 +228,52 @@ class LLMEngine:
             row.banned_token_ids = (*self.eos_token_ids, *params.stop_token_ids) if under_min else ()
         return row
 
-    def _process_outputs(self, progressed: list[Request]) -> list[RequestOutput]:
-        """Detokenize each request's new token, apply stop strings, build its output. This is
-        per-request Python on every step, so it reads each value once."""
+    def _process_outputs(self, pending: list[tuple[Request, int]], tokens: list[int]) -> list[RequestOutput]:
+        """Fill in each sampled token, apply token-level stops, detokenize and check stop
+        strings, build the outputs. This is per-request Python on every step, so it reads each
+        value once. A request aborted or stopped after the step was launched drops its token."""
         outputs = []
-        for request in progressed:
-            req_id = request.req_id
-            detokenizer = self._tracked[req_id].detokenizer
-            new_token_ids = request.output_token_ids[-1:]
-            if detokenizer.add_tokens(new_token_ids):
-                if request.is_finished:  # hit max_tokens on the same token: the stop string wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
-            finished = request.is_finished
-            text = detokenizer.take_new_text(finished)
-            outputs.append(self._make_output(request, new_token_ids, text))
+        now = time.time()
+        aborted, stopped = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED
+        for (request, index), token in zip(pending, tokens):
+            if request.status is aborted or index >= len(request.output_token_ids):
+                continue
+            request.resolve_placeholder(index, token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.stop_status(token, index + 1) is stopped:
+                self._stop(request, index)
+            tracked = self._tracked[request.req_id]
+            new_token_ids = [token]
+            if tracked.detokenizer.add_tokens(new_token_ids):
+                self._stop(request, index)  # also on the max_tokens token: the stop string wins
+            finished = request.status.is_finished and not request.num_pending_tokens
+            text = tracked.detokenizer.take_new_text(finished)
             if finished:
-                del self._tracked[req_id]
+                request.finished_time = now
+                del self._tracked[request.req_id]
+            outputs.append(self._make_output(request, new_token_ids, text, finished))
         return outputs
 
-    def _make_output(self, request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
+    def _stop(self, request: Request, index: int) -> None:
+        """Finish a request at output `index` (a stop token or string) and drop what was
+        sampled after it."""
+        if request.is_finished:  # finished at a later launch by max_tokens: it stopped first
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+        request.truncate_outputs(index + 1)
+
+    def _make_output(self, request: Request, new_token_ids: list[int], text: str,
+                     finished: bool | None = None) -> RequestOutput:
+        finished = request.is_finished if finished is None else finished
         return RequestOutput(
             req_id=request.req_id,
             new_token_ids=new_token_ids,
             new_text=text,
-            finished=request.is_finished,
-            finish_reason=request.status.finish_reason,
-            usage=Usage(request.num_prompt_tokens, request.num_output_tokens,
+            finished=finished,
+            finish_reason=request.status.finish_reason if finished else None,
+            usage=Usage(request.num_prompt_tokens, request.num_resolved_output_tokens,
                         max(request.num_cached_tokens, 0)),
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
@@ -272,13 +330,15 @@ class LLMEngine:
         return progress
 
     def _progress(self, request: Request) -> RequestProgress:
-        if request.is_finished:
+        if request.is_finished and not request.num_pending_tokens:
             status = "finished"
+        elif request.is_finished:
+            status = "running"  # its last token is still on the device
         else:
             status = request.status.value
         cached = request.num_cached_tokens
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             cached = self.kv_cache_manager.num_cached_tokens(request.all_token_ids)
         return RequestProgress(request.req_id, status, request.num_prompt_tokens, cached,
-                               request.num_computed_prompt_tokens, request.num_output_tokens,
+                               request.num_computed_prompt_tokens, request.num_resolved_output_tokens,
                                request.max_tokens)

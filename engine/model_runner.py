@@ -3,14 +3,21 @@
 The runner owns everything with tensors: the model, the paged KV cache tensors, and the
 translation from the scheduler's plain-Python decisions (request, number of tokens) into
 `input_ids`, `positions`, `slot_mapping` and `block_tables`. Inputs are built on the host in
-one go and copied with a single transfer per tensor; the only device-to-host sync of a step is
-reading the sampled ids back.
+one go and copied with a single transfer per tensor (from pinned memory on cuda, so the copy
+never waits for the device).
+
+`launch` enqueues a step and returns at once with a `StepHandle`: the sampled ids stay on the
+device, and one asynchronous copy brings them to pinned host memory, which `StepHandle.tokens`
+waits for. So the engine can plan and launch step N+1 while step N runs. A request whose last
+token is still such a placeholder (`PLACEHOLDER_TOKEN`) gets its input id from the previous
+step's sampled ids on the device, gathered by a small index copy before the forward.
 
 On cuda the runner takes the fast path unless `attention_backend="torch"` asks for the
 reference: the layers are fused (`engine/model/fused_layers.py`), attention reads the block
-table in Triton (`engine/attention/triton_paged.py`), and decode-only steps replay a CUDA graph
-per batch-size bucket (`engine/cuda_graphs.py`). Prefill and mixed steps run the same fused
-model eagerly. Everything else, mps included, runs the reference path.
+table in Triton (`engine/attention/triton_paged.py`), decode-only steps replay a CUDA graph per
+batch-size bucket and prefill and mixed steps one per token-count bucket
+(`engine/cuda_graphs.py`). Steps larger than the biggest bucket run the fused model eagerly.
+Everything else, mps included, runs the reference path.
 """
 
 from __future__ import annotations
@@ -20,18 +27,41 @@ import importlib.util
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.host_tensors import int_tensor
+from tandem.engine.host_tensors import to_device
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.loader import LoadedModel
+from tandem.engine.request import PLACEHOLDER_TOKEN
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import SchedulerOutput
+
+
+class StepHandle:
+    """A launched step's sampled ids, on their way to the host."""
+
+    def __init__(self, sampled: torch.Tensor | None = None) -> None:
+        self.num_sampled = 0 if sampled is None else sampled.shape[0]
+        self._host = sampled
+        self._event = None
+        if sampled is not None and sampled.device.type == "cuda":
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tokens(self) -> list[int]:
+        """The sampled ids in sampling order; waits for the copy (the step's only sync)."""
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, attention_backend: str = "torch",
                  max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False,
-                 pack_cpu_weights: bool = True) -> None:
+                 pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0) -> None:
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.device = device
@@ -41,25 +71,36 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.graph_runner = None
+        self.mixed_graph_runner = None
         self.num_packed_linears = 0
+        # The last launched step's sampled ids (device) and each sampling request's row in them.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         if self.attention_backend == "triton":
-            self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager)
+            self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager, max_num_batched_tokens)
         elif device.type == "cpu" and pack_cpu_weights:
             from tandem.engine.model.cpu_linear import pack_model
 
             self.num_packed_linears = pack_model(self.model)
 
-    def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+    def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
+                          max_num_batched_tokens: int) -> None:
         from tandem.engine.attention.triton_paged import TritonPagedAttention
         from tandem.engine.model.fused_layers import fuse_model
 
         fuse_model(self.model, TritonPagedAttention())
         if not enforce_eager and self.device.type == "cuda":
-            from tandem.engine.cuda_graphs import CUDAGraphRunner
+            from tandem.engine.cuda_graphs import CUDAGraphRunner, MixedGraphRunner
 
             max_blocks_per_seq = -(-max_model_len // self.block_size)
+            cfg = self.model_config
+            if max_num_batched_tokens > max_num_seqs:
+                self.mixed_graph_runner = MixedGraphRunner(
+                    self.model, self.kv_caches, max_num_seqs, max_blocks_per_seq, self.block_size,
+                    max_num_batched_tokens, cfg.num_attention_heads // cfg.num_key_value_heads)
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs,
-                                                max_blocks_per_seq, self.block_size)
+                                                max_blocks_per_seq, self.block_size,
+                                                pool=self.mixed_graph_runner.pool if self.mixed_graph_runner else None)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.model_config
@@ -72,24 +113,37 @@ class ModelRunner:
         per_token = 2 * model_config.num_key_value_heads * model_config.head_dim
         return per_token * block_size * model_config.num_hidden_layers * dtype.itemsize
 
-    def prepare_inputs(self, sched: SchedulerOutput, kv_manager: KVCacheManager):
-        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+    # -- host-side inputs ---------------------------------------------------------------------
+    def build_inputs(self, sched: SchedulerOutput, kv_manager: KVCacheManager):
+        """The flat batch as Python lists: input ids, positions, slots, per-request query and
+        sequence lengths, block tables, and (flat row, request id) of each placeholder input."""
+        input_ids, positions, slots, query_lens, seq_lens, tables, pending = [], [], [], [], [], [], []
         bs = self.block_size
         for s in sched.scheduled:
             req, n = s.request, s.num_scheduled_tokens
             start = req.num_computed_tokens
             block_ids = kv_manager.get_block_ids(req.req_id)
             if n == 1:  # a decode: no per-token ranges
-                input_ids.append(req.all_token_ids[start])
+                token = req.all_token_ids[start]
+                if token == PLACEHOLDER_TOKEN:
+                    pending.append((len(input_ids), req.req_id))
+                input_ids.append(token)
                 positions.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(req.all_token_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+                end = start + n
+                input_ids.extend(req.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                for b in range(start // bs, (end - 1) // bs + 1):  # one range per block, not per token
+                    base = block_ids[b] * bs
+                    slots.extend(range(base + max(start - b * bs, 0), base + min(end - b * bs, bs)))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(block_ids)
+        return input_ids, positions, slots, query_lens, seq_lens, tables, pending
+
+    def prepare_inputs(self, sched: SchedulerOutput, kv_manager: KVCacheManager):
+        input_ids, positions, slots, query_lens, seq_lens, tables, pending = self.build_inputs(sched, kv_manager)
         max_blocks = max(len(t) for t in tables)
         flat_tables = []
         for t in tables:
@@ -100,34 +154,63 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=int_tensor(query_start, torch.int32).to(dev, non_blocking=True),
-            seq_lens=int_tensor(seq_lens, torch.int32).to(dev, non_blocking=True),
-            slot_mapping=int_tensor(slots, torch.int64).to(dev, non_blocking=True),
-            block_tables=int_tensor(flat_tables, torch.int32).view(len(tables), max_blocks).to(dev, non_blocking=True),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=to_device(flat_tables, torch.int32, dev).view(len(tables), max_blocks),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            block_size=bs,
+            block_size=self.block_size,
         )
-        ids = int_tensor(input_ids, torch.int64).to(dev, non_blocking=True)
-        pos = int_tensor(positions, torch.int64).to(dev, non_blocking=True)
+        ids = to_device(input_ids, torch.int64, dev)
+        self.fill_pending(ids, pending)
+        pos = to_device(positions, torch.int64, dev)
         return ids, pos, meta
 
+    def fill_pending(self, ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
+        """Write the previous step's sampled ids (still on the device) into the placeholder rows."""
+        if not pending:
+            return
+        if self._last_sampled is None:
+            raise RuntimeError("a placeholder input without a previous step's sampled ids")
+        dst = [row for row, _ in pending]
+        try:
+            src = [self._last_rows[req_id] for _, req_id in pending]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]!r} has a placeholder input its previous step did not sample")
+        index = to_device(dst + src, torch.int64, self.device)
+        ids.index_copy_(0, index[: len(dst)], self._last_sampled.index_select(0, index[len(dst):]))
+
+    # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv_manager: KVCacheManager,
                 rows: dict[str, SamplingRow]) -> dict[str, int]:
         """Forward the scheduled tokens; sample for requests whose prompt is now complete."""
         sample_reqs = [s.request.req_id for s in sched.scheduled if s.completes_prefill]
-        if self._replays_graph(sched):
+        return dict(zip(sample_reqs, self.launch(sched, kv_manager, rows).tokens()))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, kv_manager: KVCacheManager,
+               rows: dict[str, SamplingRow]) -> StepHandle:
+        """Enqueue the forward and the sampling; the handle's ids are in the order of the
+        scheduled requests that complete their prompt."""
+        sample_reqs = [s.request.req_id for s in sched.scheduled if s.completes_prefill]
+        if self._replays_decode_graph(sched):
             logits = self._execute_decode_graph(sched, kv_manager)
             if len(sample_reqs) < len(sched.scheduled):  # a 1-token prefill chunk samples nothing
                 keep = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
                 logits = logits[keep]
+        elif self._replays_mixed_graph(sched):
+            logits = self._execute_mixed_graph(sched, kv_manager, len(sample_reqs))
         else:
             logits = self._execute_eager(sched, kv_manager)
         if not sample_reqs:
-            return {}
-        tokens = self.sampler(logits, [rows[r] for r in sample_reqs])
-        return dict(zip(sample_reqs, tokens))
+            self._last_sampled, self._last_rows = None, {}
+            return StepHandle()
+        sampled = self.sampler.sample(logits, [rows[r] for r in sample_reqs])
+        self._last_sampled = sampled
+        self._last_rows = {r: i for i, r in enumerate(sample_reqs)}
+        return StepHandle(sampled)
 
     def _execute_eager(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor | None:
         """The flat varlen forward; logits at each sampling request's last token (None if none)."""
@@ -140,27 +223,49 @@ class ModelRunner:
                 last_rows.append(offset - 1)
         if not last_rows:
             return None
-        index = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        index = to_device(last_rows, torch.int64, self.device)
         return self.model.compute_logits(hidden.index_select(0, index))
 
-    def _replays_graph(self, sched: SchedulerOutput) -> bool:
+    def _replays_decode_graph(self, sched: SchedulerOutput) -> bool:
         return (self.graph_runner is not None and len(sched.scheduled) <= self.graph_runner.max_batch_size
                 and all(s.num_scheduled_tokens == 1 for s in sched.scheduled))
+
+    def _replays_mixed_graph(self, sched: SchedulerOutput) -> bool:
+        graphs = self.mixed_graph_runner
+        return (graphs is not None and len(sched.scheduled) <= graphs.max_num_seqs
+                and sched.num_scheduled_tokens <= graphs.max_num_tokens)
 
     def _execute_decode_graph(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor:
         """One token per request, straight into the graph's static buffers; logits for every row."""
         bs = self.block_size
-        ids, pos, slots, seq_lens, tables = [], [], [], [], []
-        for s in sched.scheduled:
+        ids, pos, slots, seq_lens, tables, pending = [], [], [], [], [], []
+        for i, s in enumerate(sched.scheduled):
             req = s.request
             p = req.num_computed_tokens
             block_ids = kv_manager.get_block_ids(req.req_id)
-            ids.append(req.all_token_ids[p])
+            token = req.all_token_ids[p]
+            if token == PLACEHOLDER_TOKEN:
+                pending.append((i, req.req_id))
+            ids.append(token)
             pos.append(p)
             slots.append(block_ids[p // bs] * bs + p % bs)
             seq_lens.append(p + 1)
             tables.append(block_ids)
-        return self.graph_runner.run(ids, pos, slots, seq_lens, tables)
+        graphs = self.graph_runner
+        return graphs.run(ids, pos, slots, seq_lens, tables,
+                          before_replay=lambda inputs: self.fill_pending(inputs[0], pending))
+
+    def _execute_mixed_graph(self, sched: SchedulerOutput, kv_manager: KVCacheManager,
+                             num_sampled: int) -> torch.Tensor:
+        input_ids, positions, slots, query_lens, seq_lens, tables, pending = self.build_inputs(sched, kv_manager)
+        sample_rows, offset = [], 0
+        for s in sched.scheduled:
+            offset += s.num_scheduled_tokens
+            if s.completes_prefill:
+                sample_rows.append(offset - 1)
+        return self.mixed_graph_runner.run(
+            input_ids, positions, slots, query_lens, seq_lens, tables, sample_rows,
+            before_replay=lambda ids: self.fill_pending(ids, pending))
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -173,3 +278,4 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name not in ("torch", "triton"):
         raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
     return name
+

@@ -4,6 +4,12 @@ One rule drives progress: `num_computed_tokens` catches up with `num_tokens`. A 
 hit starts it above zero, chunked prefill advances it in steps, a decode step advances it by
 one, and preemption by recompute resets it to zero (the outputs so far are kept and simply
 become part of what must be recomputed).
+
+With asynchronous scheduling the engine plans step N+1 before step N's sampled token reaches
+the host, so a request's next token is first a placeholder (`PLACEHOLDER_TOKEN`): it counts
+towards `num_tokens` and `num_output_tokens`, which is all the scheduler reads, while the runner
+takes the real id from the device and the engine fills it in when the copy lands. At most one
+placeholder is pending, always the last token. Block hashes never cover a placeholder.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import time
 
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 from tandem.engine.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN = -1  # a sampled token not yet copied to the host; never a model input
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +61,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.num_pending_tokens = 0  # trailing placeholders (0 or 1)
         self._block_hashes: list[int] = []
 
     @property
@@ -68,6 +77,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_resolved_output_tokens(self) -> int:
+        """Output tokens whose ids are known on the host."""
+        return len(self.output_token_ids) - self.num_pending_tokens
+
+    @property
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
 
@@ -81,11 +95,45 @@ class Request:
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of every full block of the tokens known so far (memoized)."""
-        return hash_request_blocks(self.all_token_ids, block_size, self._block_hashes)
+        return hash_request_blocks(self.all_token_ids, block_size, self._block_hashes,
+                                   len(self.all_token_ids) - self.num_pending_tokens)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_placeholder(self) -> int:
+        """Count a token being sampled on the device; returns its index in output_token_ids."""
+        self.output_token_ids.append(PLACEHOLDER_TOKEN)
+        self.all_token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_pending_tokens += 1
+        return len(self.output_token_ids) - 1
+
+    def resolve_placeholder(self, index: int, token_id: int) -> None:
+        """The sampled id of output `index` has reached the host."""
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+        self.num_pending_tokens -= 1
+
+    def truncate_outputs(self, num_outputs: int) -> None:
+        """Drop outputs past the first `num_outputs` (placeholders sampled after a stop)."""
+        num_dropped = len(self.output_token_ids) - num_outputs
+        if num_dropped > 0:
+            del self.output_token_ids[num_outputs:]
+            del self.all_token_ids[len(self.all_token_ids) - num_dropped:]
+            self.num_pending_tokens = max(0, self.num_pending_tokens - num_dropped)
+
+    def stop_status(self, token_id: int, num_outputs: int) -> RequestStatus | None:
+        """Token-level stop for output number `num_outputs` (1-based) being `token_id`:
+        max_tokens first, then EOS and stop token ids (not before min_tokens)."""
+        params = self.sampling_params
+        if num_outputs >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if num_outputs < params.min_tokens:
+            return None
+        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def check_stop(self) -> RequestStatus | None:
         """Stop on token-level conditions (EOS, stop token ids, max_tokens). Stop strings need

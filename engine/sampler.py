@@ -3,8 +3,9 @@
 An all-greedy batch takes one argmax over the batch. Otherwise each row applies its own
 temperature, top-k and top-p and draws with its own `torch.Generator` when it has a seed, so a
 seeded request samples the same tokens whatever else shares its batch. Rows that must not
-stop yet (min_tokens) get their stop tokens masked first. Either way the ids come back to the
-host in one `.tolist()`, the step's only device sync.
+stop yet (min_tokens) get their stop tokens masked first. `sample` leaves the ids on the device
+(the runner copies them to the host once, asynchronously); calling the sampler reads them back
+with one `.tolist()`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ class Sampler:
         self.sampling_vocab_size = sampling_vocab_size
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        return self.sample(logits, rows).tolist()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The next token of each row, int64 [len(rows)], left on the logits' device."""
         if self.sampling_vocab_size is not None:
             logits = logits[:, : self.sampling_vocab_size]
         logits = self._mask_banned(logits, rows)
         if all(row.params.is_greedy for row in rows):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         # Rows are drawn one by one (each with its own settings and generator) but read back
-        # together: one device sync per step, not one per request.
-        return torch.stack([self._sample_row(logits[i], row) for i, row in enumerate(rows)]).tolist()
+        # together: one device-to-host copy per step, not one per request.
+        return torch.stack([self._sample_row(logits[i], row) for i, row in enumerate(rows)])
 
     @staticmethod
     def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -142,6 +142,24 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         out.preempted_req_ids.append(request.req_id)
 
+    # -- after the launch ------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Advance every scheduled request as if its step had run, before its sampled tokens are
+        known: computed tokens move on, each sampling request gets a placeholder token, and a
+        request that reaches max_tokens finishes now (its blocks go back; the device writes
+        into them before any later step reuses them, as steps run in launch order). Returns
+        (request, output index) for each placeholder, in the order the step samples them."""
+        pending = []
+        for scheduled in out.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_scheduled_tokens
+            if not scheduled.completes_prefill:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            pending.append((request, request.append_placeholder()))
+            if request.num_output_tokens >= request.max_tokens:
+                self.finish_request(request.req_id, RequestStatus.FINISHED_LENGTH)
+        return pending
+
     # -- after the forward -----------------------------------------------------------------
     def update_from_output(
         self, out: SchedulerOutput, sampled_token_ids: dict[str, int]

@@ -29,6 +29,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # [W, 2] int32 on device, or None: (request, query tile) per attention program, -1 for none.
+    # Set by CUDA-graph steps, whose launch grid must not depend on the batch; backends that
+    # do not use it (the reference path) ignore it.
+    work_list: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

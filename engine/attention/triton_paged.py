@@ -80,16 +80,23 @@ def _attend_kv_tile(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, work_list_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, WORK_LIST: tl.constexpr,
 ):
-    req, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if WORK_LIST:  # grid (work items, KV heads): the item names the request and query tile
+        kv_head = tl.program_id(1)
+        req = tl.load(work_list_ptr + 2 * tl.program_id(0))
+        q_tile = tl.load(work_list_ptr + 2 * tl.program_id(0) + 1)
+        if req < 0:
+            return
+    else:  # grid (requests, KV heads, query tiles of the longest query)
+        req, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
@@ -201,18 +208,50 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     max_query_len: int) -> torch.Tensor:
     """Causal attention of the new tokens q [T, Hq, D] over each request's cached context."""
-    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     # Decode packs a lone token's query heads into the 16 rows a tensor-core dot needs; longer
     # queries stack several tokens' groups into 64 rows so each K/V tile serves them all.
-    block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
+    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else prefill_block_m(group)
     block_q = block_m // group
     grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list=False)
+    return out
+
+
+def prefill_block_m(group: int) -> int:
+    """Rows of a multi-token query tile: 64 rows of stacked query groups."""
+    return max(64, triton.next_power_of_2(group))
+
+
+def prefill_block_q(group: int) -> int:
+    """Query tokens per program for multi-token queries."""
+    return prefill_block_m(group) // group
+
+
+def paged_attention_work_list(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """`paged_attention` over a fixed grid of work items (request, query tile of
+    `prefill_block_q` tokens) from `meta.work_list`: the launch reads no host-side lengths,
+    so a CUDA graph can hold it whatever the batch. Decode rows take one tile each."""
+    num_kv_heads = kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    block_q = prefill_block_q(group)
+    out = torch.empty_like(q)
+    grid = (meta.work_list.shape[0], num_kv_heads)
+    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, prefill_block_m(group), block_q, work_list=True)
+    return out
+
+
+def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list: bool) -> None:
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
     _paged_attention_kernel[grid](
         q, kv_cache[0], kv_cache[1], out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        meta.work_list if work_list else meta.seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
@@ -220,9 +259,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        WORK_LIST=work_list, num_warps=4,
     )
-    return out
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -291,6 +329,8 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if meta.work_list is not None:
+            return paged_attention_work_list(q, kv_cache, meta, scale)
         max_query_len = max(meta.query_lens_cpu)
         if max_query_len == 1 and q.shape[0] == meta.num_reqs:
             num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])

@@ -18,14 +18,15 @@ def hash_block_tokens(parent_hash: int, block_token_ids: Sequence[int]) -> int:
 
 
 def hash_request_blocks(
-    token_ids: Sequence[int], block_size: int, existing: list[int] | None = None
+    token_ids: Sequence[int], block_size: int, existing: list[int] | None = None, num_tokens: int | None = None
 ) -> list[int]:
-    """Hashes of every full block of `token_ids`. With `existing` (hashes already known for
-    the first blocks) that list is extended in place and returned, so a growing request only
-    hashes its new blocks."""
+    """Hashes of every full block of the first `num_tokens` (default: all) of `token_ids`. With
+    `existing` (hashes already known for the first blocks) that list is extended in place and
+    returned, so a growing request only hashes its new blocks."""
     hashes = existing if existing is not None else []
     parent = hashes[-1] if hashes else ROOT_HASH
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    end = len(token_ids) if num_tokens is None else num_tokens
+    for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes

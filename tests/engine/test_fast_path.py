@@ -178,7 +178,7 @@ def test_fp32_greedy_tokens_match_reference(name):
     assert runner.attention_backend == "triton" and runner.graph_runner is not None
     replays = []
     run = runner.graph_runner.run
-    runner.graph_runner.run = lambda *a: replays.append(len(a[0])) or run(*a)
+    runner.graph_runner.run = lambda *a, **k: replays.append(len(a[0])) or run(*a, **k)
     max_tokens = [24, 21, 18, 15, 12, 27]  # staggered finishes: decode batches of 4, 3, 2, 1
     expected = _greedy(ref_engine, prompts, max_tokens)
     assert _greedy(fast_engine, prompts, max_tokens) == expected
