@@ -61,3 +61,33 @@ def test_explicit_ids_are_kept_and_not_reused():
     assert [p.backend_id for p in plan_backends(config, 0, False, 2)] == ["cpu1", "cpu0"]
     with pytest.raises(ConfigError, match="unique"):
         TandemConfig.validated({"backends": [{"id": "a"}, {"id": "a"}]})
+
+
+def test_engine_defaults_are_the_cluster_defaults():
+    from tandem.engine.config import EngineConfig
+
+    config, engine = TandemConfig(), EngineConfig()
+    assert (config.model, config.max_active, config.block_size) == (engine.model, engine.max_active, engine.block_size)
+
+
+def test_one_config_error_for_every_layer():
+    from tandem.routing import ConfigError as RoutingConfigError
+
+    assert ConfigError is RoutingConfigError
+
+
+def test_one_cache_root_for_models_and_rates(tmp_path, monkeypatch):
+    from tandem.engine.model.loader import models_cache_dir
+
+    monkeypatch.delenv("TANDEM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models_cache_dir() == tmp_path / "xdg" / "tandem" / "models"
+    assert TandemConfig().rates_cache == tmp_path / "xdg" / "tandem" / "rates-cache.json"
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "mine"))
+    assert models_cache_dir() == tmp_path / "mine" / "models"
+    assert TandemConfig().rates_cache == tmp_path / "mine" / "rates-cache.json"
+
+
+def test_quiet_defaults():
+    config = TandemConfig()
+    assert (config.routing_log, config.access_log, config.log_level) == (None, False, "warning")
