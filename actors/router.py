@@ -119,6 +119,10 @@ class RouterActor:
             self.routed.pop(req_id, None)
         logger.warning("router: dropped backend %s (%s); %d queued and %d active requests fail over at "
                        "their callers", backend_id, reason, len(removed.queued), len(removed.active))
+        # Nothing is pending on a backend that is out of routing; its gauges would otherwise
+        # keep their last values until it rejoins.
+        self.metrics.set("tandem_router_pending_seconds", 0.0, tags={"backend": backend_id})
+        self.metrics.set("tandem_router_pending_requests", 0, tags={"backend": backend_id})
         self._export_membership()
 
     async def set_policy(self, policy: str, cordoned: list[str] = ()) -> None:
@@ -180,9 +184,15 @@ class RouterActor:
                 for backend_id, b in self.backends.items()}
 
     async def forget(self, req_id: str) -> bool:
-        """The caller gave up on a request before its backend reported it finished."""
+        """The caller gave up on a request before its backend reported it finished (its client
+        went away, or it failed). The pending gauges follow the ledger at once: they would
+        otherwise show the request until the backend's next report, which an idle backend
+        never sends."""
         self.routed.pop(req_id, None)
-        return self.router.forget(req_id)
+        found = self.router.forget(req_id)
+        if found:
+            self._export_pending()
+        return found
 
     def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
         if self._log is None:

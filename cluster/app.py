@@ -1,11 +1,22 @@
 """The Ray Serve ingress: an OpenAI-compatible HTTP API in front of the router and backends.
 
 Each request is handled in this order, each step able to answer with an OpenAI-shaped error:
-size (413) -> API key (401) -> JSON and fields (400) -> model name (404) -> admission (429) ->
-tokenize and check the context (400) -> route and wait for the backend to admit it (400 if the
-engine rejects it, 503 if no backend can take it) -> respond. Only then does a streamed
-response start, so its status code is still meaningful; the serving backend is named in the
-`x-tandem-backend` header and in a `tandem` field of every response and chunk.
+API key (401) -> `Content-Type: application/json` (415) -> the body, read in chunks and cut
+off at the size limit (413) -> JSON, bounded in depth and number size, and fields, each
+range-checked (400) -> model name (404) -> admission (429) -> tokenize and check the context
+(400) -> route and wait for the backend to admit it (400 if the engine rejects it, 503 if no
+backend can take it) -> respond. Only then does a streamed response start, so its status code
+is still meaningful; the serving backend is named in the `x-tandem-backend` header and in a
+`tandem` field of every response and chunk. Unknown routes answer 401 before 404 when a key is
+set, so they do not reveal which routes exist.
+
+Errors are raised as one exception class per meaning (cluster/dispatch.py's, plus the few only
+HTTP has, below) and translated into a status code, an OpenAI error type and, for 429 and 503,
+a `Retry-After` once, in `HTTP_ERRORS`. A body never carries internals (tracebacks, pids, actor
+ids): an error's `detail` goes to the server log under the request id that the body's
+`error.request_id` and the `x-tandem-request-id` header also carry. Requiring the JSON content
+type matters beyond tidiness: browsers send `text/plain` cross-site without a preflight, so
+accepting it would let any web page drive a server that runs without a key.
 
 The ingress holds no model state beyond the tokenizer, which it gets from a backend at start
 (the engine's own tokenizer object, so prompts tokenize exactly as `tandem generate` does).
@@ -18,6 +29,7 @@ uses is defined above it: Serve serializes the class when it is decorated.)
 """
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -30,9 +42,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from tandem.cluster.dispatch import RequestFailed, RequestStream
+from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
+from tandem.cluster.metrics_route import metrics_response
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
     AssistantMessage,
@@ -50,14 +65,23 @@ from tandem.cluster.protocol import (
     TandemInfo,
     UsageInfo,
     error_body,
+    parse_json_object,
 )
-from tandem.cluster.tokenize import encode_chat, encode_prompt
+from tandem.engine.tokenizer import encode_chat, encode_prompt
 
 logger = logging.getLogger("tandem.app")
 
 BACKEND_HEADER = "x-tandem-backend"
 REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Retry-After: a full admission queue drains within about a request's time; a failed backend's
+# requests fail over at once, and a restarted backend rejoins in seconds (docs/cluster.md).
+OVERLOADED_RETRY_AFTER_S = 1
+UNAVAILABLE_RETRY_AFTER_S = 2
+MAX_ECHOED_CHARS = 64  # of a client's own value quoted back in an error message
+CLIENT_CLOSED_REQUEST = 499  # nginx's code, in the request counter only: no client reads it
+CATCH_ALL = "/{path:path}"
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
 
@@ -72,33 +96,167 @@ class IngressSettings:
     max_route_attempts: int = 3
 
 
-class ApiError(Exception):
-    def __init__(self, status_code: int, message: str, error_type: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code, self.message, self.error_type, self.param, self.code = (
-            status_code, message, error_type, param, code)
+class Unauthorized(RequestFailed):
+    """No API key, or the wrong one."""
 
-    @classmethod
-    def from_failure(cls, failure: RequestFailed) -> "ApiError":
-        return cls(failure.status_code, failure.message, failure.error_type, failure.param, failure.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.error_type, self.param, self.code),
-                            status_code=self.status_code, headers=headers)
+class RouteNotFound(RequestFailed):
+    """No such endpoint."""
+
+
+class MethodNotAllowed(RequestFailed):
+    """The endpoint exists, but not for this HTTP method."""
+
+
+class ModelNotFound(RequestFailed):
+    """The request names a model this server does not serve."""
+
+
+class PayloadTooLarge(RequestFailed):
+    """The body is over the size limit."""
+
+
+class UnsupportedMediaType(RequestFailed):
+    """A POST body that does not say it is UTF-8 JSON."""
+
+
+class Overloaded(RequestFailed):
+    """The admission limit is reached; the request was not queued."""
+
+
+# Every error class -> (HTTP status, OpenAI error type, Retry-After seconds or None); a class
+# not listed takes its nearest listed base's entry.
+HTTP_ERRORS: dict[type[RequestFailed], tuple[int, str, int | None]] = {
+    InvalidRequest: (400, "invalid_request_error", None),
+    Unauthorized: (401, "invalid_request_error", None),
+    RouteNotFound: (404, "not_found_error", None),
+    ModelNotFound: (404, "invalid_request_error", None),
+    MethodNotAllowed: (405, "invalid_request_error", None),
+    PayloadTooLarge: (413, "invalid_request_error", None),
+    UnsupportedMediaType: (415, "invalid_request_error", None),
+    Overloaded: (429, "rate_limit_error", OVERLOADED_RETRY_AFTER_S),
+    BackendUnavailable: (503, "service_unavailable", UNAVAILABLE_RETRY_AFTER_S),
+    RequestFailed: (500, "internal_error", None),
+}
+
+
+def http_error(exc: RequestFailed) -> tuple[int, str, int | None]:
+    return next(HTTP_ERRORS[cls] for cls in type(exc).__mro__ if cls in HTTP_ERRORS)
+
+
+def error_response(exc: RequestFailed, request_id: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one translation of an error into an HTTP answer; its detail goes to the log only."""
+    status, error_type, retry_after_s = http_error(exc)
+    _log_failure(exc, request_id, status)
+    headers = {REQUEST_ID_HEADER: request_id, **(headers or {})}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(retry_after_s)
+    body = error_body(exc.message, error_type, exc.param, exc.code, request_id)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_event(exc: RequestFailed, request_id: str) -> dict[str, Any]:
+    """The same error as the last event of a stream that already started."""
+    status, error_type, _ = http_error(exc)
+    _log_failure(exc, request_id, status)
+    return error_body(exc.message, error_type, exc.param, exc.code, request_id)
+
+
+def _log_failure(exc: RequestFailed, request_id: str, status: int) -> None:
+    if status >= 500 or exc.detail:
+        logger.warning("request %s: %d %s: %s%s", request_id, status, type(exc).__name__, exc.message,
+                       f" ({exc.detail})" if exc.detail else "")
+    else:
+        logger.info("request %s: %d %s: %s", request_id, status, type(exc).__name__, exc.message)
+
+
+def _internal(request_id: str) -> RequestFailed:
+    return RequestFailed(f"internal error; the server logged it under request id {request_id}")
+
+
+def _echo(value: str) -> str:
+    """A client's value quoted back, short enough for an error message."""
+    return repr(value if len(value) <= MAX_ECHOED_CHARS else value[:MAX_ECHOED_CHARS] + "...")
+
+
+def _new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 @api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    failure = {404: RouteNotFound, 405: MethodNotAllowed}.get(exc.status_code, InvalidRequest)
+    return error_response(failure(f"{request.method} {request.url.path[:MAX_ECHOED_CHARS]}: "
+                                  f"{'not found' if exc.status_code == 404 else 'not allowed'}"),
+                          _new_request_id())
 
 
 @api.exception_handler(Exception)
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s", request.url.path)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
-                        status_code=500)
+async def _unhandled_exception(request: Request, exc: Exception) -> JSONResponse:
+    request_id = _new_request_id()
+    logger.error("request %s: unhandled error on %s", request_id, request.url.path, exc_info=exc)
+    return error_response(_internal(request_id), request_id)
+
+
+class _DisconnectAsMessage:
+    """ASGI middleware: Serve's `receive` raises `TaskCancelledError` once the proxy cancels a
+    request whose client hung up; ASGI spells that an `http.disconnect` message, which Starlette
+    handles as what it is (a streamed response stops, a body read raises `ClientDisconnect`)
+    instead of logging an unhandled error for every client that went away."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def receive_or_disconnect() -> dict[str, Any]:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
+
+
+api.add_middleware(_DisconnectAsMessage)
+
+
+def _route_path(scope: Any) -> str:
+    """The path as the app's routes see it: without the application's route prefix."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+def check_content_type(request: Request) -> None:
+    """POST bodies must say they are JSON (`application/json`, optionally `; charset=utf-8`)."""
+    value = request.headers.get("content-type", "")
+    media_type, _, parameters = value.partition(";")
+    if media_type.strip().lower() != "application/json":
+        raise UnsupportedMediaType("the request body must be sent with 'Content-Type: application/json'",
+                                   code="unsupported_media_type")
+    for parameter in parameters.split(";"):
+        name, _, charset = parameter.partition("=")
+        if name.strip().lower() == "charset" and charset.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise UnsupportedMediaType("the request body must be UTF-8 JSON", code="unsupported_media_type")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk and refused as soon as it passes `limit` bytes, so a huge
+    body costs no more memory than the limit whatever its declared length."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit}",
+                              code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes",
+                                  code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass
@@ -165,8 +323,16 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def _with_known_paths(cls: type) -> type:
+    """Record the paths the class's routes serve, read from the app before Serve's ingress
+    rebuilds it, so the catch-all route can tell a wrong method (405) from no route (404)."""
+    cls.known_paths = frozenset(route.path for route in api.routes if getattr(route, "path", CATCH_ALL) != CATCH_ALL)
+    return cls
+
+
 @serve.deployment(name="TandemIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(api)
+@_with_known_paths
 class TandemIngress:
     def __init__(self, router: Any, tokenizer: Any, settings: IngressSettings) -> None:
         self.router = router
@@ -180,19 +346,27 @@ class TandemIngress:
     async def health(self) -> JSONResponse:
         try:
             infos = await asyncio.wait_for(self.router.backend_infos.remote(), timeout=5.0)
-        except Exception as exc:  # the router itself is unreachable
-            return JSONResponse({"status": "unavailable", "error": f"router unreachable: {exc}"}, 503)
+        except Exception:  # the router itself is unreachable
+            logger.warning("health: the router is unreachable", exc_info=True)
+            return JSONResponse({"status": "unavailable", "error": "the router is unreachable"}, 503,
+                                headers={"retry-after": str(UNAVAILABLE_RETRY_AFTER_S)})
         body = {"status": "ok" if infos else "unavailable", "model": self.settings.served_model_name,
                 "num_pending": self.num_pending,
                 "backends": {bid: {"device": i.device, "instance_id": i.instance_id} for bid, i in infos.items()}}
-        return JSONResponse(body, status_code=200 if infos else 503)
+        headers = None if infos else {"retry-after": str(UNAVAILABLE_RETRY_AFTER_S)}
+        return JSONResponse(body, status_code=200 if infos else 503, headers=headers)
+
+    @api.get("/metrics")
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus text of this node's metrics port, open like /health (cluster/metrics_route.py)."""
+        return await metrics_response()
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-        except ApiError as exc:
-            return exc.response()
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
         return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name)]).model_dump())
 
     @api.post("/v1/completions")
@@ -207,70 +381,75 @@ class TandemIngress:
     async def _handle(self, request: Request, model_cls: type, chat: bool) -> Response:
         arrival_time = time.time()
         endpoint = request.url.path
+        req_id = _new_request_id("chatcmpl" if chat else "cmpl")
+        stream: RequestStream | None = None
+        admitted = handed_over = False
         try:
             body = await self._parse(request, model_cls)
+            self._admit()
+            admitted = True
             prompt_token_ids, params = self._prepare(body, chat)
-        except ApiError as exc:
-            self._count(endpoint, exc.status_code)
-            return exc.response()
-        self.num_pending += 1
-        self.metrics.set("tandem_http_pending_requests", self.num_pending)
-        req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
-                               self.settings.max_route_attempts)
-        handed_over = False
-        try:
+            stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
+                                   self.settings.max_route_attempts)
             await stream.open()
             if body.stream:
-                handed_over = True
                 response = self._streaming_response(stream, body, chat)
+                handed_over = True
             else:
                 response = await self._full_response(stream, body, chat)
             self._count(endpoint, 200)
             return response
         except RequestFailed as exc:
-            self._count(endpoint, exc.status_code)
-            return ApiError.from_failure(exc).response(_headers(stream))
+            return self._failed(exc, req_id, endpoint, stream)
+        except ClientDisconnect:  # gone while sending the body: nobody to answer
+            self._count(endpoint, CLIENT_CLOSED_REQUEST)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception:  # a bug: the client gets a 500 with the request id, the log the trace
+            logger.exception("request %s: unhandled error", req_id)
+            return self._failed(_internal(req_id), req_id, endpoint, stream)
         finally:
             if not handed_over:
-                await stream.close()
-                self._release()
+                if stream is not None:
+                    await stream.close()
+                if admitted:
+                    self._release()
+
+    def _failed(self, exc: RequestFailed, req_id: str, endpoint: str, stream: RequestStream | None) -> Response:
+        response = error_response(exc, req_id, _headers(stream) if stream is not None else None)
+        self._count(endpoint, response.status_code)
+        return response
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
-        raw = await request.body()
-        if len(raw) > self.settings.max_request_bytes:
-            raise ApiError(413, f"request body is {len(raw)} bytes, over the limit of "
-                           f"{self.settings.max_request_bytes}", "invalid_request_error", code="request_too_large")
         self._check_auth(request)
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object", "invalid_request_error")
+        check_content_type(request)
+        data = parse_json_object(await read_body(request, self.settings.max_request_bytes))
         try:
             body = model_cls.model_validate(data)
         except ValidationError as exc:
             error = exc.errors()[0]
             param = ".".join(str(p) for p in error["loc"]) or None
             message = f"{param}: {error['msg']}" if param else error["msg"]
-            raise ApiError(400, message, "invalid_request_error", param=param) from None
+            raise InvalidRequest(message, param=param) from None
         if body.model != self.settings.served_model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.settings.served_model_name!r}", "invalid_request_error",
-                           param="model", code="model_not_found")
-        if self.num_pending >= self.settings.max_pending_requests:
-            raise ApiError(429, f"the server is at its limit of {self.settings.max_pending_requests} pending "
-                           "requests; retry shortly", "rate_limit_error", code="too_many_pending_requests")
+            raise ModelNotFound(f"the model {_echo(body.model)} does not exist; this server serves "
+                                f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
         return body
+
+    def _admit(self) -> None:
+        if self.num_pending >= self.settings.max_pending_requests:
+            raise Overloaded(f"the server is at its limit of {self.settings.max_pending_requests} pending "
+                             "requests; retry shortly", code="too_many_pending_requests")
+        self.num_pending += 1
+        self.metrics.set("tandem_http_pending_requests", self.num_pending)
 
     def _check_auth(self, request: Request) -> None:
         key = self.settings.api_key
         if key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {key}":
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           "invalid_request_error", code="invalid_api_key")
+        sent = request.headers.get("authorization", "").encode("latin-1")  # as Starlette decoded it
+        if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
+            raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
 
     def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any]:
         from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -278,34 +457,46 @@ class TandemIngress:
         prompt_token_ids = self._tokenize(body, chat)
         max_model_len = self.settings.max_model_len
         if len(prompt_token_ids) >= max_model_len:
-            raise ApiError(400, f"the prompt is {len(prompt_token_ids)} tokens; this model's context is "
-                           f"{max_model_len} tokens", "invalid_request_error",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
+            raise InvalidRequest(f"the prompt is {len(prompt_token_ids)} tokens; this model's context is "
+                                 f"{max_model_len} tokens", param="messages" if chat else "prompt",
+                                 code="context_length_exceeded")
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - len(prompt_token_ids) if chat else DEFAULT_COMPLETION_MAX_TOKENS
         if len(prompt_token_ids) + max_tokens > max_model_len:
-            raise ApiError(400, f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
-                           f"is over this model's context of {max_model_len} tokens", "invalid_request_error",
-                           param="max_tokens", code="context_length_exceeded")
+            raise InvalidRequest(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
+                                 f"is over this model's context of {max_model_len} tokens", param="max_tokens",
+                                 code="context_length_exceeded")
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, stop=body.stop_list,
                                     ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), "invalid_request_error") from None
+            raise InvalidRequest(str(exc)) from None
         return prompt_token_ids, params
 
     def _tokenize(self, body: Any, chat: bool) -> list[int]:
         if chat:
-            return encode_chat(self.tokenizer, body.template_messages())
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise ApiError(400, "prompt must not be empty", "invalid_request_error", param="prompt")
-            return encode_prompt(self.tokenizer, body.prompt)
+            return self._encode_chat(body)
         if not body.prompt:
-            raise ApiError(400, "prompt must not be empty", "invalid_request_error", param="prompt")
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(body.prompt, str):
+            return encode_prompt(self.tokenizer, body.prompt)
         return list(body.prompt)
+
+    def _encode_chat(self, body: Any) -> list[int]:
+        """The messages through the model's chat template, which may refuse them (a template
+        can raise on, say, roles out of order): that is the request's fault, a 400."""
+        from jinja2 import TemplateError
+
+        try:
+            return encode_chat(self.tokenizer, body.template_messages())
+        except TemplateError as exc:
+            raise InvalidRequest(f"the model's chat template refused the messages: {str(exc)[:200]}",
+                                 param="messages") from None
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest("the messages could not be rendered with the model's chat template",
+                                 param="messages", detail=f"{type(exc).__name__}: {exc}") from None
 
     def _release(self) -> None:
         self.num_pending -= 1
@@ -360,18 +551,37 @@ class TandemIngress:
                     u = final.usage
                     yield _sse(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)))
             except RequestFailed as exc:
-                yield _sse(error_body(exc.message, exc.error_type, exc.param, exc.code))
+                yield _sse(error_event(exc, stream.req_id))
+            except Exception:  # a bug: the stream ends with an error event, the log has the trace
+                logger.exception("request %s: unhandled error mid-stream", stream.req_id)
+                yield _sse(error_event(_internal(stream.req_id), stream.req_id))
             yield "data: [DONE]\n\n"
         finally:
             await stream.close()  # at once, not when the response object is torn down
 
 
-def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log: bool = True) -> Any:
-    """The Serve application, ready for `serve.run`."""
-    deployment = TandemIngress
+    # -- everything else (keep this route the last one of the class) -------------------------
+    @api.api_route(CATCH_ALL, methods=ALL_METHODS, include_in_schema=False)
+    async def unknown_route(self, request: Request) -> Response:
+        """Any other method or path: 401 first when a key is set, so an unauthenticated client
+        cannot tell which routes exist; then 405 for a known path, else 404."""
+        try:
+            self._check_auth(request)
+            path = _route_path(request.scope)
+            if path in self.known_paths:
+                raise MethodNotAllowed(f"{request.method} is not allowed on {path}")
+            raise RouteNotFound(f"no such route: {request.method} {path[:MAX_ECHOED_CHARS]}")
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
+
+def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log: bool = True,
+              num_replicas: int = 1) -> Any:
+    """The Serve application, ready for `serve.run` (`num_replicas` ingress replicas, each
+    holding `settings.max_pending_requests` of the limit)."""
+    deployment = TandemIngress.options(num_replicas=num_replicas)
     if not access_log:
         deployment = deployment.options(logging_config={"enable_access_log": False})
     return deployment.bind(router, tokenizer, settings)
 
 
-__all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ApiError", "IngressSettings", "TandemIngress", "build_app"]
+__all__ = ["BACKEND_HEADER", "HTTP_ERRORS", "REQUEST_ID_HEADER", "IngressSettings", "TandemIngress", "build_app"]

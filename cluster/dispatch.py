@@ -19,28 +19,32 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tandem.actors.channel import open_stream
 from tandem.actors.messages import Admitted, BackendError, Decision
 
 logger = logging.getLogger("tandem.dispatch")
 
 
 class RequestFailed(Exception):
-    status_code = 500
-    error_type = "internal_error"
+    """A request could not be served, for a reason the server got wrong or cannot say.
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    One class per meaning; the HTTP edge maps each to a status code once (cluster/app.py).
+    `message` is for the client and never holds internals (a traceback's last line, a pid, an
+    actor id); `detail`, when set, is for the server log only.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.detail = message, param, code, detail
 
 
 class InvalidRequest(RequestFailed):
-    status_code = 400
-    error_type = "invalid_request_error"
+    """The request itself is wrong; sending it again unchanged will fail again."""
 
 
 class BackendUnavailable(RequestFailed):
-    status_code = 503
-    error_type = "service_unavailable"
+    """No backend could serve the request now (none alive, or the one serving it failed)."""
 
 
 class RequestStream:
@@ -78,24 +82,27 @@ class RequestStream:
                     self.req_id, self.prompt_token_ids, self.params.max_tokens, self.attempts)
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
-            self._gen = self.decision.handle.generate.options(num_returns="streaming").remote(
-                self.req_id, self.prompt_token_ids, self.params, self.arrival_time)
+            if self._gen is not None:
+                self._gen.close()
+            self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,
+                                    self.arrival_time)
             try:
-                first = await (await self._gen.__anext__())
-            except InvalidRequestError as exc:
+                first = await self._gen.next()
+            except InvalidRequestError as exc:  # the engine's own checks: messages meant for users
                 self.router.forget.remote(self.req_id)
+                self.finished = True
                 raise InvalidRequest(_cause_message(exc)) from None
             except ray.exceptions.RayActorError as exc:
                 last_error = f"backend {self.decision.backend_id} failed: {type(exc).__name__}"
                 await self._backend_failed(last_error)
                 continue
             if not isinstance(first, Admitted):
-                raise RequestFailed(f"backend {self.decision.backend_id} sent {type(first).__name__} "
-                                    "before admitting the request")
+                raise RequestFailed(f"backend {self.decision.backend_id} could not start the request",
+                                    detail=f"it sent {type(first).__name__} before admitting it")
             self.admitted = first
             return first
-        raise BackendUnavailable(f"request {self.req_id} could not be placed after "
-                                 f"{self.attempts} attempts; last error: {last_error}")
+        raise BackendUnavailable(f"the request could not be placed after {self.attempts} attempts; "
+                                 "retry it", detail=f"last error: {last_error}")
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""
@@ -103,10 +110,10 @@ class RequestStream:
 
         while not self.finished:
             try:
-                out = await (await self._gen.__anext__())
+                out = await self._gen.next()
             except StopAsyncIteration:
-                raise BackendUnavailable(f"backend {self.backend_id} ended request {self.req_id} "
-                                         "without finishing it") from None
+                raise BackendUnavailable(f"backend {self.backend_id} ended the request without "
+                                         "finishing it; retry it") from None
             except ray.exceptions.RayActorError as exc:
                 message = f"backend {self.backend_id} died while serving request {self.req_id}"
                 await self._backend_failed(f"{message}: {type(exc).__name__}")
@@ -117,18 +124,25 @@ class RequestStream:
                 raise BackendUnavailable(f"{message} after {self.num_output_tokens} tokens; retry "
                                          "the request") from None
             except BackendError as exc:
-                raise BackendUnavailable(_cause_message(exc)) from None
+                raise BackendUnavailable(f"backend {self.backend_id} failed while serving the request; "
+                                         "retry it", detail=_cause_message(exc)) from None
             self.num_output_tokens += len(out.new_token_ids)
             self.finished = out.finished
             yield out
 
     async def close(self) -> None:
-        """Abort the request on its backend unless it finished (e.g. the client went away)."""
-        if self.finished or self.decision is None:
+        """Free what the request holds unless it finished (e.g. the client went away): abort it
+        on its backend and drop it from the router's ledger. A caller cancelled while its route
+        call was in flight has no decision yet, but the router may have placed it all the same,
+        so the router hears of it whenever a route was asked for."""
+        if self._gen is not None:
+            self._gen.close()
+        if self.finished or self.attempts == 0:
             return
         self.finished = True
         try:
-            self.decision.handle.abort.remote(self.req_id)
+            if self.decision is not None:
+                self.decision.handle.abort.remote(self.req_id)
             self.router.forget.remote(self.req_id)
         except Exception:  # the backend or router is gone: nothing left to free
             logger.debug("abort of %s after close failed", self.req_id, exc_info=True)

@@ -151,3 +151,33 @@ def test_health_check_drops_a_dead_backend(tmp_path):
         return set(await router.list_backends())
 
     assert run(scenario()) == {"cpu0"}
+
+
+def pending_gauges(router: RouterActor) -> dict[str, float]:
+    """backend -> the last value the router set on its pending-requests gauge."""
+    return {dict(tags)["backend"]: value for (name, tags), value in router.metrics._gauges.items()
+            if name == "tandem_router_pending_requests"}
+
+
+def test_forget_and_a_dropped_backend_leave_the_pending_gauges_truthful(tmp_path):
+    """A request its caller gave up on leaves the gauge at once, not at the next report (an idle
+    backend sends none), and a dropped backend's gauges read 0, not their last value."""
+
+    async def scenario():
+        router, gpu, cpu = make_router(tmp_path)
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        decision = await router.route("r1", list(range(64)), 16)
+        routed = pending_gauges(router)[decision.backend_id]
+        assert await router.forget("r1") and not await router.forget("r1")
+        forgotten = pending_gauges(router)[decision.backend_id]
+        victim = (await router.route("r2", list(range(100, 164)), 16)).backend_id
+        busy = dict(pending_gauges(router))
+        await router.backend_failed(victim, "i1", "test")
+        return routed, forgotten, victim, busy, pending_gauges(router), await router.pending_summary()
+
+    routed, forgotten, victim, busy, after_drop, summary = run(scenario())
+    survivor = ({"cuda0", "cpu0"} - {victim}).pop()
+    assert (routed, forgotten) == (1, 0)
+    assert busy[victim] == 1 and after_drop == {victim: 0, survivor: busy[survivor]}
+    assert set(summary) == {survivor}

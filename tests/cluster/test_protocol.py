@@ -1,11 +1,20 @@
-"""OpenAI request validation: what is accepted, and that errors name the field."""
+"""OpenAI request validation: what is accepted, that errors name the field, and that the body
+parser turns hostile JSON into `InvalidRequest` (a 400 at the edge), never another exception."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from tandem.cluster.dispatch import InvalidRequest
+from tandem.cluster.protocol import (
+    MAX_JSON_DEPTH,
+    MAX_SEED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    parse_json_object,
+)
 
 
 def test_completion_defaults_and_extras():
@@ -30,10 +39,26 @@ def test_completion_defaults_and_extras():
     ({"prompt": 5}, "prompt"),
     ({"model": 3}, "model"),
     ({"logprobs": 1}, "logprobs"),
+    ({"seed": MAX_SEED + 1}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"min_tokens": 2**40}, "min_tokens"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [2**31]}, "prompt"),
 ])
 def test_completion_rejects(patch, field):
     with pytest.raises(ValidationError, match=field):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", **patch})
+
+
+def test_seed_takes_the_whole_unsigned_64_bit_range():
+    """The engine seeds a torch.Generator, whose manual_seed takes [0, 2**64 - 1]."""
+    import torch
+
+    for seed in (0, 2**63, MAX_SEED):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": "hi", "seed": seed}).seed == seed
+        assert torch.Generator().manual_seed(seed).initial_seed() == seed
 
 
 def test_chat_messages():
@@ -59,3 +84,34 @@ def test_usage_carries_cached_tokens():
     usage = UsageInfo.of(10, 5, 8).model_dump()
     assert usage == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                      "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"[" * 50_000 + b"]" * 50_000, "nested deeper"),
+    (b'{"a": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}", "nested deeper"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "digits"),
+    (b'{"temperature": 1' + b"0" * 70 + b".5}", "digits"),
+    (b'{"temperature": 1e999}', "out of range"),
+    (b'{"temperature": NaN}', "NaN"),
+    (b'{"temperature": -Infinity}', "Infinity"),
+    (b'{"prompt": "\\ud800"}', "lone surrogate"),
+    (b'{"prompt": ["ok", {"x": "\\udfff"}]}', "lone surrogate"),
+    (b'{"\\ud800": 1}', "lone surrogate"),
+    (b'{"prompt": "\xff"}', "UTF-8"),
+    ("{}".encode("utf-16"), "UTF-8"),
+    (b'{"prompt": ', "not valid JSON"),
+    (b"", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'"text"', "JSON object"),
+])
+def test_hostile_json_is_an_invalid_request(raw, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_json_object(raw)
+
+
+def test_text_that_looks_like_structure_is_just_text():
+    """Brackets, digits and escaped surrogate pairs inside strings are content, not structure."""
+    deep = "[" * 1000 + "{" * 1000
+    raw = ('{"prompt": "' + deep + '\\"' + "1" * 100 + '", "stop": ["\\ud83d\\ude00"], "seed": 18446744073709551615}')
+    data = parse_json_object(raw.encode())
+    assert data == {"prompt": deep + '"' + "1" * 100, "stop": ["\U0001f600"], "seed": MAX_SEED}
