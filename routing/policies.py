@@ -19,13 +19,15 @@ Policies get the request too (`choose(scores, request)`); only `prefix-affinity`
 
 The recompute term. The score is the new request's completion time on a backend; it does not
 see that recomputing a prefix another backend already holds is work the system did not need:
-GPU time every later request on that backend waits for. Greedy on the score alone, `cost` gave
-up a hit whenever the holder's queue was a little longer, and under saturating multi-tenant
-load those avoidable prefills were what saturated it (route-sim: TTFT p50 about 1 s against
+device time that the requests running there stall for (prefill goes first) and that every
+later request on that backend queues behind. Greedy on the score alone, `cost` gave up a hit
+whenever the holder's queue was a little longer, and under saturating multi-tenant load those
+avoidable prefills were what saturated it (route-sim: TTFT p50 about 1 s against
 prefix-affinity's 0.6 s). The router therefore adds, for each backend,
 `recompute_weight x (largest reusable prefix among the routable backends - this backend's) /
-its prefill rate` (`BackendScore.recompute_term_s`; weight 1 by default, 0 restores the
-spec's plain score). Where every backend reports the same prefix, as in the spec's worked
+its prefill rate` (`BackendScore.recompute_term_s`). The weight is 2 by default: of 1, 1.5
+and 2, the best on the route-sim tenants grid over three seeds (docs/routing.md); 0 restores
+the spec's plain score. Where every backend reports the same prefix, as in the spec's worked
 example, the term is zero.
 
 `prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first

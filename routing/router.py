@@ -72,7 +72,7 @@ class Router:
         calibration: CalibrationConfig | None = None,
         spill_guard: SpillGuard | None = None,
         prefix_affinity: PrefixAffinityConfig | None = None,
-        recompute_weight: float = 1.0,
+        recompute_weight: float = 2.0,
         inflight_prefixes: bool = True,
     ) -> None:
         if recompute_weight < 0:

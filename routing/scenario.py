@@ -63,7 +63,7 @@ class Scenario:
     calibration: CalibrationConfig | None = None
     spill_guard: SpillGuard | None = None
     prefix_affinity: PrefixAffinityConfig | None = None
-    recompute_weight: float = 1.0
+    recompute_weight: float = 2.0
     inflight_prefixes: bool = True
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
@@ -183,7 +183,7 @@ class _RouterModel(BaseModel):
     calibration: _CalibrationModel | None = None
     spill_guard: _SpillGuardModel | None = None
     prefix_affinity: _PrefixAffinityModel | None = None
-    recompute_weight: float = Field(1.0, ge=0)  # 0: the spec's plain score
+    recompute_weight: float = Field(2.0, ge=0)  # 0: the spec's plain score
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
 
 

@@ -13,7 +13,7 @@ PROMPT = 1040  # the prefix plus one unique block
 
 
 def tenant_request(n: int, cached: dict[str, int] | None = None) -> RouteRequest:
-    return RouteRequest(f"r{n}", PROMPT, 32, cached or {}, block_hashes=PREFIX + (1000 + n,), block_size=16)
+    return RouteRequest(f"r{n}", PROMPT, 64, cached or {}, block_hashes=PREFIX + (1000 + n,), block_size=16)
 
 
 def two_gpus(**options) -> Router:
@@ -36,16 +36,16 @@ def test_lookup_follows_the_engine_rule():
 
 def test_burst_of_one_tenant_lands_on_one_backend_while_it_has_capacity():
     """No backend has reported the prefix yet. r1 goes to cuda0; from then on cuda0 has the prefix
-    in flight, so r2..r4 cost 16 prefill tokens there but 1,040 (plus the recompute term) on cuda1:
-    cuda0 rank = 0.104 + 0.0016 (n - 1) + 0.032 n against cuda1's 0.104 + 0.032 + 0.1024, which
-    holds for n <= 4; the 5th request's decode wait tips it to cuda1."""
+    in flight, so r2..r4 cost 16 prefill tokens there but 1,040 (plus the recompute term, 2 x
+    1,024 tokens) on cuda1: cuda0 rank = 0.104 + 0.0016 (n - 1) + 0.064 n against cuda1's
+    0.104 + 0.064 + 0.2048, lower for n <= 4; the 5th request's decode wait tips it to cuda1."""
     router = two_gpus()
     chosen = [router.route(tenant_request(n)) for n in range(1, 7)]
     assert [d.backend_id for d in chosen] == ["cuda0"] * 4 + ["cuda1", "cuda1"]
     r2 = chosen[1].per_backend
     assert (r2["cuda0"].num_cached_tokens, r2["cuda0"].num_inflight_cached_tokens) == (1024, 1024)
-    assert r2["cuda1"].recompute_term_s == pytest.approx(1024 / 10_000)
-    assert r2["cuda0"].rank_s == pytest.approx((1040 + 16) / 10_000 + 64 / 1_000)
+    assert r2["cuda1"].recompute_term_s == pytest.approx(2 * 1024 / 10_000)
+    assert r2["cuda0"].rank_s == pytest.approx((1040 + 16) / 10_000 + 128 / 1_000)
     # Queued requests keep the discount they were routed with.
     assert [e.num_prefill_tokens_est for e in router.ledger("cuda0").entries.values()] == [1040, 16, 16, 16]
 
@@ -79,7 +79,7 @@ def test_reported_prefix_and_inflight_prefix_take_the_larger():
     scores = {s.backend_id: s for s in router.score(tenant_request(1, {"cuda0": 64, "cuda1": 512}))}
     assert (scores["cuda0"].num_cached_tokens, scores["cuda0"].num_inflight_cached_tokens) == (160, 160)
     assert scores["cuda1"].num_cached_tokens == 512
-    assert scores["cuda0"].recompute_term_s == pytest.approx((512 - 160) / 10_000)
+    assert scores["cuda0"].recompute_term_s == pytest.approx(2 * (512 - 160) / 10_000)
     assert scores["cuda1"].recompute_term_s == 0
 
 
