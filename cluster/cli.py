@@ -30,7 +30,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _ray_env_defaults()
-    return int(importlib.import_module(args._module).run(args) or 0)
+    return int(import_subcommand(args._module).run(args) or 0)
+
+
+def import_subcommand(module_name: str):
+    """The subcommand's module. `bench` is not installed with Tandem: it is found in the source
+    checkout this `tandem` package lives in (an editable install), else the user is told."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench":
+            raise
+    from tandem import _CHECKOUT_ROOT
+
+    if not (_CHECKOUT_ROOT / "bench" / "__init__.py").is_file():
+        raise SystemExit("error: `tandem bench` runs from a source checkout (pip install -e .): the benchmark "
+                         "suite is not part of the installed package")
+    sys.path.insert(0, str(_CHECKOUT_ROOT))
+    return importlib.import_module(module_name)
 
 
 def _ray_env_defaults() -> None:
@@ -52,7 +69,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module_name)
         if name == chosen:
-            importlib.import_module(module_name).add_arguments(sub_parser)
+            import_subcommand(module_name).add_arguments(sub_parser)
     return parser
 
 
