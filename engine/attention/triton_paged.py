@@ -28,6 +28,12 @@ from tandem.engine.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
+# Launch settings (tiles of BLOCK_N context tokens, warps, pipeline stages, and how many
+# programs a decode launch aims for by splitting contexts), measured on the H200 with
+# `python -m bench.attention_sweep`; each launch reads them, so a sweep can change them.
+DECODE_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs": 1024, "max_splits": 16}
+PREFILL_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -257,9 +263,9 @@ def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         meta.block_size,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=PREFILL_TUNING["block_n"],
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WORK_LIST=work_list, num_warps=4,
+        WORK_LIST=work_list, num_warps=PREFILL_TUNING["num_warps"], num_stages=PREFILL_TUNING["num_stages"],
     )
 
 
@@ -285,8 +291,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         meta.block_size,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_TUNING["block_n"],
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=DECODE_TUNING["num_warps"], num_stages=DECODE_TUNING["num_stages"],
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(num_tokens, num_heads)](
@@ -296,11 +303,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     return out
 
 
-def num_decode_splits(num_reqs: int, num_kv_heads: int, target_programs: int = 1024) -> int:
+def num_decode_splits(num_reqs: int, num_kv_heads: int, target_programs: int | None = None) -> int:
     """Splits per context so a decode launch has ~8 programs per SM (a program is latency-bound:
     more in flight hide more of it); 1 once the batch alone fills the GPU."""
+    if target_programs is None:
+        target_programs = DECODE_TUNING["target_programs"]
     splits = max(1, target_programs // max(1, num_reqs * num_kv_heads))
-    return min(16, 1 << (splits.bit_length() - 1))
+    return min(DECODE_TUNING["max_splits"], 1 << (splits.bit_length() - 1))
 
 
 def _check_cache_layout(kv_cache: torch.Tensor) -> None:
