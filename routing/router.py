@@ -148,9 +148,12 @@ class Router:
         recompute term is relative to the routable (not cordoned) backends."""
         scores = []
         for backend_id, state in self._backends.items():
-            num_inflight = state.inflight.num_cached_tokens(
-                request.block_hashes, request.num_prompt_tokens, request.block_size)
-            num_cached = max(request.num_cached_tokens.get(backend_id, 0), num_inflight)
+            num_cached = request.num_cached_tokens.get(backend_id, 0)
+            num_inflight = 0
+            if request.block_hashes and state.inflight.hash_to_count:
+                num_inflight = state.inflight.num_cached_tokens(
+                    request.block_hashes, request.num_prompt_tokens, request.block_size)
+                num_cached = max(num_cached, num_inflight)
             scores.append(score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
@@ -161,12 +164,12 @@ class Router:
     def _add_recompute_terms(self, scores: list[BackendScore]) -> None:
         """Charge each backend for recomputing a prefix a routable backend already holds
         (routing/policies.py says why)."""
-        routable = [s.num_cached_tokens for s in scores if not self._backends[s.backend_id].cordoned]
-        if not routable or self._recompute_weight == 0:
+        if self._recompute_weight == 0:
             return
-        top = max(routable)
+        top = max((s.num_cached_tokens for s in scores if not self._backends[s.backend_id].cordoned), default=0)
         for s in scores:
-            s.recompute_term_s = self._recompute_weight * max(0, top - s.num_cached_tokens) / s.prefill_tok_s
+            if s.num_cached_tokens < top:
+                s.recompute_term_s = self._recompute_weight * (top - s.num_cached_tokens) / s.prefill_tok_s
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued."""
