@@ -12,6 +12,15 @@ predict batched completion time. With a batch-aware profile the decode rate is t
 rate at the batch size the backend would run with the new request on it,
 `min(max_active, num_active + num_queued + 1)`; without one it is `decode_tok_s`, exactly the
 spec's formula. Inputs are the ledger's running sums, so this is O(1) per backend.
+
+With a batch-aware profile the decode term is also at least the new request's own decode:
+`max_tokens` steps of that batch, `max_tokens x batch / rate(batch)`. Summed budgets over the
+aggregate rate are the time to drain the batch if it stayed that size, but it shrinks as its
+requests finish and the new request, with the largest budget, runs last at a low batch rate;
+on a GPU whose aggregate rate grows almost linearly with the batch, the plain sum made a busy
+backend look faster than an idle one and piled requests onto it (route-sim showed one GPU
+taking 3 of every 4 requests of a light multi-tenant load, with a worse E2E p95). Without a
+table the plain formula is kept, so the spec's worked example is unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +59,9 @@ def score_backend(
     decode_rate = decode_rate_for(rates, spec.max_active, len(ledger) + 1)
     prefill_term_s = num_prefill_tokens / rates.prefill_tok_s
     decode_term_s = num_decode_tokens / decode_rate
+    if rates.is_batch_aware:
+        batch_size = max(1, min(spec.max_active, len(ledger) + 1))
+        decode_term_s = max(decode_term_s, max_tokens * batch_size / decode_rate)
     return BackendScore(
         backend_id=spec.backend_id,
         device_kind=spec.device_kind,
