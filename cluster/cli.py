@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -41,12 +42,11 @@ def import_subcommand(module_name: str):
     except ModuleNotFoundError as exc:
         if exc.name != "bench":
             raise
-    from tandem import _CHECKOUT_ROOT
-
-    if not (_CHECKOUT_ROOT / "bench" / "__init__.py").is_file():
+    checkout = Path(__file__).resolve().parents[1]  # cluster/cli.py in a checkout; tandem/cluster/ installed
+    if not (checkout / "bench" / "__init__.py").is_file():
         raise SystemExit("error: `tandem bench` runs from a source checkout (pip install -e .): the benchmark "
                          "suite is not part of the installed package")
-    sys.path.insert(0, str(_CHECKOUT_ROOT))
+    sys.path.insert(0, str(checkout))
     return importlib.import_module(module_name)
 
 
