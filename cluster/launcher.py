@@ -208,6 +208,7 @@ def connect(address: str = "auto", namespace: str = "tandem") -> Tandem:
     ray_env_defaults()
     owns_ray = False
     if not ray.is_initialized():
+        quiet_ray_notices()
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
         owns_ray = True
     try:
