@@ -144,9 +144,10 @@ async def bystanders(http: httpx.AsyncClient, scale: Scale) -> list[Streamed]:
                                   for i in range(scale.num_bystanders)))
 
 
-async def chaos_client(http: httpx.AsyncClient, rng: random.Random) -> str:
+async def chaos_client(http: httpx.AsyncClient, rng: random.Random, backend_may_die: bool = False) -> str:
     """One client that gives up at a random moment; returns what happened to it. A client that
-    sees an error from the server (5xx, an error event) fails the test through `outcomes`."""
+    sees an error from the server (5xx, an error event) fails the test through `outcomes`,
+    unless `backend_may_die` and the error is the 503 of a backend that died under it."""
     kind = rng.choice(["before_admission", "after_first_token", "mid_stream", "timeout"])
     path = rng.choice([COMPLETIONS, CHAT])
     body = {"model": MODEL, "max_tokens": rng.randint(8, 200), "temperature": rng.choice([0, 0.8]),
@@ -170,6 +171,8 @@ async def chaos_client(http: httpx.AsyncClient, rng: random.Random) -> str:
         return f"{kind}:timed out"
     if result.status == 429:
         return f"{kind}:429"
+    if backend_may_die and (result.error or {}).get("type") == "service_unavailable":
+        return f"{kind}:503"
     if result.status != 200 or result.error:
         return f"server error {result.status}: {result.error}"
     return f"{kind}:{'completed' if result.done else 'hung up'}"
@@ -355,7 +358,8 @@ def test_mixed_burst_loses_nothing(tiny, scale):
 def test_backend_killed_mid_stream(tiny):
     """Streams on the killed backend end with a 503 error event (or, before their first token,
     fail over and complete); streams on the other backend complete byte-identical to an
-    undisturbed run; the killed backend rejoins with a new instance id, the other never restarts."""
+    undisturbed run; clients that hang up while it all happens (during fail-over, too) leave
+    nothing behind; the killed backend rejoins with a new instance id, the other never restarts."""
     import ray
 
     victim, survivor = sorted(tiny.refresh_backends())
@@ -371,14 +375,18 @@ def test_backend_killed_mid_stream(tiny):
                                                   result=results[i])) for i in range(scale.num_bystanders)]
             while not any(r.backend == victim and r.num_events > 0 for r in results):
                 await asyncio.sleep(0.005)
+            rng = random.Random(16)
+            hanging_up = asyncio.gather(*(chaos_client(http, rng, backend_may_die=True) for _ in range(16)))
+            await asyncio.sleep(0.01)
             timings["killed"] = time.monotonic()
             ray.kill(tiny.backends[victim], no_restart=False)  # a crash: Ray restarts it
             while victim in await tiny.router.backend_infos.remote():
                 await asyncio.sleep(0.01)
             timings["dropped"] = time.monotonic()
-            return reference, await asyncio.gather(*tasks)
+            return reference, await asyncio.gather(*tasks), await hanging_up
 
-    reference, results = asyncio.run(asyncio.wait_for(scenario(), 10 * TIMEOUT_S))
+    reference, results, outcomes = asyncio.run(asyncio.wait_for(scenario(), 10 * TIMEOUT_S))
+    assert not [o for o in outcomes if o.startswith("server error")], outcomes
 
     def rejoined() -> bool:
         infos = ray.get(tiny.router.backend_infos.remote(), timeout=TIMEOUT_S)
@@ -403,5 +411,6 @@ def test_backend_killed_mid_stream(tiny):
     assert victim in served
     idle_s = wait_idle(tiny, "the cluster to be idle after the kill")
     report("kill", streams=len(results), cut=len(cut), completed=len(results) - len(cut),
+           clients_hanging_up={o: outcomes.count(o) for o in sorted(set(outcomes))},
            seconds_to_drop=round(timings["dropped"] - timings["killed"], 2), seconds_to_rejoin=round(rejoined_s, 2), seconds_to_idle_after=round(idle_s, 2),
            backend_restarts_besides_victim=int(after[survivor] != before[survivor]))

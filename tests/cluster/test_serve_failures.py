@@ -106,6 +106,7 @@ def test_admission_queue_answers_429_when_full(tandem):
         assert [s.status_code for s in streams] == [200] * limit
         r = client.post(COMPLETIONS, json=OK_COMPLETION)
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert r.headers["retry-after"] == "1"
     finally:
         for s in streams:
             s.close()
