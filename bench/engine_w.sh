@@ -3,8 +3,9 @@
 #   bench/engine_w.sh baseline   W alone: throughput, kernel time (profiled run), host phases
 #   bench/engine_w.sh check      GPU correctness tests, W (+ halved lengths) with its kernel time
 #                                and host phases, then the attention launch-settings sweep
-#   bench/engine_w.sh full       GPU correctness tests, every row of bench.throughput with its
-#                                busy share, the host phases on W, and the no-regression rows
+#   bench/engine_w.sh full       GPU correctness tests, then bench.throughput: the no-regression
+#                                rows, every row with its busy share, the host phases on W, and
+#                                W on the previous path (sync scheduling, eager mixed steps)
 # Tables go to stdout, JSON and logs under $OUT. Extra arguments go to bench.throughput.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT="${OUT:-out/engine_w}"
@@ -28,6 +29,6 @@ case "$mode" in
     timeout 30 python3 -m bench.attention_sweep --out "$OUT/attn" 2>&1 | tee "$OUT/attn.log" | quiet ;;
   full)
     gpu_tests "${TEST_TIMEOUT:-60}"
-    timeout "${TP_TIMEOUT:-140}" python3 -m bench.throughput --phases --regression --out "$OUT/tp" "${@:2}" 2>&1 \
-      | tee "$OUT/tp.log" | quiet ;;
+    timeout "${TP_TIMEOUT:-140}" python3 -m bench.throughput --phases --regression --ablation --out "$OUT/tp" \
+      "${@:2}" 2>&1 | tee "$OUT/tp.log" | quiet ;;
 esac

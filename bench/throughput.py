@@ -125,7 +125,8 @@ def kernel_time(engine, reqs, tag: str) -> dict:
         elif e > end:
             busy += e - end
             end = e
-    return {"profiled_wall_s": run["wall_s"], "profiled_tok_s": run["tok_s"], "kernel_s": round(busy / 1e9, 3),
+    return {"profiled_wall_s": run["wall_s"], "profiled_tok_s": run["tok_s"], "steps": run["steps"],
+            "generated": run["generated"], "preemptions": run["preemptions"], "kernel_s": round(busy / 1e9, 3),
             "num_kernels": len(intervals),
             "by_kind_s": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
@@ -253,19 +254,42 @@ def phase_breakdown(engine, reqs, tag: str) -> dict:
 
 
 # -- the rows -------------------------------------------------------------------------------
-def run_row(name: str, engine, seed: int, profile: bool, num_requests: int = NUM_REQUESTS) -> dict:
+def run_row(name: str, engine, seed: int, profile: bool, num_requests: int = NUM_REQUESTS,
+            plain: bool = False) -> dict:
+    """One row. Profiled rows take tok/s and busy share from the one profiled run (CUDA
+    activity only: the profiler added no measurable wall time to W); `plain` adds an
+    unprofiled run of the same requests, whose tok/s is then reported."""
     max_active, scale = ROWS[name]
     engine.set_max_active(max_active)
     reqs = workload(num_requests, scale, seed, engine.max_model_len)
-    run = drive(engine, reqs, f"{name}-{seed}")
-    row = {"row": name, "max_active": max_active, "scale": scale, **run}
+    row = {"row": name, "max_active": max_active, "scale": scale}
     if profile:
         prof = kernel_time(engine, reqs, f"{name}-{seed}p")
-        row["gpu_busy"] = round(prof["kernel_s"] / run["wall_s"], 3)
-        row["gpu_busy_profiled_run"] = round(prof["kernel_s"] / prof["profiled_wall_s"], 3)
-        row["profile"] = prof
+        row.update(requests=len(reqs), prompt_tokens=sum(len(p) for p, _ in reqs), generated=None,
+                   wall_s=prof["profiled_wall_s"], tok_s=prof["profiled_tok_s"], steps=prof["steps"],
+                   gpu_busy=round(prof["kernel_s"] / prof["profiled_wall_s"], 3), profile=prof)
+        row["generated"] = prof["generated"]
+    if plain or not profile:
+        run = drive(engine, reqs, f"{name}-{seed}")
+        row.update(run)
+        if profile:
+            row["gpu_busy_vs_plain_wall"] = round(row["profile"]["kernel_s"] / run["wall_s"], 3)
     print(f"[{name}] {row['tok_s']:,.0f} tok/s, wall {row['wall_s']} s, {row['steps']} steps, busy {row.get('gpu_busy')}",
           flush=True)
+    return row
+
+
+def ablation_row(engine, seed: int, num_requests: int) -> dict:
+    """W on the same engine with asynchronous scheduling off and prefill/mixed steps eager:
+    the previous path's loop, kept as the same-run baseline (decode steps still replay graphs)."""
+    runner = engine.model_runner
+    saved = engine.async_scheduling, runner.mixed_graph_runner
+    engine.async_scheduling, runner.mixed_graph_runner = False, None
+    try:
+        row = run_row("W", engine, seed, profile=False, num_requests=num_requests)
+    finally:
+        engine.async_scheduling, runner.mixed_graph_runner = saved
+    row["variant"] = "sync scheduling, eager prefill/mixed steps"
     return row
 
 
@@ -328,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled run (no GPU busy share)")
     ap.add_argument("--profile-rows", nargs="*", default=None, help="rows that get the profiled run (default: all)")
+    ap.add_argument("--plain-rows", nargs="*", default=["W"], help="profiled rows that also get an unprofiled run")
+    ap.add_argument("--ablation", action="store_true",
+                    help="W again with synchronous scheduling and eager prefill/mixed steps (the previous path)")
     ap.add_argument("--phases", action="store_true", help="also time the engine's host phases on W")
     ap.add_argument("--regression", action="store_true", help="also the decode B=4 and 48 x (516 -> 128) rows")
     ap.add_argument("--model", default=MODEL)
@@ -354,24 +381,27 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = {"machine": machine_info(None, args.device), **run_stamp(), "model": args.model, "engine": engine_kw,
               "kv_cache_gb": KV_CACHE_GB, "rows": []}
+    if args.regression:  # first: small engines, and the rows that must hold whatever else runs out of time
+        report["regression"] = regression_rows(engine_kw)
+        Path(args.out, "throughput.json").write_text(json.dumps(report, indent=1))
     t0 = time.perf_counter()
     engine = make_engine(max(ROWS[r][0] for r in args.rows), args.model, args.device, **engine_kw)
     report["engine_build_s"] = round(time.perf_counter() - t0, 1)
     warm_up(engine, seed=99)
     profile_rows = args.rows if args.profile_rows is None else args.profile_rows
     for name in args.rows:
-        row = run_row(name, engine, args.seed, not args.no_profile and name in profile_rows, args.num_requests)
+        row = run_row(name, engine, args.seed, not args.no_profile and name in profile_rows, args.num_requests,
+                      plain=name in args.plain_rows)
         row["variant"] = args.variant
         if args.phases and name == "W":
             reqs = workload(args.num_requests, 1.0, args.seed + 1, engine.max_model_len)
             row["phases"] = phase_breakdown(engine, reqs, "phases")
         report["rows"].append(row)
         Path(args.out, "throughput.json").write_text(json.dumps(report, indent=1))
+    if args.ablation:
+        report["rows"].append(ablation_row(engine, args.seed, args.num_requests))
+        Path(args.out, "throughput.json").write_text(json.dumps(report, indent=1))
     del engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if args.regression:
-        report["regression"] = regression_rows(engine_kw)
     Path(args.out, "throughput.json").write_text(json.dumps(report, indent=1))
     table = render(report)
     Path(args.out, "throughput.md").write_text(table)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.block_table import BlockTableMirror
 from tandem.engine.host_tensors import int_tensor
 
 
@@ -49,19 +50,19 @@ class CUDAGraphRunner:
     """Captured decode forwards (+ logits) for every bucket; `run` pads a batch into the smallest."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch_size: int,
-                 max_blocks_per_seq: int, block_size: int, pool=None) -> None:
+                 block_table: BlockTableMirror, block_size: int, pool=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.batch_sizes = bucket_sizes(max_batch_size)
+        self.block_table = block_table
         device = kv_caches[0].device
         n = self.batch_sizes[-1]
-        # Rows 0..3 of one buffer: input ids, positions, slots, context lengths. One host-to-device
-        # copy fills a step's rows of all four.
-        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=device)
+        # Rows 0..4 of one buffer: input ids, positions, slots, context lengths, block-table
+        # rows. One host-to-device copy fills a step's rows of all five.
+        self.inputs = torch.zeros(5, n, dtype=torch.int64, device=device)
         self.inputs[2].fill_(-1)
         self.inputs[3].fill_(1)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -77,7 +78,7 @@ class CUDAGraphRunner:
             query_start_loc=self.query_start_loc[: batch_size + 1],
             seq_lens=self.inputs[3, :batch_size],
             slot_mapping=self.inputs[2, :batch_size],
-            block_tables=self.block_tables[:batch_size],
+            block_tables=self.block_table.table.index_select(0, self.inputs[4, :batch_size]),
             query_lens_cpu=[1] * batch_size,
             seq_lens_cpu=[1] * batch_size,  # unused by graph-safe backends
             block_size=self.block_size,
@@ -105,16 +106,14 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], before_replay=None) -> torch.Tensor:
-        """One decode token per request; returns float32 logits [len(input_ids), vocab].
+            table_rows: list[int], before_replay=None) -> torch.Tensor:
+        """One decode token per request (its block table in `table_rows` of the shared
+        `BlockTableMirror`); returns float32 logits [len(input_ids), vocab].
         `before_replay(inputs)` may patch the static inputs on the device (placeholder ids)."""
         num_reqs = len(input_ids)
         batch_size = next(b for b in self.batch_sizes if b >= num_reqs)
-        rows, table = pack_decode_inputs(input_ids, positions, slots, seq_lens, block_tables, batch_size)
+        rows = pack_decode_inputs(input_ids, positions, slots, seq_lens, table_rows, batch_size)
         self.inputs[:, :batch_size].copy_(rows.pin_memory(), non_blocking=True)
-        # Only the first ceil(seq_len / block_size) entries of a row are read, so columns past
-        # this step's widest table may keep stale block ids; padded rows read column 0, set to 0.
-        self.block_tables[:batch_size, : table.shape[1]].copy_(table.pin_memory(), non_blocking=True)
         if before_replay is not None:
             before_replay(self.inputs)
         self.graphs[batch_size].replay()
@@ -122,20 +121,14 @@ class CUDAGraphRunner:
 
 
 def pack_decode_inputs(input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-                       block_tables: list[list[int]], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The graph's inputs for one decode step, padded to `batch_size` rows, as host tensors:
-    int64 [4, batch_size] (token ids, positions, slots, sequence lengths; padded rows write to
-    slot -1, i.e. nowhere) and the int32 block table [batch_size, widest table]."""
+                       table_rows: list[int], batch_size: int) -> torch.Tensor:
+    """The graph's inputs for one decode step, padded to `batch_size` rows, as one host tensor:
+    int64 [5, batch_size] (token ids, positions, slots, sequence lengths, block-table rows;
+    padded rows write to slot -1, i.e. nowhere, and read the all-zero table row 0)."""
     pad = batch_size - len(input_ids)
-    rows = int_tensor(input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad + seq_lens + [1] * pad,
-                      torch.int64).view(4, batch_size)
-    width = max(len(t) for t in block_tables)
-    table: list[int] = []
-    for t in block_tables:
-        table += t
-        table += [0] * (width - len(t))
-    table += [0] * (width * pad)
-    return rows, int_tensor(table, torch.int32).view(batch_size, width)
+    zeros = [0] * pad
+    return int_tensor(input_ids + zeros + positions + zeros + slots + [-1] * pad + seq_lens + [1] * pad
+                      + table_rows + zeros, torch.int64).view(5, batch_size)
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
@@ -166,7 +159,7 @@ class MixedGraphRunner:
     token-count bucket; `run` pads a step into the smallest bucket that holds it."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, max_num_tokens: int, group: int) -> None:
+                 block_table: BlockTableMirror, block_size: int, max_num_tokens: int, group: int) -> None:
         from tandem.engine.attention.triton_paged import prefill_block_q
 
         self.model = model
@@ -177,11 +170,11 @@ class MixedGraphRunner:
         self.block_q = prefill_block_q(group)
         device = kv_caches[0].device
         top = self.token_sizes[-1]
-        # One int64 buffer (ids, positions, slots, sampled rows) and one int32 buffer (query
-        # starts, sequence lengths, work list), laid out per bucket: one copy fills each.
-        self.i64 = torch.zeros(3 * top + self.num_seqs(top), dtype=torch.int64, device=device)
+        # One int64 buffer (ids, positions, slots, sampled rows, block-table rows) and one int32
+        # buffer (query starts, sequence lengths, work list), laid out per bucket: one copy each.
+        self.block_table = block_table
+        self.i64 = torch.zeros(3 * top + 2 * self.num_seqs(top), dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * self.num_seqs(top) + 1 + 2 * self.work_size(top), dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -201,14 +194,15 @@ class MixedGraphRunner:
     def _views(self, t: int):
         r, w = self.num_seqs(t), self.work_size(t)
         i64, i32 = self.i64, self.i32
-        return (i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t], i64[3 * t : 3 * t + r],
+        return (i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t], i64[3 * t : 3 * t + r], i64[3 * t + r : 3 * t + 2 * r],
                 i32[: r + 1], i32[r + 1 : 2 * r + 1], i32[2 * r + 1 : 2 * r + 1 + 2 * w].view(w, 2))
 
     def _forward(self, num_tokens: int) -> torch.Tensor:
-        ids, pos, slots, rows, query_start, seq_lens, work = self._views(num_tokens)
+        ids, pos, slots, rows, table_rows, query_start, seq_lens, work = self._views(num_tokens)
         r = self.num_seqs(num_tokens)
         meta = AttentionMetadata(query_start_loc=query_start, seq_lens=seq_lens, slot_mapping=slots,
-                                 block_tables=self.block_tables[:r], query_lens_cpu=[1] * r,
+                                 block_tables=self.block_table.table.index_select(0, table_rows),
+                                 query_lens_cpu=[1] * r,
                                  seq_lens_cpu=[1] * r, block_size=self.block_size, work_list=work)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         return self.model.compute_logits(hidden.index_select(0, rows))
@@ -218,7 +212,7 @@ class MixedGraphRunner:
         pool = None
         for num_tokens in reversed(self.token_sizes):
             # Harmless inputs: token 0 at position 0, K/V written nowhere, no attention work.
-            _, _, slots, _, _, seq_lens, work = self._views(num_tokens)
+            _, _, slots, _, _, _, seq_lens, work = self._views(num_tokens)
             self.i64.zero_()
             self.i32.zero_()
             slots.fill_(-1)
@@ -235,9 +229,10 @@ class MixedGraphRunner:
         torch.cuda.synchronize()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
-            seq_lens: list[int], block_tables: list[list[int]], sample_rows: list[int],
+            seq_lens: list[int], table_rows: list[int], sample_rows: list[int],
             before_replay=None) -> torch.Tensor:
-        """A flat varlen step; returns float32 logits [len(sample_rows), vocab] of those flat rows.
+        """A flat varlen step (each request's block table in `table_rows` of the shared
+        `BlockTableMirror`); returns float32 logits [len(sample_rows), vocab] of those flat rows.
         `before_replay(input_ids)` may patch the static ids on the device (placeholder ids)."""
         num_tokens, num_reqs = len(input_ids), len(query_lens)
         t = next(b for b in self.token_sizes if b >= num_tokens)
@@ -248,18 +243,11 @@ class MixedGraphRunner:
             query_start.append(query_start[-1] + n)
         work = build_work_list(query_lens, self.block_q)
         i64 = (input_ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad
-               + sample_rows + [0] * (r - len(sample_rows)))
+               + sample_rows + [0] * (r - len(sample_rows)) + table_rows + [0] * (r - num_reqs))
         i32 = (query_start + [num_tokens] * (r - num_reqs) + seq_lens + [1] * (r - num_reqs)
                + work + [-1] * (2 * w - len(work)))
         self.i64[: len(i64)].copy_(_pinned(i64, torch.int64), non_blocking=True)
         self.i32[: len(i32)].copy_(_pinned(i32, torch.int32), non_blocking=True)
-        width = max(len(tb) for tb in block_tables)
-        table: list[int] = []
-        for tb in block_tables:
-            table += tb
-            table += [0] * (width - len(tb))
-        self.block_tables[:num_reqs, :width].copy_(_pinned(table, torch.int32).view(num_reqs, width),
-                                                   non_blocking=True)
         if before_replay is not None:
             before_replay(self.i64[:t])
         self.graphs[t].replay()

@@ -230,29 +230,44 @@ class LLMEngine:
 
     def _process_outputs(self, pending: list[tuple[Request, int]], tokens: list[int]) -> list[RequestOutput]:
         """Fill in each sampled token, apply token-level stops, detokenize and check stop
-        strings, build the outputs. This is per-request Python on every step, so it reads each
-        value once. A request aborted or stopped after the step was launched drops its token."""
+        strings, build the outputs. This is per-request Python on every step (hundreds of
+        requests at high concurrency, while the GPU runs the next step), so it reads each value
+        once and inlines the common path. A request aborted or stopped after the step was
+        launched drops its token."""
         outputs = []
+        append = outputs.append
         now = time.time()
-        aborted, stopped = RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED
+        tracked_by_id = self._tracked
+        aborted = RequestStatus.FINISHED_ABORTED
         for (request, index), token in zip(pending, tokens):
-            if request.status is aborted or index >= len(request.output_token_ids):
+            output_ids = request.output_token_ids
+            if request.status is aborted or index >= len(output_ids):
                 continue
-            request.resolve_placeholder(index, token)
+            output_ids[index] = token  # resolve the placeholder
+            prompt_len = len(request.prompt_token_ids)
+            request.all_token_ids[prompt_len + index] = token
+            request.num_pending_tokens -= 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            if request.stop_status(token, index + 1) is stopped:
+            if token in request.stop_token_set and request.stop_status(token, index + 1) is RequestStatus.FINISHED_STOPPED:
                 self._stop(request, index)
-            tracked = self._tracked[request.req_id]
+            req_id = request.req_id
+            tracked = tracked_by_id[req_id]
             new_token_ids = [token]
-            if tracked.detokenizer.add_tokens(new_token_ids):
+            detokenizer = tracked.detokenizer
+            if detokenizer.add_tokens(new_token_ids):
                 self._stop(request, index)  # also on the max_tokens token: the stop string wins
-            finished = request.status.is_finished and not request.num_pending_tokens
-            text = tracked.detokenizer.take_new_text(finished)
+            status = request.status
+            finished = status.is_finished and not request.num_pending_tokens
+            text = detokenizer.take_new_text(finished)
             if finished:
                 request.finished_time = now
-                del self._tracked[request.req_id]
-            outputs.append(self._make_output(request, new_token_ids, text, finished))
+                del tracked_by_id[req_id]
+            append(RequestOutput(req_id, new_token_ids, text, finished, status.finish_reason if finished else None,
+                                 Usage(prompt_len, len(output_ids) - request.num_pending_tokens,
+                                       max(request.num_cached_tokens, 0)),
+                                 request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 request.finished_time))
         return outputs
 
     def _stop(self, request: Request, index: int) -> None:

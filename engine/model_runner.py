@@ -72,6 +72,7 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.graph_runner = None
         self.mixed_graph_runner = None
+        self.block_table = None  # the graphs' device-resident block tables
         self.num_packed_linears = 0
         # The last launched step's sampled ids (device) and each sampling request's row in them.
         self._last_sampled: torch.Tensor | None = None
@@ -90,16 +91,18 @@ class ModelRunner:
 
         fuse_model(self.model, TritonPagedAttention())
         if not enforce_eager and self.device.type == "cuda":
+            from tandem.engine.block_table import BlockTableMirror
             from tandem.engine.cuda_graphs import CUDAGraphRunner, MixedGraphRunner
 
             max_blocks_per_seq = -(-max_model_len // self.block_size)
+            self.block_table = BlockTableMirror(2 * max_num_seqs + 8, max_blocks_per_seq, self.device)
             cfg = self.model_config
             if max_num_batched_tokens > max_num_seqs:
                 self.mixed_graph_runner = MixedGraphRunner(
-                    self.model, self.kv_caches, max_num_seqs, max_blocks_per_seq, self.block_size,
+                    self.model, self.kv_caches, max_num_seqs, self.block_table, self.block_size,
                     max_num_batched_tokens, cfg.num_attention_heads // cfg.num_key_value_heads)
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs,
-                                                max_blocks_per_seq, self.block_size,
+                                                self.block_table, self.block_size,
                                                 pool=self.mixed_graph_runner.pool if self.mixed_graph_runner else None)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
@@ -239,21 +242,23 @@ class ModelRunner:
         """One token per request, straight into the graph's static buffers; logits for every row."""
         bs = self.block_size
         ids, pos, slots, seq_lens, tables, pending = [], [], [], [], [], []
+        req_to_block_ids = kv_manager.req_to_block_ids
         for i, s in enumerate(sched.scheduled):
             req = s.request
+            req_id = req.req_id
             p = req.num_computed_tokens
-            block_ids = kv_manager.get_block_ids(req.req_id)
+            block_ids = req_to_block_ids[req_id]
             token = req.all_token_ids[p]
             if token == PLACEHOLDER_TOKEN:
-                pending.append((i, req.req_id))
+                pending.append((i, req_id))
             ids.append(token)
             pos.append(p)
             slots.append(block_ids[p // bs] * bs + p % bs)
             seq_lens.append(p + 1)
-            tables.append(block_ids)
-        graphs = self.graph_runner
-        return graphs.run(ids, pos, slots, seq_lens, tables,
-                          before_replay=lambda inputs: self.fill_pending(inputs[0], pending))
+            tables.append((req_id, block_ids))
+        rows = self.block_table.rows_for(tables)
+        return self.graph_runner.run(ids, pos, slots, seq_lens, rows,
+                                     before_replay=lambda inputs: self.fill_pending(inputs[0], pending))
 
     def _execute_mixed_graph(self, sched: SchedulerOutput, kv_manager: KVCacheManager,
                              num_sampled: int) -> torch.Tensor:
@@ -263,8 +268,9 @@ class ModelRunner:
             offset += s.num_scheduled_tokens
             if s.completes_prefill:
                 sample_rows.append(offset - 1)
+        rows = self.block_table.rows_for([(s.request.req_id, t) for s, t in zip(sched.scheduled, tables)])
         return self.mixed_graph_runner.run(
-            input_ids, positions, slots, query_lens, seq_lens, tables, sample_rows,
+            input_ids, positions, slots, query_lens, seq_lens, rows, sample_rows,
             before_replay=lambda ids: self.fill_pending(ids, pending))
 
 

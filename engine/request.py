@@ -51,6 +51,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Ids that end the request once min_tokens are out (EOS unless ignored, stop ids).
+        self.stop_token_set = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else self.eos_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 if torch.cuda.is_available():
     from tandem.engine.attention.triton_paged import TritonPagedAttention, prefill_block_q
+    from tandem.engine.block_table import BlockTableMirror
     from tandem.engine.cuda_graphs import MixedGraphRunner, build_work_list
     from tandem.engine.model.fused_layers import fuse_model
 
@@ -74,6 +75,14 @@ def _mixed_step_inputs(block_size=4):
     return ids, positions, slots, [n for _, n in reqs], [c + n for c, n in reqs], tables, rows
 
 
+def _with_rows(mirror, step):
+    """The step's inputs with its block tables replaced by rows of `mirror`."""
+    ids, positions, slots, query_lens, seq_lens, tables, rows = step
+    mirror.rows_for([("other", [1, 2])])  # so the step's rows are not simply 1, 2, 3
+    table_rows = mirror.rows_for([(f"r{i}", t) for i, t in enumerate(tables)])
+    return ids, positions, slots, query_lens, seq_lens, table_rows, rows
+
+
 def _eager_logits(model, caches, ids, positions, slots, query_lens, seq_lens, tables, rows):
     from tandem.engine.attention.metadata import AttentionMetadata
 
@@ -107,10 +116,11 @@ def test_mixed_graph_matches_eager_and_pads_safely(dtype):
     cfg = model.config
     caches = _caches(cfg, dtype)
     before = [c.clone() for c in caches]
-    runner = MixedGraphRunner(model, caches, 4, 16, 4, 40, cfg.num_attention_heads // cfg.num_key_value_heads)
+    mirror = BlockTableMirror(8, 16, torch.device(DEVICE))
+    runner = MixedGraphRunner(model, caches, 4, mirror, 4, 40, cfg.num_attention_heads // cfg.num_key_value_heads)
     assert runner.token_sizes == [40]
     step = _mixed_step_inputs()  # 19 tokens padded to 40
-    logits = runner.run(*step).clone()
+    logits = runner.run(*_with_rows(mirror, step)).clone()
     eager_caches = [b.clone() for b in before]
     eager = _eager_logits(model, eager_caches, *step)
     assert rel_err(logits, eager) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -129,9 +139,10 @@ def test_mixed_graph_bf16_logits_close_to_fp32():
     ref = _eager_logits(ref_model, _caches(ref_model.config, torch.bfloat16), *step)
     fast_model = fuse_model(load_model(name, DEVICE, torch.bfloat16).model, TritonPagedAttention())
     cfg = fast_model.config
-    runner = MixedGraphRunner(fast_model, _caches(cfg, torch.bfloat16), 4, 16, 4, 64,
+    mirror = BlockTableMirror(8, 16, torch.device(DEVICE))
+    runner = MixedGraphRunner(fast_model, _caches(cfg, torch.bfloat16), 4, mirror, 4, 64,
                               cfg.num_attention_heads // cfg.num_key_value_heads)
-    fast = runner.run(*step)
+    fast = runner.run(*_with_rows(mirror, step))
     ref_err, fast_err = rel_err(ref, exact), rel_err(fast, exact)
     print(f"bf16 reference vs fp32 {ref_err:.2e}, bf16 mixed graph vs fp32 {fast_err:.2e}")
     assert fast_err < 2 * ref_err + 1e-3

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast 
 
 if torch.cuda.is_available():
     from tandem.engine.attention.triton_paged import TritonPagedAttention
+    from tandem.engine.block_table import BlockTableMirror
     from tandem.engine.cuda_graphs import CUDAGraphRunner, bucket_sizes
     from tandem.engine.model.fused_layers import fuse_model
 
@@ -125,14 +126,17 @@ def test_graph_replay_matches_eager_and_pads_safely(dtype):
               for _ in range(cfg.num_hidden_layers)]
     for c in caches:
         c[:, 0].zero_()  # the null block
-    runner = CUDAGraphRunner(model, caches, 6, 16, 4)
+    mirror = BlockTableMirror(8, 16, torch.device(DEVICE))
+    runner = CUDAGraphRunner(model, caches, 6, mirror, 4)
     assert runner.batch_sizes == [1, 2, 4, 6]
     before = [c.clone() for c in caches]
     seq_lens = [7, 13, 2]
     tables = [[5, 9], [11, 3, 20, 21], [30]]
     slots = [tables[i][(s - 1) // 4] * 4 + (s - 1) % 4 for i, s in enumerate(seq_lens)]
     ids, positions = [17, 99, 3], [s - 1 for s in seq_lens]
-    logits = runner.run(ids, positions, slots, seq_lens, tables).clone()
+    mirror.rows_for([("x", [1, 2, 3])])  # another request's row, so the step's rows are not 1, 2, 3
+    rows = mirror.rows_for([(f"r{i}", t) for i, t in enumerate(tables)])
+    logits = runner.run(ids, positions, slots, seq_lens, rows).clone()
 
     from tandem.engine.attention.metadata import AttentionMetadata
 

@@ -54,10 +54,38 @@ def test_cuda_graph_inputs_pack_like_nested_torch_tensor():
     nested `torch.tensor` construction it replaced."""
     from tandem.engine.cuda_graphs import pack_decode_inputs
 
-    ids, pos, slots, lens = [5, 6, 7], [16, 3, 40], [33, 51, 70], [17, 4, 41]
-    tables = [[2, 9], [3], [4, 8, 11]]
-    rows, table = pack_decode_inputs(ids, pos, slots, lens, tables, batch_size=4)
-    expected_rows = torch.tensor([ids + [0], pos + [0], slots + [-1], lens + [1]], dtype=torch.int64)
-    expected_table = torch.tensor([[2, 9, 0], [3, 0, 0], [4, 8, 11], [0, 0, 0]], dtype=torch.int32)
-    assert torch.equal(rows, expected_rows) and rows.dtype == torch.int64
-    assert torch.equal(table, expected_table) and table.dtype == torch.int32
+    ids, pos, slots, lens, rows = [5, 6, 7], [16, 3, 40], [33, 51, 70], [17, 4, 41], [3, 1, 2]
+    packed = pack_decode_inputs(ids, pos, slots, lens, rows, batch_size=4)
+    expected = torch.tensor([ids + [0], pos + [0], slots + [-1], lens + [1], rows + [0]], dtype=torch.int64)
+    assert torch.equal(packed, expected) and packed.dtype == torch.int64
+
+
+def test_work_list_covers_every_query_tile():
+    from tandem.engine.cuda_graphs import build_work_list, token_buckets
+
+    assert build_work_list([1, 5, 12, 1], 5) == [0, 0, 1, 0, 2, 0, 2, 1, 2, 2, 3, 0]
+    assert token_buckets(8192)[:3] == [256, 512, 768] and token_buckets(8192)[-2:] == [7168, 8192]
+    assert token_buckets(40) == [40]
+
+
+def test_block_table_mirror_uploads_only_new_blocks():
+    """Rows of the device table follow each request's block list: appended blocks are added,
+    a new list (freed and allocated again) is rewritten whole, and rows of requests missing
+    from a step are taken back when none is free; row 0 stays zero for padded rows."""
+    from tandem.engine.block_table import BlockTableMirror
+
+    mirror = BlockTableMirror(num_rows=3, max_blocks_per_seq=4, device=torch.device("cpu"))
+    a, b = [5, 6], [7]
+    rows = mirror.rows_for([("a", a), ("b", b)])
+    assert rows == [1, 2]
+    a.append(8)
+    assert mirror.rows_for([("a", a), ("b", b)]) == [1, 2]
+    assert mirror.table[1].tolist() == [5, 6, 8, 0] and mirror.table[2].tolist() == [7, 0, 0, 0]
+    a2 = [9]  # "a" freed (preempted) and allocated again: a new list
+    assert mirror.rows_for([("a", a2)]) == [1]
+    assert mirror.table[1, :1].tolist() == [9]
+    mirror.rows_for([("c", [1]), ("d", [2])])  # row 3, then one taken back from "a" or "b"
+    assert mirror.table[0].tolist() == [0, 0, 0, 0]
+    table = mirror.table.clone()
+    rows = mirror.rows_for([("c", [1]), ("d", [2])])
+    assert torch.equal(mirror.table, table) and len(set(rows)) == 2 and 0 not in rows
