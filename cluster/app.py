@@ -245,16 +245,15 @@ def check_content_type(request: Request) -> None:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, read chunk by chunk and refused as soon as it passes `limit` bytes, so a huge
     body costs no more memory than the limit whatever its declared length."""
+    too_large = PayloadTooLarge(f"the request body is over the limit of {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit}",
-                              code="request_too_large")
+        raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes",
-                                  code="request_too_large")
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -115,3 +115,24 @@ def test_text_that_looks_like_structure_is_just_text():
     raw = ('{"prompt": "' + deep + '\\"' + "1" * 100 + '", "stop": ["\\ud83d\\ude00"], "seed": 18446744073709551615}')
     data = parse_json_object(raw.encode())
     assert data == {"prompt": deep + '"' + "1" * 100, "stop": ["\U0001f600"], "seed": MAX_SEED}
+
+
+def test_each_error_class_is_translated_once_with_no_internals():
+    """One status per meaning at the HTTP edge; Retry-After on 429 and 503; the detail meant for
+    the log never reaches the body, the request id always does."""
+    import json
+
+    from tandem.cluster import app
+    from tandem.cluster.dispatch import BackendUnavailable, RequestFailed
+
+    expected = {InvalidRequest: 400, app.Unauthorized: 401, app.RouteNotFound: 404, app.ModelNotFound: 404,
+                app.MethodNotAllowed: 405, app.PayloadTooLarge: 413, app.UnsupportedMediaType: 415,
+                app.Overloaded: 429, BackendUnavailable: 503, RequestFailed: 500}
+    assert set(expected) == set(app.HTTP_ERRORS)
+    for cls, status in expected.items():
+        response = app.error_response(cls("what went wrong", detail="Traceback: pid=123 actor_id=abc"), "req-1")
+        body = json.loads(response.body)
+        assert response.status_code == status and body["error"]["message"] == "what went wrong"
+        assert body["error"]["request_id"] == response.headers["x-tandem-request-id"] == "req-1"
+        assert "pid=" not in response.body.decode()
+        assert ("retry-after" in response.headers) == (status in (429, 503))
