@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -364,8 +363,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="EngineConfig override (ints and floats parsed), e.g. max_num_batched_tokens=16384")
     args = ap.parse_args(argv)
-    import torch
-
     from bench._machine import machine_info, run_stamp
 
     engine_kw = {}

@@ -265,7 +265,7 @@ def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         meta.block_size,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=PREFILL_TUNING["block_n"],
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=_block_n(PREFILL_TUNING, q.dtype),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WORK_LIST=work_list, num_warps=PREFILL_TUNING["num_warps"], num_stages=PREFILL_TUNING["num_stages"],
     )
@@ -293,7 +293,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         meta.block_size,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_TUNING["block_n"],
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(DECODE_TUNING, q.dtype),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=DECODE_TUNING["num_warps"], num_stages=DECODE_TUNING["num_stages"],
     )
@@ -303,6 +303,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
     return out
+
+
+def _block_n(tuning: dict, dtype: torch.dtype) -> int:
+    """The tuned context tile for 16-bit caches; float32 tiles stay at 64 tokens so the
+    pipelined K/V tiles fit in shared memory (the tuning was measured on bf16)."""
+    return tuning["block_n"] if dtype.itemsize <= 2 else min(64, tuning["block_n"])
 
 
 def num_decode_splits(num_reqs: int, num_kv_heads: int, target_programs: int | None = None) -> int:
