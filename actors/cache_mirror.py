@@ -9,6 +9,8 @@ prompt length - 1). Chained hashes are Python tuple hashes of ints, which do not
 PYTHONHASHSEED, so router and backends compute the same values in different processes.
 The mirror lags its backend by at most one report interval (~20 ms); the answer is an
 estimate either way, frozen at routing time, and a later eviction is reported separately.
+What the mirror cannot know yet, the prefixes of requests the router has just sent to a
+backend, the pure router counts itself (routing/inflight.py) from the block hashes it is given.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from tandem.routing.errors import ConfigError, NoBackendError
 from tandem.routing.ledger import Ledger, LedgerEntry
 from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from tandem.routing.policies import POLICIES, SpillGuard, make_policy
+from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard, make_policy
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
 from tandem.routing.router import PendingSummary, RemovedRequests, Router
 
@@ -30,6 +30,7 @@ __all__ = [
     "NoBackendError",
     "POLICIES",
     "PendingSummary",
+    "PrefixAffinityConfig",
     "ProgressEvent",
     "RateProfile",
     "RemovedRequests",

@@ -145,3 +145,11 @@ def test_cli_runs_a_tenants_scenario_with_overrides(capsys):
     args = parser.parse_args([str(TENANTS), "--set", "tenants.rate_per_s"])
     assert sim_cli.run(args) == 2
     assert "expected FIELD.PATH=VALUE" in capsys.readouterr().err
+
+
+def test_with_the_cpu_backend_cost_keeps_tenants_on_the_gpus():
+    scenario = load_scenario(TENANTS.with_name("tenants-2gpu-cpu.yaml"), num_requests=100)
+    assert [b.spec.backend_id for b in scenario.backends] == ["cuda0", "cuda1", "cpu0"]
+    for policy in ("cost", "prefix-affinity"):
+        assert "cpu0" not in simulate(scenario, policy).assignment
+    assert simulate(scenario, "round-robin").assignment.count("cpu0") == 33
