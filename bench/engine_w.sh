@@ -29,6 +29,6 @@ case "$mode" in
     timeout 30 python3 -m bench.attention_sweep --out "$OUT/attn" 2>&1 | tee "$OUT/attn.log" | quiet ;;
   full)
     gpu_tests "${TEST_TIMEOUT:-60}"
-    timeout "${TP_TIMEOUT:-140}" python3 -m bench.throughput --phases --regression --ablation --out "$OUT/tp" \
+    timeout "${TP_TIMEOUT:-138}" python3 -m bench.throughput --phases --regression --ablation --out "$OUT/tp" \
       "${@:2}" 2>&1 | tee "$OUT/tp.log" | quiet ;;
 esac
