@@ -25,10 +25,10 @@ whenever the holder's queue was a little longer, and under saturating multi-tena
 avoidable prefills were what saturated it (route-sim: TTFT p50 about 1 s against
 prefix-affinity's 0.6 s). The router therefore adds, for each backend,
 `recompute_weight x (largest reusable prefix among the routable backends - this backend's) /
-its prefill rate` (`BackendScore.recompute_term_s`). The weight is 2 by default: of 1, 1.5
-and 2, the best on the route-sim tenants grid over three seeds (docs/routing.md); 0 restores
-the spec's plain score. Where every backend reports the same prefix, as in the spec's worked
-example, the term is zero.
+its prefill rate` (`BackendScore.recompute_term_s`, computed by the Router, which knows which
+backends are routable). The weight is 2 by default, the best of 1, 1.5 and 2 on the route-sim
+tenants grid (docs/routing.md); 0 restores the spec's plain score. Where every backend reports
+the same prefix, as in the spec's worked example, the term is zero.
 
 `prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first
 `num_prefix_blocks` full blocks (fewer when the prompt is shorter): chained, so it stands for
@@ -48,8 +48,8 @@ The spill guard is what makes `cost` "never worse than accelerator-only" in prac
 only on paper. The score ranks work with rates measured in isolation; a CPU next to a busy
 accelerator shares the host's cores with the accelerator's step loop and the HTTP path and
 ran up to 2.4x slower than its profile on the H200, so a CPU that wins by 2% on paper loses.
-With an accelerator present, a CPU backend therefore wins only if (1) its score beats the best
-accelerator's by `margin` (a fraction of the accelerator's score) and (2), unless
+With an accelerator present, a CPU backend therefore wins only if (1) its rank beats the best
+accelerator's by `margin` (a fraction of the accelerator's rank) and (2), unless
 `allow_queue`, it has a free slot: a request queued behind a slow backend's running ones
 waits for whole slow decodes, which is where p95 TTFT blows up. Without an accelerator (CPU
 backends only) the guard does nothing, and with `SpillGuard()` it is the spec's plain rule.
