@@ -247,7 +247,8 @@ class Bystanders:
     async def run(self, http: httpx.AsyncClient, scale: Scale) -> None:
         while True:
             for i, (got, want) in enumerate(zip(await bystanders(http, scale), self.reference)):
-                if (got.status, got.text, got.finish_reason, got.done, got.error) == (200, want.text, "length", True, None):
+                seen = (got.status, got.text, got.finish_reason, got.done, got.error)
+                if seen == (200, want.text, "length", True, None):
                     self.num_intact += 1
                 else:
                     self.broken.append((i, got))
@@ -302,8 +303,8 @@ def test_burst_past_the_pending_limit_gets_429_with_retry_after(tiny, scale):
 
     async def scenario():
         async with client(tiny) as http:
-            held = await asyncio.gather(*(http.send(http.build_request("POST", COMPLETIONS, json=long_body), stream=True)
-                                          for _ in range(PENDING_LIMIT)))
+            requests = [http.build_request("POST", COMPLETIONS, json=long_body) for _ in range(PENDING_LIMIT)]
+            held = await asyncio.gather(*(http.send(request, stream=True) for request in requests))
             try:
                 assert [r.status_code for r in held] == [200] * PENDING_LIMIT
                 burst = await asyncio.gather(*(http.post(COMPLETIONS, json=short_body) for _ in range(scale.num_burst)))
@@ -335,13 +336,14 @@ def test_burst_past_the_pending_limit_gets_429_with_retry_after(tiny, scale):
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_mixed_burst_loses_nothing(tiny, scale):
-    """Twice the limit of short requests at once: each is a full completion or a 429, never
-    anything else, and nothing is left behind."""
+    """At least twice the limit of short requests at once: each is a full completion or a 429,
+    never anything else, and nothing is left behind."""
     body = {"model": MODEL, "prompt": "Quick one", "max_tokens": 8, "ignore_eos": True}
+    num_requests = max(2 * PENDING_LIMIT, scale.num_burst)
 
     async def scenario():
         async with client(tiny) as http:
-            return await asyncio.gather(*(http.post(COMPLETIONS, json=body) for _ in range(2 * PENDING_LIMIT)))
+            return await asyncio.gather(*(http.post(COMPLETIONS, json=body) for _ in range(num_requests)))
 
     responses = asyncio.run(asyncio.wait_for(scenario(), 10 * TIMEOUT_S))
     for r in responses:
@@ -412,5 +414,6 @@ def test_backend_killed_mid_stream(tiny):
     idle_s = wait_idle(tiny, "the cluster to be idle after the kill")
     report("kill", streams=len(results), cut=len(cut), completed=len(results) - len(cut),
            clients_hanging_up={o: outcomes.count(o) for o in sorted(set(outcomes))},
-           seconds_to_drop=round(timings["dropped"] - timings["killed"], 2), seconds_to_rejoin=round(rejoined_s, 2), seconds_to_idle_after=round(idle_s, 2),
+           seconds_to_drop=round(timings["dropped"] - timings["killed"], 2), seconds_to_rejoin=round(rejoined_s, 2),
+           seconds_to_idle_after=round(idle_s, 2),
            backend_restarts_besides_victim=int(after[survivor] != before[survivor]))
