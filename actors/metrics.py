@@ -144,7 +144,7 @@ class Recorder:
         self._specs = {spec.name: spec for spec in specs}
         self._default_tags = {k: str(v) for k, v in (default_tags or {}).items()}
         self._metrics: dict[str, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._known: dict[str, set[str]] = {k: {v} for k, v in self._default_tags.items()}
         for spec in specs:
             for key, values in spec.known_values:
@@ -161,10 +161,10 @@ class Recorder:
             self._metric(name).inc(value, tags=dict(self._tags(name, tags)))
 
     def set(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        key = (name, self._tags(name, tags))
-        with self._lock:
-            self._gauges[key] = float(value)
-        self._metric(name).set(float(value), tags=dict(key[1]))
+        label_set, metric = self._tags(name, tags), self._metric(name)
+        with self._lock:  # with refresh's re-set under the same lock, an old value never lands last
+            self._gauges[(name, label_set)] = float(value)
+            metric.set(float(value), tags=dict(label_set))
 
     def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         self._metric(name).observe(value, tags=dict(self._tags(name, tags)))
@@ -172,28 +172,17 @@ class Recorder:
     # -- keeping series alive ----------------------------------------------------------------
     def declare(self, tags: dict[str, str]) -> None:
         """Export every counter and gauge these tag values (with the defaults and the known
-        values) complete, from now on: counters at 0, gauges at 0 until set."""
+        values) complete, from now on: counters at 0 at once, gauges at 0 until set, from the
+        next refresh."""
         if self._learn({k: str(v) for k, v in tags.items()}):
             self._declare_new()
-
-    def forget(self, tags: dict[str, str]) -> None:
-        """Stop re-setting gauges whose label set includes `tags` (a backend that left): Ray
-        drops them after its TTL. Declaring the values again brings them back."""
-        items = {(k, str(v)) for k, v in tags.items()}
-        with self._lock:
-            for key in [key for key in self._gauges if items <= set(key[1])]:
-                del self._gauges[key]
-            self._declared = {key for key in self._declared if not items <= set(key[1])}
-            for k, v in items:
-                self._known.get(k, set()).discard(v)
 
     def refresh(self) -> None:
         """Declare what is new and re-set every gauge to its last value (the thread's tick)."""
         self._declare_new()
         with self._lock:
-            gauges = list(self._gauges.items())
-        for (name, tags), value in gauges:
-            self._metric(name).set(value, tags=dict(tags))
+            for (name, tags), value in self._gauges.items():
+                self._metric(name).set(value, tags=dict(tags))
 
     # -- internals ---------------------------------------------------------------------------
     def _metric(self, name: str) -> Any:
@@ -228,11 +217,9 @@ class Recorder:
             for spec, tags in todo:
                 if spec.kind == GAUGE:
                     self._gauges.setdefault((spec.name, tags), 0.0)
-        for spec, tags in todo:
+        for spec, tags in todo:  # gauges go out with the next refresh
             if spec.kind == COUNTER:
                 _record_zero(self._metric(spec.name), dict(tags))
-            else:
-                self._metric(spec.name).set(self._gauges.get((spec.name, tags), 0.0), tags=dict(tags))
 
 
 def _label_sets(tag_keys: tuple[str, ...], known: dict[str, set[str]]) -> list[Tags]:
