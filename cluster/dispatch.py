@@ -82,6 +82,8 @@ class RequestStream:
                     self.req_id, self.prompt_token_ids, self.params.max_tokens, self.attempts)
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
+            except ray.exceptions.RayActorError as exc:  # the router itself is gone; nothing restarts it
+                raise BackendUnavailable("the router is unavailable", detail=type(exc).__name__) from None
             if self._gen is not None:
                 self._gen.close()
             self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,

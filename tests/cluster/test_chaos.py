@@ -417,3 +417,15 @@ def test_backend_killed_mid_stream(tiny):
            seconds_to_drop=round(timings["dropped"] - timings["killed"], 2), seconds_to_rejoin=round(rejoined_s, 2),
            seconds_to_idle_after=round(idle_s, 2),
            backend_restarts_besides_victim=int(after[survivor] != before[survivor]))
+
+
+def test_a_dead_router_is_a_503_not_a_500(tiny):
+    """Last in this module: it leaves the cluster without its router (nothing restarts one)."""
+    import ray
+
+    ray.kill(tiny.router, no_restart=True)
+    with httpx.Client(base_url=tiny.url, timeout=TIMEOUT_S) as http:
+        r = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "Anyone there?", "max_tokens": 4})
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert http.get("/health").status_code == 503
