@@ -91,3 +91,26 @@ def test_one_cache_root_for_models_and_rates(tmp_path, monkeypatch):
 def test_quiet_defaults():
     config = TandemConfig()
     assert (config.routing_log, config.access_log, config.log_level) == (None, False, "warning")
+
+
+def test_a_rates_file_says_what_it_gave_each_backend(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from tandem.cluster.launcher import _resolve_rates
+
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"cpu0": {"prefill_tok_s": 120, "decode_tok_s": 9.5},
+                                "cpu": {"prefill_tok_s": 100, "decode_tok_s": 8.0,
+                                        "decode_tok_s_by_batch": {"1": 8.0, "2": 14.0}}}))
+    config = TandemConfig(rates=path, rates_cache=tmp_path / "cache.json", profile="never")
+    plans = plan_backends(config, num_gpus=0, mps_available=False)
+    infos = [SimpleNamespace(model_name="smollm2-135m", device_kind="cpu", dtype="float32", threads=p.threads)
+             for p in plans]
+    lines = []
+    rates = _resolve_rates(config, plans, infos, backends={}, log=lines.append)
+    assert rates["cpu0"]["prefill_tok_s"] == 120 and rates["cpu1"]["prefill_tok_s"] == 100
+    assert lines == [
+        f"rates for cpu0 from {path} (entry 'cpu0'): prefill 120 tok/s, decode 9.5 tok/s (batch 1)",
+        f"rates for cpu1 from {path} (entry 'cpu'): prefill 100 tok/s, decode 8.0 tok/s (batch 1), "
+        "by batch {1: 8.0, 2: 14.0}"]
