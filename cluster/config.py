@@ -87,11 +87,14 @@ class TandemConfig(BaseModel):
     routing_log: Path | None = None  # JSON lines, one per routing decision; None: off
 
     api_key: str | None = None
-    max_pending_requests: int = Field(default=64, ge=1)  # admitted, unfinished; beyond: 429
+    # Admitted and unfinished, all ingress replicas together; beyond: 429. None: 4 x the backends'
+    # max_active in total (at least 64), so the limit grows with what the backends can run.
+    max_pending_requests: int | None = Field(default=None, ge=1)
+    http_replicas: int = Field(default=0, ge=0)  # Serve ingress replicas; 0: one per 4 cores, 1 to 4
     max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     max_route_attempts: int = Field(default=3, ge=1)
     stream_interval_s: float = Field(default=0.01, ge=0)  # after the first token, one message per interval
-    max_stream_messages_per_s: float = Field(default=500.0, ge=0)  # per backend, all streams; 0: no cap
+    max_stream_messages_per_s: float = Field(default=0.0, ge=0)  # budget of generate streams; 0: none
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
     access_log: bool = False  # Serve's per-request log lines
