@@ -49,6 +49,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
     enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
 
     def __post_init__(self) -> None:
