@@ -375,7 +375,9 @@ def test_backend_killed_mid_stream(tiny):
             results = [Streamed() for _ in range(scale.num_bystanders)]
             tasks = [asyncio.ensure_future(stream(http, COMPLETIONS, bystander_body(i, scale.bystander_tokens),
                                                   result=results[i])) for i in range(scale.num_bystanders)]
+            deadline = time.monotonic() + TIMEOUT_S
             while not any(r.backend == victim and r.num_events > 0 for r in results):
+                assert time.monotonic() < deadline, f"no stream was routed to {victim}: {results}"
                 await asyncio.sleep(0.005)
             rng = random.Random(16)
             hanging_up = asyncio.gather(*(chaos_client(http, rng, backend_may_die=True) for _ in range(16)))
