@@ -80,8 +80,8 @@ class LLMEngine:
                                         cfg.attention_backend, cfg.max_active, self.max_model_len,
                                         cfg.enforce_eager, cfg.pack_cpu_weights,
                                         cfg.resolved_max_num_batched_tokens)
-        async_scheduling = getattr(cfg, "async_scheduling", None)  # None: on for cuda
-        self.async_scheduling = async_scheduling if async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.device.type == "cuda")
         self._in_flight: _InFlight | None = None
         self._last_finish = 0.0
         self._tracked: dict[str, _Tracked] = {}
