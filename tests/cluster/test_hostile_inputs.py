@@ -188,6 +188,28 @@ def test_hostile_request_gets_a_clean_openai_error(tandem, before, name, method,
         assert r.headers["retry-after"]
 
 
+def test_a_declared_length_over_the_limit_is_refused_before_the_body(tandem, before):
+    """Content-Length says 1 GB and only a byte follows: the 413 comes without waiting for the
+    rest (a client that never sends it cannot hold the request open)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(tandem.url)
+    head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {1 << 30}\r\n\r\n{{")
+    with socket.create_connection((url.hostname, url.port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(head.encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert status_line.split()[1] == b"413", reply[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+
+
 def test_server_is_healthy_and_correct_after_them(tandem, before, http):
     health = http.get("/health").json()
     assert health["status"] == "ok" and health["backends"] == before, "a backend restarted"
