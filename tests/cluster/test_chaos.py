@@ -81,7 +81,7 @@ def tiny(tmp_path_factory):
         max_pending_requests=PENDING_LIMIT, port=free_port(), metrics_port=free_port(),
         routing_log=str(tmp / "routing.jsonl"), rates=str(rates), rates_cache=str(tmp / "rates-cache.json"),
         profile="never", health_check_period_s=0.5, access_log=False, log=lambda line: None,
-        calibration_alpha=0)
+        calibration_alpha=0, http_replicas=1)  # one ingress: its admission limit is the whole limit
     try:
         yield handle
     finally:
