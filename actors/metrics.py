@@ -2,9 +2,9 @@
 every series in every scrape.
 
 The actors record through Ray's metrics API, so all of them land on one Prometheus scrape
-endpoint per node (Ray's metrics export port, `--metrics-port`, also served as `/metrics` on the
-API port) without each process opening its own port, and the Ray dashboard's Prometheus sees
-them too. Ray prefixes every name with `ray_`, and counters get a `_total` suffix;
+endpoint per node (Ray's metrics export port, which Tandem's page on `--metrics-port` and
+`/metrics` on the API port is built from) without each process opening its own port, and the
+Ray dashboard's Prometheus sees them too. Ray prefixes every name with `ray_`, and counters get a `_total` suffix;
 `MetricSpec.exported_series` spells out what Prometheus actually sees, and the dashboards test
 checks every query in `dashboards/` against it, so a renamed metric cannot leave a dashboard
 panel silently empty.
@@ -19,7 +19,8 @@ Ray's export has two gaps that would leave panels empty, and `Recorder` closes b
   values it has seen on any other metric (a router learns a backend id from its first gauge),
   or that a caller names with `declare`. It records the 0 through the counter's internal
   `_record`, below the public `inc`'s check.
-Histograms still appear at their first observation: Ray has no way to export an empty one.
+Ray has no way to export a histogram before its first observation; Tandem's scrape page adds
+those at zero (cluster/metrics_route.py).
 
 Token counters are per backend; latency histograms are per backend and observed when a
 request finishes, from the engine's own timestamps (arrival, first scheduled, first token,

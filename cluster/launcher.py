@@ -104,6 +104,7 @@ class Tandem:
     # The handles the actors were created with. Ray kills a (non-detached) actor once its
     # creator holds no handle to it, so these stay referenced for as long as this object lives.
     _owned: list[Any] = field(default_factory=list)
+    _metrics_server: Any = None  # serves --metrics-port when this process started Ray
 
     def refresh_backends(self) -> dict[str, Any]:
         import ray
@@ -170,6 +171,9 @@ class Tandem:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         if not ray.is_initialized():
             return
         if self.owns_ray:
@@ -188,17 +192,30 @@ def start(config: TandemConfig | None = None, *, serve_http: bool = True, log: A
           **overrides: Any) -> Tandem:
     """Start Ray (or join `config.address`), the actors and, unless `serve_http=False`, the HTTP app."""
     config = (config or TandemConfig()).with_overrides(**_normalise(overrides))
+    import ray
+
+    from tandem.cluster.metrics_route import MetricsServer
+
     ray_env_defaults()
     check_ports(config, serve_http)
-    owns_ray = _init_ray(config)
+    ray_metrics_port = _free_port()
+    # Tandem's page takes --metrics-port before Ray starts, so nothing of Ray's can land on it.
+    metrics_server = None if config.address or ray.is_initialized() else MetricsServer(
+        config.metrics_port, ray_metrics_port)
+    owns_ray = False
     try:
-        return _start_on_ray(config, serve_http, log, owns_ray)
+        owns_ray = _init_ray(config, ray_metrics_port)
+        tandem = _start_on_ray(config, serve_http, log, owns_ray)
     except BaseException:
+        if metrics_server is not None:
+            metrics_server.close()
         if owns_ray:
-            import ray
-
             ray.shutdown()
         raise
+    if metrics_server is not None:  # else Ray's ports are not ours: /metrics on the API port serves
+        tandem._metrics_server = metrics_server
+        tandem.metrics_url = f"http://127.0.0.1:{metrics_server.port}/metrics"
+    return tandem
 
 
 def connect(address: str = "auto", namespace: str = "tandem") -> Tandem:
@@ -227,7 +244,15 @@ def _normalise(overrides: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _init_ray(config: TandemConfig) -> bool:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_ray(config: TandemConfig, ray_metrics_port: int) -> bool:
+    """Start Ray (or join `config.address`); Ray's own metrics export goes to `ray_metrics_port`,
+    behind Tandem's page on `config.metrics_port` (cluster/metrics_route.py)."""
     import ray
 
     if ray.is_initialized():
@@ -239,7 +264,7 @@ def _init_ray(config: TandemConfig) -> bool:
     else:
         ray.init(address="local", namespace=config.namespace, include_dashboard=config.dashboard,
                  dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
-                 _metrics_export_port=config.metrics_port, logging_level=level)
+                 _metrics_export_port=ray_metrics_port, logging_level=level)
     logging.getLogger("tandem").setLevel(level)
     return True
 
@@ -276,10 +301,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         _warm_up(config, backends, dict(zip(backends, infos)), rates, log)
     tandem = Tandem(router=router, backends=dict(backends), config=config, owns_ray=owns_ray, owns_actors=True,
                     plans=plans, _owned=[router, *backends.values()])
-    if not config.address:
-        tandem.metrics_url = f"http://127.0.0.1:{config.metrics_port}/metrics"
-        if config.dashboard:
-            tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
+    if not config.address and config.dashboard:
+        tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
     if serve_http:
         tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0], plans)
     return tandem

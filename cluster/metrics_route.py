@@ -1,30 +1,93 @@
-"""`/metrics` on the API port, where vLLM and SGLang serve it and where tools such as aiperf look.
+"""Tandem's Prometheus page: `--metrics-port`, and `/metrics` on the API port.
 
 Every Tandem actor records through Ray's metrics API, and Ray's metrics agent exports them,
-with Ray's own series, on each node's metrics export port (`tandem serve --metrics-port`). This
-route fetches that page over loopback from the node the ingress runs on and returns it as is,
-so the two addresses always carry the same series; there is one exporter, not two that could
-disagree.
+with Ray's own series, on each node's metrics export port; the Ray dashboard's Prometheus
+discovers that port, so its view is Ray's as usual. Tandem's page is that page plus one thing
+Ray cannot do: a histogram that has had no observation yet is absent from Ray's export (the
+recorder keeps counters and gauges present, see actors/metrics.py), so a latency panel would
+read "no data" until the first request. `fill_empty_histograms` adds each such Tandem
+histogram at zero, per backend that the page already names, until Ray exports the real one.
 
-The route is open, like `/health` and like vLLM's `/metrics`: the metrics port itself answers
-without a key, so requiring one here would protect nothing, and Prometheus scrape configs rarely
-carry API keys.
+Two addresses serve the page. `--metrics-port` is a small HTTP server in the process that
+started Tandem (`MetricsServer`), in front of Ray's export port, which then moves to a free
+port of its own; the API port answers `/metrics` too (`metrics_response`), where vLLM's and
+SGLang's users and tools such as aiperf look. Both read the local node's Ray export each time,
+so they never disagree. Both are open, like `/health` and like vLLM's `/metrics`: a scrape
+carries no secrets, and Prometheus scrape configs rarely carry API keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 from starlette.responses import PlainTextResponse, Response
 
 SCRAPE_TIMEOUT_S = 10.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"  # what Ray's exporter writes
+_BACKEND_LABEL = re.compile(r'[{,]backend="([^"]*)"')
 
 
+# -- the page ------------------------------------------------------------------------------
+def fill_empty_histograms(page: str) -> str:
+    """Ray's page plus, for each Tandem histogram with no series in it, that histogram at zero
+    for every backend the page names (on the same component's metrics: the backends' or the
+    router's)."""
+    from tandem.actors.metrics import BACKEND_METRICS, HISTOGRAM, ROUTER_METRICS
+
+    present = {_series_name(line) for line in page.splitlines()}
+    additions = []
+    for prefix, specs in (("ray_tandem_backend_", BACKEND_METRICS), ("ray_tandem_router_", ROUTER_METRICS)):
+        backend_ids = _backend_ids(page, prefix)
+        for spec in specs:
+            if spec.kind == HISTOGRAM and backend_ids and spec.exported_series[0] not in present:
+                additions.append(_zero_histogram(spec, backend_ids))
+    if not additions:
+        return page
+    return page + ("" if page.endswith("\n") or not page else "\n") + "".join(additions)
+
+
+def _series_name(line: str) -> str:
+    """A sample's series name; for a `# TYPE` line, its family's first series (a family Ray
+    declared without samples is left alone rather than declared twice)."""
+    if line.startswith("# TYPE "):
+        name, kind = (line.split() + ["", ""])[2:4]
+        return f"{name}_bucket" if kind == "histogram" else name
+    return "" if line.startswith("#") else line.split("{", 1)[0].split(" ", 1)[0]
+
+
+def _backend_ids(page: str, prefix: str) -> list[str]:
+    found = set()
+    for line in page.splitlines():
+        if line.startswith(prefix):
+            found.update(_BACKEND_LABEL.findall(line))
+    return sorted(found)
+
+
+def _zero_histogram(spec, backend_ids: list[str]) -> str:
+    name = spec.exported_name
+    lines = [f"# HELP {name} {spec.description}", f"# TYPE {name} histogram"]
+    for backend_id in backend_ids:
+        for bound in (*(repr(float(b)) for b in spec.boundaries), "+Inf"):
+            lines.append(f'{name}_bucket{{backend="{backend_id}",le="{bound}"}} 0.0')
+        lines.append(f'{name}_count{{backend="{backend_id}"}} 0.0')
+        lines.append(f'{name}_sum{{backend="{backend_id}"}} 0.0')
+    return "\n".join(lines) + "\n"
+
+
+def fetch_page(ray_port: int) -> str:
+    response = httpx.get(f"http://127.0.0.1:{ray_port}/metrics", timeout=SCRAPE_TIMEOUT_S)
+    response.raise_for_status()
+    return fill_empty_histograms(response.text)
+
+
+# -- /metrics on the API port --------------------------------------------------------------
 async def metrics_response() -> Response:
-    """This node's Prometheus page, or 503 naming what failed."""
+    """This node's page, or 503 naming what failed."""
     try:
         port = await asyncio.to_thread(local_metrics_port)
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as client:
@@ -32,10 +95,11 @@ async def metrics_response() -> Response:
         page.raise_for_status()
     except (httpx.HTTPError, LookupError) as exc:
         return PlainTextResponse(f"metrics unavailable: {type(exc).__name__}: {exc}\n", status_code=503)
-    return Response(page.content, media_type=page.headers.get("content-type", PROMETHEUS_TEXT))
+    return Response(fill_empty_histograms(page.text), media_type=PROMETHEUS_TEXT)
 
 
 def local_metrics_port() -> int:
+    """Ray's metrics export port on the node this process runs on."""
     import ray
 
     return _metrics_port_of(ray.get_runtime_context().get_node_id())
@@ -49,3 +113,45 @@ def _metrics_port_of(node_id: str) -> int:
         if node["NodeID"] == node_id and node.get("MetricsExportPort"):
             return int(node["MetricsExportPort"])
     raise LookupError(f"Ray reports no metrics export port for node {node_id}")
+
+
+# -- --metrics-port --------------------------------------------------------------------------
+class MetricsServer:
+    """Serves the page on `port` (loopback) from Ray's export on `ray_port`, in a thread."""
+
+    def __init__(self, port: int, ray_port: int) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler(ray_port))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, name="tandem-metrics-port", daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _handler(ray_port: int) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                self._reply(404, "not found; Prometheus metrics are at /metrics\n", "text/plain; charset=utf-8")
+                return
+            try:
+                page = fetch_page(ray_port)
+            except httpx.HTTPError as exc:
+                self._reply(503, f"metrics unavailable: {type(exc).__name__}: {exc}\n", "text/plain; charset=utf-8")
+                return
+            self._reply(200, page, PROMETHEUS_TEXT)
+
+        def _reply(self, status: int, text: str, content_type: str) -> None:
+            body = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (http.server's name)
+            pass  # one line per scrape would be the access log Tandem keeps off
+
+    return Handler

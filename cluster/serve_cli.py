@@ -117,9 +117,8 @@ def _print_urls(tandem) -> None:
     model = config.served_model_name or _model_name(tandem)
     print(f"tandem: OpenAI API  {tandem.url}/v1  (model {model!r})", flush=True)
     print(f"tandem: health      {tandem.url}/health", flush=True)
-    if tandem.metrics_url:
-        print(f"tandem: metrics     {tandem.metrics_url} and {tandem.url}/metrics  (Prometheus; Ray reports "
-              "every 10 s)", flush=True)
+    metrics = f"{tandem.metrics_url} and {tandem.url}/metrics" if tandem.metrics_url else f"{tandem.url}/metrics"
+    print(f"tandem: metrics     {metrics}  (Prometheus; Ray reports every 10 s)", flush=True)
     if tandem.dashboard_url:
         print(f"tandem: dashboard   {tandem.dashboard_url}  (Ray)", flush=True)
     if config.routing_log:
