@@ -159,11 +159,14 @@ class RouterActor:
         """Place a request. `attempt` > 1 means its previous backend failed before it started."""
         from tandem.routing import NoBackendError, RouteRequest
 
-        num_cached = self._num_cached(prompt_token_ids)
+        hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
+        num_cached = self._num_cached(hashes, len(prompt_token_ids))
         if not self.backends:
             raise NoBackendAvailable("no backend is alive")
+        block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         try:
-            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached))
+            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
+                                                    tuple(hashes[block_size]), block_size))
         except NoBackendError as exc:
             raise NoBackendAvailable(str(exc)) from None
         chosen = record.chosen
@@ -178,9 +181,8 @@ class RouterActor:
         return Decision(req_id, record.backend_id, backend.info.instance_id, record_dict, chosen.score_s,
                         backend.handle)
 
-    def _num_cached(self, prompt_token_ids: list[int]) -> dict[str, int]:
-        hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
-        return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], len(prompt_token_ids))
+    def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
+        return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
                 for backend_id, b in self.backends.items()}
 
     async def forget(self, req_id: str) -> bool:
@@ -216,6 +218,8 @@ class RouterActor:
 
     def _export_membership(self) -> None:
         self.metrics.set("tandem_router_backends_alive", len(self.backends))
+        for backend_id in self.backends:  # its per-backend series exist from the moment it joins
+            self.metrics.declare({"backend": backend_id, "policy": self.policy})
 
     # -- progress ----------------------------------------------------------------------------
     async def report(self, backend_id: str, instance_id: str, progress: list[Any],

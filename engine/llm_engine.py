@@ -27,6 +27,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import SamplingRow
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.tokenizer import encode_chat, encode_prompt
 
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -110,11 +111,10 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        return encode_prompt(self.tokenizer, text)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_chat(self.tokenizer, messages)
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> int:

@@ -15,15 +15,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
 
 @dataclass
 class SchedulerConfig:
-    max_active: int = 4
+    max_active: int = DEFAULT_MAX_ACTIVE
     max_num_batched_tokens: int = 512
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 1024
 
 

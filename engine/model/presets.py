@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.config import DEFAULT_MODEL
 from tandem.engine.model.config import ModelConfig
 from tandem.engine.tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer_eos_ids
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)

@@ -66,16 +66,18 @@ def test_spec_worked_example_through_the_actor(tmp_path):
 
     async def scenario():
         router, gpu, cpu = make_router(tmp_path)
-        prompt = list(range(516))
-        await router.add_backend(gpu.info("cuda"), gpu, gpu.cached_hashes(prompt))
-        await router.add_backend(cpu.info("cpu"), cpu, cpu.cached_hashes(prompt))
+        # The spec's prompts share a 496-token prefix; the rest is each request's own (identical
+        # prompts would rightly be counted as hitting 512 tokens behind one another in flight).
+        prompt = [list(range(496)) + [10_000 + i] * 20 for i in range(9)]
+        await router.add_backend(gpu.info("cuda"), gpu, gpu.cached_hashes(prompt[0]))
+        await router.add_backend(cpu.info("cpu"), cpu, cpu.cached_hashes(prompt[0]))
         for i in range(6):
-            assert (await router.route(f"r{i}", prompt, 128)).backend_id == "cuda0"
+            assert (await router.route(f"r{i}", prompt[i], 128)).backend_id == "cuda0"
         # Four of them run and have generated 4 tokens each: 4 active, 2 queued (496 cached).
         await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=4) for i in range(4)])
-        d7 = await router.route("r7", prompt, 128)
+        d7 = await router.route("r7", prompt[7], 128)
         await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=6) for i in range(4)])
-        d8 = await router.route("r8", prompt, 128)
+        d8 = await router.route("r8", prompt[8], 128)
         return d7, d8
 
     d7, d8 = run(scenario())
@@ -97,9 +99,10 @@ def test_cache_estimates_follow_reported_publications_and_evictions(tmp_path):
         await router.add_backend(gpu.info("cuda"), gpu)  # empty cache
         await router.add_backend(cpu.info("cpu"), cpu, cpu.cached_hashes(prompt))
         cold = await router.route("r0", prompt, 128)
-        await router.report("cuda0", "i1", [], cache_changes={h: True for h in hashes[:31]})
+        # Each request finishes before the next, so only the mirror (not its in-flight prefix) counts.
+        await router.report("cuda0", "i1", [progress("r0", "finished")], cache_changes={h: True for h in hashes[:31]})
         warm = await router.route("r1", prompt, 128)
-        await router.report("cuda0", "i1", [], cache_changes={hashes[10]: False})
+        await router.report("cuda0", "i1", [progress("r1", "finished")], cache_changes={hashes[10]: False})
         evicted = await router.route("r2", prompt, 128)
         return [d.record["per_backend"]["cuda0"]["num_cached_tokens"] for d in (cold, warm, evicted)], cold
 
