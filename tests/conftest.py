@@ -8,7 +8,14 @@ block table, or reads the table's zero padding, gives wrong numbers instead of p
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Every Ray process a test starts (actors, Serve, subprocess CLIs) inherits these: usage stats
+# stay off and Ray's traffic stays on loopback, whatever command ran pytest.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata

@@ -20,9 +20,6 @@ import time
 
 import pytest
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 MODEL = "smollm2-135m"
 TIMEOUT_S = 60.0
 EQUAL_RATES = {"prefill_tok_s": 200.0, "decode_tok_s": 15.0}
