@@ -34,21 +34,32 @@ _BACKEND_LABEL = re.compile(r'[{,]backend="([^"]*)"')
 
 # -- the page ------------------------------------------------------------------------------
 def fill_empty_histograms(page: str) -> str:
-    """Ray's page plus, for each Tandem histogram with no series in it, that histogram at zero
-    for every backend the page names (on the same component's metrics: the backends' or the
-    router's)."""
+    """Ray's page plus, for each Tandem histogram, a zero series for every backend the page
+    names (on the same component's metrics: the backends' or the router's) that has none yet.
+    A family Ray exports for some backends gets the others' zeros next to its own samples (a
+    Prometheus family must stay contiguous); a family it does not export yet is added whole."""
     from tandem.actors.metrics import BACKEND_METRICS, HISTOGRAM, ROUTER_METRICS
 
-    present = {_series_name(line) for line in page.splitlines()}
-    additions = []
+    lines = page.splitlines()
+    appended = []
     for prefix, specs in (("ray_tandem_backend_", BACKEND_METRICS), ("ray_tandem_router_", ROUTER_METRICS)):
         backend_ids = _backend_ids(page, prefix)
         for spec in specs:
-            if spec.kind == HISTOGRAM and backend_ids and spec.exported_series[0] not in present:
-                additions.append(_zero_histogram(spec, backend_ids))
-    if not additions:
+            if spec.kind != HISTOGRAM or not backend_ids:
+                continue
+            family = [i for i, line in enumerate(lines) if _series_name(line) in spec.exported_series]
+            if not family:
+                appended.append(_zero_histogram(spec, backend_ids, header=True))
+                continue
+            have = {b for i in family for b in _BACKEND_LABEL.findall(lines[i])}
+            lacking = [b for b in backend_ids if b not in have]
+            if lacking:
+                last = family[-1]
+                lines[last] += "\n" + _zero_histogram(spec, lacking, header=False).rstrip("\n")
+    if not appended and "\n".join(lines) == page.rstrip("\n"):
         return page
-    return page + ("" if page.endswith("\n") or not page else "\n") + "".join(additions)
+    body = "\n".join(lines)
+    return body + ("\n" if body else "") + "".join(appended)
 
 
 def _series_name(line: str) -> str:
@@ -68,9 +79,9 @@ def _backend_ids(page: str, prefix: str) -> list[str]:
     return sorted(found)
 
 
-def _zero_histogram(spec, backend_ids: list[str]) -> str:
+def _zero_histogram(spec, backend_ids: list[str], header: bool) -> str:
     name = spec.exported_name
-    lines = [f"# HELP {name} {spec.description}", f"# TYPE {name} histogram"]
+    lines = [f"# HELP {name} {spec.description}", f"# TYPE {name} histogram"] if header else []
     for backend_id in backend_ids:
         for bound in (*(repr(float(b)) for b in spec.boundaries), "+Inf"):
             lines.append(f'{name}_bucket{{backend="{backend_id}",le="{bound}"}} 0.0')

@@ -31,9 +31,17 @@ def families(page: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(page)}
 
 
-def test_empty_histograms_are_added_per_backend_and_present_ones_left_alone():
+def test_histograms_get_zeros_for_every_backend_without_a_series():
     page = families(fill_empty_histograms(RAY_PAGE))
-    assert len(page["ray_tandem_backend_ttft_seconds"]) == 3  # Ray's own, untouched
+    ttft = page["ray_tandem_backend_ttft_seconds"]
+    own = [s for s in ttft if s.labels["backend"] == "cpu0"]
+    assert [(s.name, s.value) for s in own] == [  # Ray's own samples, untouched
+        ("ray_tandem_backend_ttft_seconds_bucket", 2.0), ("ray_tandem_backend_ttft_seconds_count", 2.0),
+        ("ray_tandem_backend_ttft_seconds_sum", 0.5)]
+    # A backend Ray has not observed yet gets zeros inside the same family (the live failure:
+    # one backend served the warm-up, the other's series were missing until its first request).
+    others = [s for s in ttft if s.labels["backend"] == "cpu1"]
+    assert len(others) == len(LATENCY_BUCKETS_S) + 3 and all(s.value == 0 for s in others)
     e2e = page["ray_tandem_backend_e2e_seconds"]
     assert {s.labels["backend"] for s in e2e} == {"cpu0", "cpu1"} and all(s.value == 0 for s in e2e)
     assert {s.labels["le"] for s in e2e if s.name.endswith("_bucket")} == {
