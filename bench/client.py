@@ -1,6 +1,6 @@
 """The load generator: send a workload's requests to the HTTP API on schedule and time them.
 
-Open loop, as in the spec: request i is sent at `start + arrival_s[i]` whether or not earlier
+Open loop, as in the design: request i is sent at `start + arrival_s[i]` whether or not earlier
 ones have answered, each on its own task and connection. Every request streams
 (`stream: true`, usage included), so the client sees its first text as it is produced.
 

@@ -1,4 +1,4 @@
-"""`tandem bench sweep`: the questions the spec left open, one dimension at a time.
+"""`tandem bench sweep`: the questions the design left open, one dimension at a time.
 
 The base cell is the spec's setting with a unique suffix per request (so every request hits
 exactly the seeded prefix): N requests every 50 ms, 516-token prompts, 96% of them cached,

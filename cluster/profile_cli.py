@@ -1,7 +1,7 @@
 """`tandem profile`: measure each backend alone and write the rates file the router loads.
 
 Backends are profiled in this process, one after another, each with the machine to itself (no
-Ray, no server), which is what "isolated profile" means in the spec. The output maps backend id
+Ray, no server), which is what "isolated profile" means in the design. The output maps backend id
 to routing's RateProfile fields and is what `tandem serve --rates FILE` reads; the same numbers
 go into the profile cache that `tandem serve` consults on start-up.
 """

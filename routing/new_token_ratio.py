@@ -1,7 +1,7 @@
 """SGLang-style `new_token_ratio`: a decaying discount on the decode budgets already queued.
 
 The router does not predict output lengths: by default an existing request's decode work is
-its whole unused `max_tokens` budget (ratio 1, as in the spec). Requests often stop early, so
+its whole unused `max_tokens` budget (ratio 1, as in the design). Requests often stop early, so
 SGLang's scheduler multiplies the remaining budgets of running requests by `new_token_ratio`,
 a heuristic that starts at `init_ratio` (0.7), falls linearly by
 `(init_ratio - min_ratio) / decay_steps` per decode step down to `min_ratio` (0.098 = 0.7 *
@@ -9,7 +9,7 @@ a heuristic that starts at `init_ratio` (0.7), falls linearly by
 
 What it scales here, exactly: the summed remaining decode budget of the requests already on a
 backend (active and queued). The new request being scored always counts its full
-`max_tokens`, as in the spec and in SGLang, where new requests are also counted unscaled.
+`max_tokens`, as in the design and in SGLang, where new requests are also counted unscaled.
 One tracker per backend; the router advances it by the decode steps it infers from progress
 reports (the largest increase of any request's `num_output_tokens` in one report batch).
 """

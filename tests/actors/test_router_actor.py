@@ -62,7 +62,7 @@ def make_router(tmp_path, **kwargs) -> tuple[RouterActor, FakeBackend, FakeBacke
 
 
 def test_spec_worked_example_through_the_actor(tmp_path):
-    """Request 7 goes to the GPU (3.027 s < 3.118 s), request 8 to the CPU (3.444 s), as in the spec."""
+    """Request 7 goes to the GPU (3.027 s < 3.118 s), request 8 to the CPU (3.444 s), as in the design."""
 
     async def scenario():
         router, gpu, cpu = make_router(tmp_path)
