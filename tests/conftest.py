@@ -21,6 +21,12 @@ import torch
 from tandem.engine.attention.metadata import AttentionMetadata
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of `a` against the reference `b`, in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
 def build_step(
     reqs: list[tuple[int, int]], block_size: int = 4, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -17,6 +17,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.model.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
+from tests.conftest import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path needs CUDA")
 
@@ -27,11 +28,6 @@ if torch.cuda.is_available():
     from tandem.engine.model.fused_layers import fuse_model
 
 DEVICE = "cuda"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
