@@ -14,6 +14,7 @@ Example file::
       - device: cpu
         threads: 1
       - device: auto        # cuda, else mps, else a second cpu backend
+        count: all          # one per free GPU (cuda: 2 is two cuda backends)
     port: 8000
     routing_log: routing.jsonl   # off unless set
 
@@ -24,7 +25,7 @@ Defaults that the engine also needs (model, max_active, block size) are the engi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,6 +34,7 @@ from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT
 from tandem.routing.errors import ConfigError, format_validation_errors
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
+EVERY_GPU_DEVICES = ("cuda", "auto")  # the devices `count: all` (`cuda*all`) applies to
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 
@@ -40,17 +42,29 @@ __all__ = ["DEFAULT_MODEL", "ConfigError", "TandemConfig", "BackendConfig", "par
 
 
 class BackendConfig(BaseModel):
-    """One backend engine. `id` defaults to the resolved device kind plus an index (cpu0, cuda0)."""
+    """One backend engine, or `count` alike. `id` defaults to the resolved device kind plus an
+    index (cpu0, cuda0). `count: all` (cuda or auto only) is one backend per GPU the Ray cluster
+    has left once explicit cuda backends took theirs; cluster/plan.py expands it."""
 
     model_config = ConfigDict(extra="forbid")
 
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
+    count: Annotated[int, Field(ge=1)] | Literal["all"] = 1
     id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch threads; None: the cluster's cpu_threads
     max_active: int | None = Field(default=None, ge=1)  # None: the cluster's max_active
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _count_fits_device(self) -> BackendConfig:
+        if self.count == "all" and self.device not in EVERY_GPU_DEVICES:
+            raise ValueError(f"count all is one backend per GPU: it applies to "
+                             f"{' and '.join(EVERY_GPU_DEVICES)}, not {self.device}")
+        if self.count != 1 and self.id is not None:
+            raise ValueError("an id names one backend: drop the id or the count (ids are then cuda0, cuda1, ...)")
+        return self
 
 
 class TandemConfig(BaseModel):
@@ -143,16 +157,37 @@ class TandemConfig(BaseModel):
         return self.validated(data, source="flags")
 
 
-def parse_backends(spec: str) -> list[dict[str, str]]:
-    """`--backends cpu,auto` -> [{"device": "cpu"}, {"device": "auto"}]; `id=device` names one."""
+def parse_backends(spec: str) -> list[dict[str, Any]]:
+    """`--backends cpu,auto` -> [{"device": "cpu"}, {"device": "auto"}]; `id=device` names one;
+    `device*N` is N alike (`cuda*2`) and `cuda*all` / `auto*all` one per free GPU."""
     backends = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
         backend_id, _, device = item.rpartition("=")
+        device, star, count = device.partition("*")
         if device not in DEVICES:
-            raise ConfigError(f"--backends: unknown device {device!r}; use {', '.join(DEVICES)}")
-        backends.append({"device": device, **({"id": backend_id} if backend_id else {})})
+            raise ConfigError(f"--backends: unknown device {device!r} in {item!r}; use {', '.join(DEVICES)}, "
+                              "optionally with *N or *all (cuda*2, auto*all)")
+        backend: dict[str, Any] = {"device": device}
+        if star:
+            backend["count"] = _parse_count(item, device, count)
+            if backend_id:
+                raise ConfigError(f"--backends: {item!r} names several backends with one id; drop the id "
+                                  f"(they become {device}0, {device}1, ...) or the count")
+        if backend_id:
+            backend["id"] = backend_id
+        backends.append(backend)
     if not backends:
         raise ConfigError("--backends needs at least one device, e.g. cpu,auto")
     return backends
+
+
+def _parse_count(item: str, device: str, count: str) -> int | str:
+    if count == "all":
+        if device not in EVERY_GPU_DEVICES:
+            raise ConfigError(f"--backends: {item!r}: *all is one backend per GPU; use cuda*all or auto*all")
+        return "all"
+    if not count.isdigit() or int(count) < 1:
+        raise ConfigError(f"--backends: {item!r}: the count after * is a whole number >= 1 or all")
+    return int(count)

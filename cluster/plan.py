@@ -1,4 +1,11 @@
-"""Turn the configured backends into concrete ones: resolve `auto`, name them, size threads.
+"""Turn the configured backends into concrete ones: expand counts, resolve `auto`, name them,
+size threads.
+
+Several accelerators are one shape among others: `cuda*2` (YAML `count: 2`) is two cuda
+backends, each taking one GPU; `cuda*all` is one cuda backend per GPU the Ray cluster has left
+once the explicit cuda backends took theirs, and `auto*all` the same, or one `auto` backend when
+no GPU is left. Asking for more cuda backends than the Ray cluster has GPUs is an error here,
+at once, rather than backend actors Ray can never place.
 
 `auto` means "the accelerator if there is one": cuda when the Ray cluster has a GPU that no
 explicit cuda backend already claims, else mps when this machine has Apple's GPU, else a second
@@ -18,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tandem.cluster.config import BackendConfig, TandemConfig
+from tandem.cluster.config import BackendConfig, ConfigError, TandemConfig
 
 
 @dataclass(frozen=True)
@@ -49,15 +56,7 @@ def resolve_auto(num_free_gpus: int, mps_available: bool) -> tuple[str, str]:
 def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
                   num_cores: int | None = None) -> list[BackendPlan]:
     num_cores = num_cores or os.cpu_count() or 1
-    num_free_gpus = num_gpus - sum(b.device == "cuda" for b in config.backends)
-    resolved: list[tuple[BackendConfig, str, str]] = []
-    for backend in config.backends:
-        device, reason = backend.device, f"configured {backend.device}"
-        if device == "auto":
-            device, reason = resolve_auto(num_free_gpus, mps_available)
-            num_free_gpus -= device == "cuda"
-        resolved.append((backend, device, reason))
-
+    resolved = _resolve_devices(config.backends, num_gpus, mps_available)
     num_cpu = sum(device == "cpu" for _, device, _ in resolved)
     num_reserved = 1 + (len(resolved) - num_cpu)  # serving, and each accelerator's step loop
     default_cpu_threads = config.cpu_threads or max(1, (num_cores - num_reserved) // max(1, num_cpu))
@@ -73,6 +72,41 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             max_active=backend.max_active or config.max_active,
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb))
     return plans
+
+
+def _resolve_devices(backends: list[BackendConfig], num_gpus: int,
+                     mps_available: bool) -> list[tuple[BackendConfig, str, str]]:
+    """Each backend that will run, with its device and why; counts expanded, in config order."""
+    num_explicit = sum(b.count for b in backends if b.device == "cuda" and b.count != "all")
+    if num_explicit > num_gpus:
+        raise ConfigError(f"backends: {num_explicit} cuda backends asked for, but the Ray cluster has "
+                          f"{_gpus(num_gpus)} (each cuda backend takes one); use cuda*all for one per GPU")
+    num_free_gpus = num_gpus - num_explicit
+    resolved: list[tuple[BackendConfig, str, str]] = []
+    for backend in backends:
+        if backend.device == "cuda" and backend.count == "all":
+            if num_free_gpus == 0:
+                raise ConfigError(f"backends: cuda*all found no free GPU (the Ray cluster has {_gpus(num_gpus)}, "
+                                  f"{num_explicit} taken by explicit cuda backends)")
+            resolved += [(backend, "cuda", f"cuda*all -> cuda (GPU {i + 1} of {num_free_gpus} free)")
+                         for i in range(num_free_gpus)]
+            num_free_gpus = 0
+        elif backend.device == "auto" and backend.count == "all" and num_free_gpus > 0:
+            resolved += [(backend, "cuda", f"auto*all -> cuda (GPU {i + 1} of {num_free_gpus} free)")
+                         for i in range(num_free_gpus)]
+            num_free_gpus = 0
+        elif backend.device == "auto":
+            for _ in range(1 if backend.count == "all" else backend.count):
+                device, reason = resolve_auto(num_free_gpus, mps_available)
+                num_free_gpus -= device == "cuda"
+                resolved.append((backend, device, reason))
+        else:
+            resolved += [(backend, backend.device, f"configured {backend.device}")] * backend.count
+    return resolved
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _next_id(device: str, counters: dict[str, int], used_ids: set[str]) -> str:

@@ -1,0 +1,100 @@
+"""Several accelerators as a shape of their own: `cpu,cuda,cuda`, `cuda*2`, `cuda*all`, `auto*all`.
+
+Pure planning with made-up GPU counts (no Ray, no torch): which backends run, on what, named
+how, with how many threads, and the errors when more GPUs are asked for than there are.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cluster.config import ConfigError, TandemConfig, parse_backends
+from tandem.cluster.plan import plan_backends
+
+
+def plan(spec: str, num_gpus: int, mps: bool = False, cores: int = 32):
+    config = TandemConfig.validated({"backends": parse_backends(spec)})
+    return plan_backends(config, num_gpus=num_gpus, mps_available=mps, num_cores=cores)
+
+
+def shape(plans) -> list[tuple[str, str]]:
+    return [(p.backend_id, p.device) for p in plans]
+
+
+@pytest.mark.parametrize("spec", ["cpu,cuda,cuda", "cpu,cuda*2", "cpu,cuda*all", "cpu,auto*all", "cpu,auto,auto"])
+def test_every_spelling_puts_one_backend_on_each_of_two_gpus(spec):
+    plans = plan(spec, num_gpus=2)
+    assert shape(plans) == [("cpu0", "cpu"), ("cuda0", "cuda"), ("cuda1", "cuda")]
+    assert [p.num_gpus for p in plans] == [0.0, 1.0, 1.0]
+    assert [p.threads for p in plans] == [32 - 1 - 2, 1, 1]  # a core for serving, one per GPU loop
+
+
+def test_all_takes_every_gpu_the_cluster_has():
+    assert shape(plan("cuda*all", num_gpus=8)) == [(f"cuda{i}", "cuda") for i in range(8)]
+    assert shape(plan("cpu,auto*all", num_gpus=4))[1:] == [(f"cuda{i}", "cuda") for i in range(4)]
+
+
+def test_all_takes_what_explicit_cuda_backends_left():
+    plans = plan("cuda*all,big=cuda", num_gpus=3)
+    assert shape(plans) == [("cuda0", "cuda"), ("cuda1", "cuda"), ("big", "cuda")]
+    assert "2 free" in plans[0].reason
+
+
+def test_auto_all_without_a_gpu_is_one_auto_backend():
+    assert shape(plan("cpu,auto*all", num_gpus=0)) == [("cpu0", "cpu"), ("cpu1", "cpu")]
+    assert shape(plan("cpu,auto*all", num_gpus=0, mps=True)) == [("cpu0", "cpu"), ("mps0", "mps")]
+
+
+def test_auto_takes_a_gpu_each_until_none_is_left():
+    plans = plan("auto*3", num_gpus=2)
+    assert shape(plans) == [("cuda0", "cuda"), ("cuda1", "cuda"), ("cpu0", "cpu")]
+    assert "second cpu" in plans[2].reason
+
+
+def test_counts_of_cpu_backends_share_the_cores():
+    plans = plan("cpu*2,cuda", num_gpus=1, cores=16)
+    assert shape(plans) == [("cpu0", "cpu"), ("cpu1", "cpu"), ("cuda0", "cuda")]
+    assert [p.threads for p in plans] == [7, 7, 1]  # (16 - 1 - 1) // 2
+
+
+@pytest.mark.parametrize("spec, num_gpus, message", [
+    ("cpu,cuda,cuda", 1, "2 cuda backends asked for, but the Ray cluster has 1 GPU"),
+    ("cuda*3", 2, "3 cuda backends asked for, but the Ray cluster has 2 GPUs"),
+    ("cuda", 0, "1 cuda backends asked for, but the Ray cluster has 0 GPUs"),
+    ("cuda*all", 0, "cuda\\*all found no free GPU"),
+    ("cuda*2,cuda*all", 2, "cuda\\*all found no free GPU .* 2 taken by explicit cuda backends"),
+])
+def test_more_cuda_backends_than_gpus_is_a_clear_error(spec, num_gpus, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(spec, num_gpus=num_gpus)
+
+
+def test_parse_counts():
+    assert parse_backends("cpu,cuda*2") == [{"device": "cpu"}, {"device": "cuda", "count": 2}]
+    assert parse_backends("cpu, auto*all") == [{"device": "cpu"}, {"device": "auto", "count": "all"}]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("cpu*all", "cuda\\*all or auto\\*all"),
+    ("cuda*0", "whole number >= 1 or all"),
+    ("cuda*two", "whole number >= 1 or all"),
+    ("gpu=cuda*2", "one id"),
+    ("tpu*2", "unknown device 'tpu'"),
+])
+def test_bad_counts_are_named(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_backends(spec)
+
+
+def test_yaml_count_is_validated_like_the_flag(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("backends:\n  - device: cpu\n  - device: cuda\n    count: all\n")
+    config = TandemConfig.from_yaml(path)
+    assert shape(plan_backends(config, num_gpus=2, mps_available=False, num_cores=8))[1:] == [
+        ("cuda0", "cuda"), ("cuda1", "cuda")]
+    path.write_text("backends:\n  - device: mps\n    count: all\n")
+    with pytest.raises(ConfigError, match="backends.0"):
+        TandemConfig.from_yaml(path)
+    path.write_text("backends:\n  - device: cuda\n    count: 2\n    id: gpu\n")
+    with pytest.raises(ConfigError, match="an id names one backend"):
+        TandemConfig.from_yaml(path)
