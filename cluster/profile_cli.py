@@ -1,7 +1,9 @@
 """`tandem profile`: measure each backend alone and write the rates file the router loads.
 
 Backends are profiled in this process, one after another, each with the machine to itself (no
-Ray, no server), which is what "isolated profile" means in the design. The output maps backend id
+Ray, no server), which is what "isolated profile" means in the design. Backends on identical
+devices (same model, device and GPU model, dtype, threads, max_active) are measured once and
+share the result, as in `tandem serve` (cluster/profile.py). The output maps backend id
 to routing's RateProfile fields and is what `tandem serve --rates FILE` reads; the same numbers
 go into the profile cache that `tandem serve` consults on start-up.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 
 from tandem.cluster.config import ConfigError
 from tandem.cluster.serve_cli import add_cluster_arguments, load_config
@@ -22,36 +23,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="tandem-rates.json", help="rates file to write (default tandem-rates.json)")
     parser.add_argument("--prompt-len", type=int, default=512, help="uncached prompt tokens for prefill (default 512)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per decode run (default 16)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measure this many times and take each rate's median (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tandem.cluster.plan import plan_backends
-    from tandem.cluster.profile import profile_key, store_in_cache, write_rates_file
+    from tandem.cluster.profile import load_cache, rate_fields, resolve_profiles, store_in_cache, write_rates_file
     from tandem.engine.profiler import measure_rates
 
     try:
         config = load_config(args)
+        num_gpus, mps = _local_accelerators()
+        plans = plan_backends(config, num_gpus, mps)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    num_gpus, mps = _local_accelerators()
-    rates, num_cuda = {}, 0
-    for plan in plan_backends(config, num_gpus, mps):
-        engine = _load_engine(config, plan, cuda_index=num_cuda)
-        num_cuda += plan.device == "cuda"
-        key = profile_key(engine.model_name, engine.device.type, str(engine.dtype).removeprefix("torch."), plan.threads)
-        start = time.perf_counter()
-        found = measure_rates(engine, plan.max_active, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens)
-        by_batch = ", ".join(f"{b}: {r:.1f}" for b, r in found["decode_tok_s_by_batch"].items())
-        print(f"{plan.backend_id:8s} {key}: prefill {found['prefill_tok_s']:.0f} tok/s; decode tok/s by batch "
-              f"{{{by_batch}}} ({time.perf_counter() - start:.1f} s)", flush=True)
-        store_in_cache(config.rates_cache, key, found)
-        rates[plan.backend_id] = found
-        del engine
-        gc.collect()
-    write_rates_file(args.output, rates)
+    cuda_index = {p.backend_id: i for i, p in enumerate(p for p in plans if p.device == "cuda")}
+    plan_of = {plan.backend_id: plan for plan in plans}
+    wanted = [(plan.backend_id, _plan_key(config, plan, cuda_index.get(plan.backend_id))) for plan in plans]
+
+    def measure(backend_id: str) -> dict:
+        plan = plan_of[backend_id]
+        engine = _load_engine(config, plan, cuda_index.get(backend_id, 0))
+        try:
+            return measure_rates(engine, plan.max_active, prompt_len=args.prompt_len,
+                                 decode_tokens=args.decode_tokens, repeats=args.repeats)
+        finally:
+            del engine
+            gc.collect()
+
+    found = resolve_profiles(wanted, {}, "always", measure,
+                             store=lambda key, entry: store_in_cache(config.rates_cache, key, entry),
+                             log=lambda line: print(line, flush=True), previous=load_cache(config.rates_cache))
+    write_rates_file(args.output, {backend_id: rate_fields(entry) for backend_id, entry in found.items()})
     print(f"wrote {args.output}; use it with: tandem serve --rates {args.output}")
     return 0
+
+
+def _plan_key(config, plan, cuda_index: int | None) -> str:
+    """The key `tandem serve` gives this backend (cluster/launcher.py), without loading it: the
+    engine names its model as configured and resolves its dtype by EngineConfig's rule."""
+    from tandem.cluster.profile import gpu_model, profile_key
+    from tandem.engine.config import EngineConfig
+
+    dtype = str(EngineConfig(model=config.model, device=plan.device, dtype=plan.dtype).torch_dtype)
+    name = ""
+    if plan.device == "cuda":
+        import torch
+
+        name = gpu_model(torch.cuda.get_device_name(cuda_index))
+    return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name)
 
 
 def _load_engine(config, plan, cuda_index: int):

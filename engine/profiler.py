@@ -9,8 +9,15 @@ once untimed first: a GPU backend compiles kernels and captures graphs on first 
 timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
 that the GPU would have finished sooner.
 
+The whole measurement is repeated (`repeats`, 3 by default) and each rate is the median over
+the repeats, so one disturbed run does not become the profile: two identical H200s profiled
+once each had come out at 38,600 and 28,800 prefill tok/s. The result says how far the repeats
+spread (`spread`: (max - min) / median of each rate, the decode table's worst batch size), so
+a caller can warn when the measurement itself was not steady.
+
 It lives in the engine layer because it needs nothing but an engine; the backend actor calls it
-and the cluster layer caches its results (cluster/profile.py).
+and the cluster layer caches its results and shares one profile between identical devices
+(cluster/profile.py).
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from tandem.engine.sampling_params import SamplingParams
 ENGINE_SPEED_VERSION = 4
 
 
-
 def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
-                  seed: int = 0, prefill_repeats: int = 3) -> dict[str, Any]:
-    """Rates in routing's RateProfile fields: prefill_tok_s, decode_tok_s, decode_tok_s_by_batch."""
+                  seed: int = 0, prefill_repeats: int = 3, repeats: int = 3) -> dict[str, Any]:
+    """Rates in routing's RateProfile fields (prefill_tok_s, decode_tok_s, decode_tok_s_by_batch),
+    medians over `repeats`, plus `spread`: {"repeats", "prefill_tok_s", "decode_tok_s_by_batch"}."""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
     prompt_len = max(16, min(prompt_len, engine.max_model_len - decode_tokens - 2))
@@ -39,16 +46,34 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
         return [rng.randrange(3, num_tokens) for _ in range(n)]
 
     _run(engine, [prompt(prompt_len)], max_tokens=2)  # warm-up: kernels for this prefill shape
-    prefill_rates = sorted(tokens / seconds for tokens, seconds in
-                           (_run(engine, [prompt(prompt_len)], max_tokens=1)[0] for _ in range(prefill_repeats)))
-    by_batch = {}
     for batch in range(1, max_active + 1):
         _run(engine, [prompt(16) for _ in range(batch)], max_tokens=3)  # warm-up: this batch size
-        _, (decode_tok, decode_s) = _run(engine, [prompt(16) for _ in range(batch)], max_tokens=decode_tokens)
-        by_batch[batch] = round(decode_tok / decode_s, 3)
+    prefill_runs: list[float] = []
+    decode_runs: dict[int, list[float]] = {batch: [] for batch in range(1, max_active + 1)}
+    for _ in range(max(1, repeats)):
+        prefill_runs.append(_median([tokens / seconds for tokens, seconds in
+                                     (_run(engine, [prompt(prompt_len)], max_tokens=1)[0]
+                                      for _ in range(prefill_repeats))]))
+        for batch, runs in decode_runs.items():
+            _, (decode_tok, decode_s) = _run(engine, [prompt(16) for _ in range(batch)], max_tokens=decode_tokens)
+            runs.append(decode_tok / decode_s)
     engine.drain_progress()  # profile requests are nobody's business
-    return {"prefill_tok_s": round(prefill_rates[len(prefill_rates) // 2], 3), "decode_tok_s": by_batch[1],
-            "decode_tok_s_by_batch": by_batch}
+    by_batch = {batch: round(_median(runs), 3) for batch, runs in decode_runs.items()}
+    return {"prefill_tok_s": round(_median(prefill_runs), 3), "decode_tok_s": by_batch[1],
+            "decode_tok_s_by_batch": by_batch,
+            "spread": {"repeats": len(prefill_runs), "prefill_tok_s": round(_spread(prefill_runs), 4),
+                       "decode_tok_s_by_batch": round(max(_spread(runs) for runs in decode_runs.values()), 4)}}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / median: 0 for one value, 0.1 when the repeats span 10% of their median."""
+    return (max(values) - min(values)) / _median(values)
 
 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[tuple[int, float], tuple[int, float]]:
