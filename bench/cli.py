@@ -1,14 +1,17 @@
-"""`tandem bench {seed,sweep,report}`: the end-to-end benchmarks through the HTTP endpoint.
+"""`tandem bench {seed,sweep,tenants,report}`: the end-to-end benchmarks through the HTTP endpoint.
 
     tandem bench seed  --out out/seed  [--num-requests 8,48] [--runs 3] [--report docs/benchmarks/x.md]
     tandem bench sweep --out out/sweep [--accel-max-active 1,2,4,8,16,32] [--cache-hit 0,0.5,0.96] ...
                        [--with-seed --seed-report docs/benchmarks/seed-x.md] [--report docs/benchmarks/sweep-x.md]
+    tandem bench tenants --out out/tenants --backends cpu,cuda*2 [--tenants 4,16] [--prefix-tokens 1024]
+                       [--arrival-rates 10,40,100] [--num-kv-blocks N] [--report docs/benchmarks/tenants-x.md]
     tandem bench report out/sweep --report seed-x.md --sweep-report sweep-x.md   # re-render from the JSON
 
 `seed` and `sweep` write OUT/meta.json first, one JSON per run under OUT/runs/ as it finishes,
 then OUT/summary.json (cells, means and spreads, oracle) and the reports asked for, each with
 its plots and one JSON of everything it shows beside it. See bench/seed.py, bench/sweep.py and
-bench/runner.py for what runs where, bench/report.py for what the reports show.
+bench/runner.py for what runs where, bench/report.py for what the reports show; bench/tenants.py
+and bench/tenants_report.py for the multi-tenant mode.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ def _lengths(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def _policies(text: str) -> list[str]:
+    from tandem.routing import POLICIES
+
+    arms = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [a for a in arms if a not in POLICIES]
+    if unknown or not arms:
+        raise argparse.ArgumentTypeError(f"--arms: unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    return arms
+
+
 def _arms(text: str) -> list[str]:
     arms = [x.strip() for x in text.split(",") if x.strip()]
     if "accelerator-only" not in arms or "cost" not in arms:
@@ -46,7 +59,7 @@ def _arms(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,report}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,report}", required=True)
     seed = sub.add_parser("seed", help="the spec's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
     _seed_arguments(seed, "--num-requests")
@@ -56,10 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = sub.add_parser("sweep", help="GPU concurrency, Poisson arrivals, cache-hit rate, prompt/output lengths")
     _common(sweep)
     _sweep_arguments(sweep)
+    tenants = sub.add_parser("tenants", help="routing policies on many tenants with long shared prefixes "
+                             "(Zipf popularity, Poisson arrivals), one reused cluster")
+    _tenants_arguments(tenants)
     report = sub.add_parser("report", help="render the reports from a finished bench's JSON")
     report.add_argument("out", help="the bench's output folder (meta.json and runs/)")
     report.add_argument("--report", help="seed report (markdown) to write")
     report.add_argument("--sweep-report", help="sweep report (markdown) to write")
+    report.add_argument("--tenants-report", help="tenants report (markdown) to write")
 
 
 def _seed_arguments(parser: argparse.ArgumentParser, *aliases: str) -> None:
@@ -96,9 +113,44 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    _cluster_options(parser)
+    parser.add_argument("--arms", type=_arms, default=["accelerator-only", "cost"],
+                        help="policies to compare (default accelerator-only,cost; e.g. add least-requests)")
+    parser.add_argument("--prompt-tokens", type=int, default=516, help="prompt tokens (default 516)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens, EOS ignored (default 128)")
+    parser.add_argument("--interval-s", type=float, default=0.05, help="fixed arrival interval (default 0.05 s)")
+    parser.add_argument("--only", type=_only, help="run only these clusters, RUN:ARM,... (e.g. 2:accelerator-only), "
+                        "to complete a bench that ran out of time")
+
+
+def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
+    _cluster_options(parser)
+    parser.add_argument("--arms", type=_policies, default=["cost", "prefix-affinity", "least-requests", "round-robin"],
+                        help="routing policies to compare (default cost,prefix-affinity,least-requests,round-robin)")
+    parser.add_argument("--tenants", type=_ints, default=[4, 16], help="tenant counts (default 4,16)")
+    parser.add_argument("--prefix-tokens", type=_ints, default=[1024],
+                        help="shared prefix tokens per tenant (default 1024; a list runs each)")
+    parser.add_argument("--suffix-tokens", type=int, default=64, help="unique prompt tokens per request (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, EOS ignored (default 64)")
+    parser.add_argument("--zipf-s", type=float, default=1.0, help="tenant k is picked with weight 1/k**s (default 1)")
+    parser.add_argument("--arrival-rates", type=_floats, default=[10.0, 40.0, 100.0],
+                        help="Poisson arrival rates, requests/s (default 10,40,100)")
+    parser.add_argument("--duration-s", type=float, default=10.0,
+                        help="seconds of arrivals per cell: rate x duration requests (default 10)")
+    parser.add_argument("--min-requests", type=int, default=40, help="requests per cell at least (default 40)")
+    parser.add_argument("--runs", type=int, default=2, help="runs per arm and cell (default 2)")
+    parser.add_argument("--max-active", type=int, default=16, help="accelerator backends' max_active (default 16)")
+    parser.add_argument("--num-kv-blocks", type=int,
+                        help="KV cache blocks (16 tokens each) of every backend; what decides whether the "
+                             "prefixes fit (default: the engine's, sized from memory)")
+    parser.add_argument("--report", help="markdown report to write (plot and JSON go beside it)")
+
+
+def _cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder for the JSON (meta.json, runs/, summary.json)")
     parser.add_argument("--model", default="smollm2-135m", help="model preset (default smollm2-135m)")
-    parser.add_argument("--backends", default="cpu,auto", help="backends (default cpu,auto)")
+    parser.add_argument("--backends", default="cpu,auto",
+                        help="backends (default cpu,auto; several GPUs: cpu,cuda*2 or cpu,cuda*all)")
     parser.add_argument("--cpu-threads", type=int,
                         help="torch threads per cpu backend (default: the cores left after one for serving and "
                              "one per accelerator backend, shared by the cpu backends)")
@@ -106,11 +158,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="cpu backends' dtype (default auto: float32)")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
-    parser.add_argument("--arms", type=_arms, default=["accelerator-only", "cost"],
-                        help="policies to compare (default accelerator-only,cost; e.g. add least-requests)")
-    parser.add_argument("--prompt-tokens", type=int, default=516, help="prompt tokens (default 516)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens, EOS ignored (default 128)")
-    parser.add_argument("--interval-s", type=float, default=0.05, help="fixed arrival interval (default 0.05 s)")
     parser.add_argument("--temperature", type=float,
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
     parser.add_argument("--time-budget-s", type=float, help="stop starting clusters/cells after this many seconds")
@@ -118,8 +165,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="after each cluster starts, every backend decodes a full batch at the same time, this "
                              "many tokens per request on the slowest backend (cluster/warmup.py; default 48; 0: none)")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
-    parser.add_argument("--only", type=_only, help="run only these clusters, RUN:ARM,... (e.g. 2:accelerator-only), "
-                        "to complete a bench that ran out of time")
 
 
 def _only(text: str) -> set[tuple[int, str]]:
@@ -150,13 +195,16 @@ def plan(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "report":
+        if args.tenants_report:
+            _render_tenants(Path(args.out), Path(args.tenants_report))
         return _render(Path(args.out), args.report, args.sweep_report)
+    if args.bench_command == "tenants":
+        return _run_tenants(args)
     from tqdm import tqdm
 
     from bench import harness, runner
 
-    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else [args.bench_command]
-    command = "tandem bench " + " ".join(shlex.quote(a) for a in argv)
+    command = _command(args)
     out_dir = Path(args.out)
     items, settings = plan(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
@@ -176,6 +224,44 @@ def run(args: argparse.Namespace) -> int:
     if seed_report or sweep_report:
         return _render(out_dir, seed_report, sweep_report)
     return 0
+
+
+def _run_tenants(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from bench import harness, tenants
+
+    out_dir = Path(args.out)
+    cells = tenants.build_cells(args)
+    ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
+                          args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
+                          _command(args), num_kv_blocks=args.num_kv_blocks)
+    ctx.warmup_tokens = args.warmup_tokens
+    ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
+                    warmup_tokens=args.warmup_tokens, reuse_cluster=True)
+    harness.write_json(out_dir / "meta.json", ctx.meta)
+    total = args.runs * len(args.arms) * sum(c.num_requests for c in cells)
+    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
+        records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar)
+    harness.write_json(out_dir / "summary.json", {"meta": ctx.meta, "cells": tenants.summarize(records)})
+    print(f"wrote {out_dir / 'summary.json'} ({len(records)} runs)")
+    if args.report:
+        _render_tenants(out_dir, Path(args.report))
+    return 0
+
+
+def _render_tenants(out_dir: Path, path: Path) -> None:
+    from bench.report import load_bench
+    from bench.tenants_report import render_tenants_report
+
+    meta, runs = load_bench(out_dir)
+    written = render_tenants_report(meta, [r for r in runs if r.get("bench") == "tenants"], path)
+    print("wrote " + ", ".join(str(p) for p in written))
+
+
+def _command(args: argparse.Namespace) -> str:
+    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else [args.bench_command]
+    return "tandem bench " + " ".join(shlex.quote(a) for a in argv)
 
 
 def _write_summary(out_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:

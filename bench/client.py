@@ -9,7 +9,8 @@ Per request, on one clock (`time.perf_counter`, seconds from the run's start):
   first_text_s  when the first chunk carrying text arrived (TTFT = first_text_s - send_s)
   end_s         when `[DONE]` arrived (E2E = end_s - send_s)
 plus the serving backend (the `x-tandem-backend` header), the request id (the chunks' `id`,
-which is the id in the routing log), the output tokens (the usage chunk) and any error.
+which is the id in the routing log), the prompt, cached (prefix-cache hit) and output tokens
+(the usage chunk) and any error.
 
 TTFT is what a client sees: the server sends a chunk only once its detokenizer has text, so a
 first token that is an incomplete UTF-8 sequence (common with the byte tokenizer of the
@@ -40,6 +41,8 @@ class RequestResult:
     first_text_s: float | None = None
     end_s: float | None = None
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: the prefix-cache hit
     num_chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -141,3 +144,5 @@ def _apply_chunk(chunk: dict[str, Any], now_s: float, result: RequestResult) -> 
     usage = chunk.get("usage")
     if usage:
         result.num_output_tokens = int(usage.get("completion_tokens", 0))
+        result.num_prompt_tokens = int(usage.get("prompt_tokens", 0))
+        result.num_cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))

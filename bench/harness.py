@@ -73,11 +73,16 @@ class Layout:
     cpu_threads: int | None
 
     def arm_backends(self, arm: str, accel_max_active: int, cpu_max_active: int) -> list[dict[str, Any]]:
-        backends = [dict(b, max_active=accel_max_active if b["id"] == self.accel_id else cpu_max_active)
+        """Every accelerator backend (and the `auto` slot, a cpu backend on a machine without
+        one) at `accel_max_active`, the cpu backends at `cpu_max_active`."""
+        backends = [dict(b, max_active=accel_max_active if self.is_accelerator(b) else cpu_max_active)
                     for b in self.backends]
         if arm == ACCELERATOR_ONLY and not self.has_accelerator:
             backends = [b for b in backends if b["id"] == self.accel_id]
         return backends
+
+    def is_accelerator(self, backend: dict[str, Any]) -> bool:
+        return backend["id"] == self.accel_id or backend["device"] != "cpu"
 
     def arm_policy(self, arm: str) -> str:
         if arm == ACCELERATOR_ONLY and not self.has_accelerator:
@@ -102,8 +107,10 @@ def init_ray(log_to_driver: bool = False) -> None:
                  _metrics_export_port=free_port(), logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
-def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto") -> Layout:
-    """Resolve `auto` once (on the running Ray cluster) and pin every backend's id and device."""
+def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
+                   num_kv_blocks: int | None = None) -> Layout:
+    """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
+    device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default)."""
     import ray
 
     import torch
@@ -117,7 +124,8 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), mps)
     auto = [p for p in plans if p.requested == "auto"] or [p for p in plans if p.device != "cpu"] or plans[-1:]
     backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
-                 "dtype": cpu_dtype if p.device == "cpu" else "auto"} for p in plans]
+                 "dtype": cpu_dtype if p.device == "cpu" else "auto",
+                 **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
     return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
 
 
@@ -182,9 +190,9 @@ class BenchCluster:
         cluster): the router's policy, which backends it may use, the accelerator's max_active."""
         import ray
 
-        accel = self.tandem.backends[self.layout.accel_id]
         if accel_max_active != self.accel_max_active:
-            ray.get(accel.set_max_active.remote(accel_max_active))
+            accelerators = [self.tandem.backends[b["id"]] for b in self.layout.backends if self.layout.is_accelerator(b)]
+            ray.get([handle.set_max_active.remote(accel_max_active) for handle in accelerators])
         wanted = {b["id"] for b in self.layout.arm_backends(arm, accel_max_active, self.cpu_max_active)}
         cordoned = [backend_id for backend_id in self.tandem.backends if backend_id not in wanted]
         ray.get(self.tandem.router.set_policy.remote(self.layout.arm_policy(arm), cordoned))
@@ -245,6 +253,7 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
 
     seeded = seed_caches(cluster, workload)
     router_rates = ray.get(cluster.tandem.router.rates_in_use.remote())
+    log_offset = log_size(cluster.routing_log)
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     results: list[RequestResult] = asyncio.run(run_workload(
         cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done))
@@ -258,16 +267,25 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
         "started_at": started_at,
         "requests": requests,
         "metrics": run_metrics(requests, list(cluster.infos)).to_dict(),
-        "decisions": read_decisions(cluster.routing_log, {r.req_id: r.index for r in results if r.req_id}),
+        "decisions": read_decisions(cluster.routing_log, {r.req_id: r.index for r in results if r.req_id},
+                                    log_offset),
     }
 
 
-def read_decisions(routing_log: Path | None, index_by_req_id: dict[str, int]) -> list[dict[str, Any]]:
-    """This run's routing-log lines, in decision order, each tagged with its workload index."""
+def log_size(routing_log: Path | None) -> int:
+    return routing_log.stat().st_size if routing_log is not None and routing_log.exists() else 0
+
+
+def read_decisions(routing_log: Path | None, index_by_req_id: dict[str, int], offset: int = 0) -> list[dict[str, Any]]:
+    """This run's routing-log lines, in decision order, each tagged with its workload index;
+    `offset` skips what the log held before the run (a reused cluster's log keeps growing)."""
     if routing_log is None or not routing_log.exists():
         return []
     decisions = []
-    for line in routing_log.read_text().splitlines():
+    with routing_log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode()
+    for line in text.splitlines():
         record = json.loads(line)
         if record.get("req_id") in index_by_req_id:
             decisions.append({"index": index_by_req_id[record["req_id"]], **record})
@@ -330,12 +348,13 @@ class BenchContext:
 
 def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, cpu_dtype: str,
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
-            time_budget_s: float | None, verbose: bool, command: str) -> BenchContext:
+            time_budget_s: float | None, verbose: bool, command: str,
+            num_kv_blocks: int | None = None) -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
-    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype)
+    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0

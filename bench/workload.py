@@ -6,7 +6,7 @@ API as `prompt: [ids]`, so prompt lengths and shared prefixes are exact in token
 tokenizer. Ids are drawn from 32..126: printable ASCII in the byte tokenizer of the random
 presets, and ordinary tokens in SmolLM2's vocabulary, so the same workload runs on any preset.
 
-Two shapes:
+Two shapes here, and a third in bench/tenants.py (many tenants with shared prefixes):
 
 - `spec_workload`: the spec's experiment. Every request has the same 516-token prompt; both
   caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
@@ -32,6 +32,7 @@ class WorkloadRequest:
     arrival_s: float  # offset from the run's start at which the client sends it
     prompt_token_ids: list[int]
     max_tokens: int
+    tenant: int | None = None  # multi-tenant workloads (bench/tenants.py): whose shared prefix it carries
 
 
 @dataclass

@@ -1,0 +1,263 @@
+"""`tandem bench tenants`: routing policies on many tenants with long shared prefixes, live.
+
+The workload is route-sim's `tenants:` scenario (routing/scenario.py) sent through the real HTTP
+endpoint: T tenants, each with a shared prefix of P tokens (a system prompt or document); each
+request is one tenant's prefix plus a suffix of its own, tenant k (1-based) picked with weight
+1 / k**s (Zipf), arrivals Poisson at a given rate, exact output lengths (EOS ignored). The
+arrival times and the tenant of each request come from routing's own `tenant_requests` with the
+same seed, so a cell here and its route-sim scenario (written beside the runs, under
+OUT/scenarios/, with the backends' rates and cache sizes) describe the same requests; only the
+token ids are new (printable ids, as in bench/workload.py).
+
+Arms are routing policies (default `cost`, `prefix-affinity`, `least-requests`,
+`round-robin`), all on one cluster started once (bench/harness.py), switched between
+measurements as the sweep does. Each arm gets prefixes of its own (the same lengths and arrival
+times), so no arm finds another's blocks in a cache; what an earlier arm left there only takes
+room, which LRU eviction gives back. A cell is (tenants, prefix tokens, arrival rate); each run
+goes through every cell, the arms' order alternating from run to run. `--num-kv-blocks` sizes
+every backend's KV cache, which is what decides whether the prefixes fit.
+
+Per arm and cell the summary gives TTFT p50/p95, E2E p50/p95, output tok/s, the prefix-cache
+hit rate (cached prompt tokens from each response's usage over all prompt tokens, as route-sim
+defines it) and each backend's share of requests, as means and spreads over runs, and whether
+`cost` is at least as good as the best other arm beyond the run-to-run spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.workload import Workload, WorkloadRequest, random_tokens
+
+ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin")
+HYBRID_ARM = "cost"
+# metric -> True if higher is better; the verdict judges cost on the first three
+METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p95_s": False, "output_tok_s": True,
+                            "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True}
+VERDICT_METRICS = ("ttft_p50_s", "ttft_p95_s", "output_tok_s")
+HIT_RATE_BAND = 0.05  # cost's hit rate within 5 points of prefix-affinity's
+
+
+@dataclass(frozen=True)
+class TenantsCell:
+    """One cell: route-sim's `tenants:` section with the rate and request count of this cell."""
+
+    num_tenants: int
+    prefix_tokens: int
+    rate_per_s: float
+    num_requests: int
+    suffix_tokens: int = 64
+    max_tokens: int = 64
+    zipf_s: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return f"t{self.num_tenants}-p{self.prefix_tokens}-r{self.rate_per_s:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **asdict(self)}
+
+    def scenario_tenants(self, seed: int) -> dict[str, Any]:
+        """This cell as route-sim's `tenants:` section (routing/scenario.py)."""
+        return {"num_requests": self.num_requests, "rate_per_s": self.rate_per_s, "num_tenants": self.num_tenants,
+                "zipf_s": self.zipf_s, "prefix_tokens": self.prefix_tokens, "suffix_tokens": self.suffix_tokens,
+                "max_tokens": self.max_tokens, "seed": seed}
+
+    def workload(self, token_seed: int, arrival_seed: int, block_size: int = 16) -> Workload:
+        """Arrivals and tenants from route-sim with `arrival_seed`; token ids from `token_seed`."""
+        rng = random.Random(token_seed)
+        prefixes = [random_tokens(rng, self.prefix_tokens) for _ in range(self.num_tenants)]
+        requests = [WorkloadRequest(i, arrival_s, prefixes[tenant] + random_tokens(rng, self.suffix_tokens),
+                                    self.max_tokens, tenant=tenant)
+                    for i, (arrival_s, tenant) in enumerate(self.arrivals(arrival_seed, block_size))]
+        return Workload(name=self.name, requests=requests, seed_prompts=[], num_shared_prefix_tokens=0,
+                        block_size=block_size,
+                        description={"kind": "tenants", "arrival": "poisson", "token_seed": token_seed,
+                                     "arrival_seed": arrival_seed, "tenants": [r.tenant for r in requests],
+                                     **self.to_dict()})
+
+    def arrivals(self, seed: int, block_size: int = 16) -> list[tuple[float, int]]:
+        """(arrival_s, tenant) of each request, exactly as route-sim generates them."""
+        from tandem.routing.scenario import parse_scenario
+
+        placeholder = {"backend_id": "b", "device_kind": "cuda", "rates": {"prefill_tok_s": 1, "decode_tok_s": 1}}
+        scenario = parse_scenario({"backends": [placeholder], "block_size": block_size,
+                                   "tenants": self.scenario_tenants(seed)}, source="tenants cell")
+        return [(r.arrival_s, r.tenant) for r in scenario.requests]
+
+
+def build_cells(args: argparse.Namespace) -> list[TenantsCell]:
+    """Every (tenants, prefix, rate) cell; each has `rate x duration` requests, at least `min_requests`."""
+    return [TenantsCell(num_tenants=t, prefix_tokens=p, rate_per_s=r,
+                        num_requests=max(args.min_requests, round(r * args.duration_s)),
+                        suffix_tokens=args.suffix_tokens, max_tokens=args.max_tokens, zipf_s=args.zipf_s)
+            for p in args.prefix_tokens for t in args.tenants for r in args.arrival_rates]
+
+
+def settings(args: argparse.Namespace, cells: Sequence[TenantsCell]) -> dict[str, Any]:
+    return {"tenants": args.tenants, "prefix_tokens": args.prefix_tokens, "arrival_rates": args.arrival_rates,
+            "duration_s": args.duration_s, "min_requests": args.min_requests, "suffix_tokens": args.suffix_tokens,
+            "max_tokens": args.max_tokens, "zipf_s": args.zipf_s, "runs": args.runs, "arms": args.arms,
+            "max_active": args.max_active, "cpu_max_active": args.cpu_max_active,
+            "num_kv_blocks": args.num_kv_blocks, "cells": [c.name for c in cells]}
+
+
+# -- running ---------------------------------------------------------------------------------
+def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], runs: int, max_active: int,
+                bar: Any) -> list[dict[str, Any]]:
+    """Measure every cell under every arm, `runs` times, on one cluster; returns the run records."""
+    from bench.harness import write_json
+    from bench.runner import arm_order, token_seed
+
+    records: list[dict[str, Any]] = []
+    pending = max(c.num_requests for c in cells) + 16
+    bar.set_description(f"one cluster for {len(cells)} cells: starting")
+    with ctx.cluster(HYBRID_ARM, max_active, max_pending_requests=pending) as cluster:
+        for cell in cells:
+            write_scenario(ctx.out_dir / "scenarios" / f"{cell.name}.yaml", cell, cluster, seed=_arrival_seed(cell, 1))
+        for run in range(1, runs + 1):
+            for cell in cells:
+                for arm in arm_order(list(arms), run):
+                    if ctx.budget.spent():
+                        bar.write(f"time budget spent: stopping before {cell.name}, run {run}, {arm}")
+                        return records
+                    bar.set_description(f"run {run} {arm} {cell.name}")
+                    cluster.configure(arm, max_active)
+                    workload = cell.workload(token_seed(cell, run, arm), _arrival_seed(cell, run))
+                    record = measure_cell(ctx, cluster, workload, bar)
+                    record.update(bench="tenants", cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
+                    write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
+                    records.append(record)
+    return records
+
+
+def _arrival_seed(cell: TenantsCell, run: int) -> int:
+    """The same arrivals and tenants for every arm of a run; other arrivals in the next run."""
+    from bench.runner import token_seed
+
+    return token_seed(cell, run)
+
+
+def measure_cell(ctx: Any, cluster: Any, workload: Workload, bar: Any) -> dict[str, Any]:
+    from bench.harness import measure
+
+    record = measure(cluster, workload, ctx.temperature, on_done=lambda _: bar.update(1))
+    record["decisions"] = [compact_decision(d) for d in record["decisions"]]
+    record["tenant_metrics"] = tenant_run_metrics(record["requests"], list(cluster.infos))
+    return record
+
+
+def compact_decision(decision: dict[str, Any]) -> dict[str, Any]:
+    """What the report needs of a routing-log line (the full line stays in OUT/logs/)."""
+    keep = ("num_cached_tokens", "num_inflight_cached_tokens", "num_active", "num_queued", "score_s",
+            "recompute_term_s")
+    return {"index": decision["index"], "ts": decision["ts"], "backend_id": decision["backend_id"],
+            "per_backend": {b: {k: s.get(k) for k in keep} for b, s in decision["per_backend"].items()}}
+
+
+def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> None:
+    """The route-sim scenario of `cell` on this cluster's backends (run 1's arrivals)."""
+    import json
+
+    import yaml
+
+    rates = json.loads(Path(cluster.rates_path).read_text())
+    backends = []
+    for b in cluster.layout.arm_backends(HYBRID_ARM, cluster.accel_max_active, cluster.cpu_max_active):
+        backend = {"backend_id": b["id"], "device_kind": b["device"], "max_active": b["max_active"],
+                   "rates": rates.get(b["id"]) or rates[b["device"]]}
+        if b.get("num_kv_blocks"):
+            backend["num_kv_blocks"] = b["num_kv_blocks"]
+        backends.append(backend)
+    router = cluster.router_settings
+    scenario = {"name": cell.name, "policy": HYBRID_ARM, "block_size": 16, "backends": backends,
+                "router": {"spill_guard": {"margin": router["spill_margin"], "allow_queue": router["spill_allow_queue"]},
+                           **({"calibration": {"alpha": router["calibration_alpha"]}}
+                              if router.get("calibration_alpha") else {})},
+                "tenants": cell.scenario_tenants(seed)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# tandem bench tenants, cell {cell.name}, run 1's arrivals; replay with\n"
+                    f"#   tandem route-sim {path.name} --policy {','.join(ARMS)} --no-decisions\n"
+                    + yaml.safe_dump(scenario, sort_keys=False))
+
+
+# -- metrics ---------------------------------------------------------------------------------
+def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence[str]) -> dict[str, Any]:
+    """One run's metrics: bench/metrics.py's, plus the prefix-cache hit rate and backend shares."""
+    from bench.metrics import run_metrics
+
+    metrics = run_metrics(requests, backend_ids).to_dict()
+    ok = [r for r in requests if r.get("error") is None and r.get("end_s") is not None]
+    prompt = sum(r.get("num_prompt_tokens", 0) for r in ok)
+    metrics["hit_rate"] = sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else math.nan
+    return metrics
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell: each arm's means and spreads, and cost against the best other arm."""
+    cells: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        cells.setdefault(record["cell"], []).append(record)
+    return [summarize_cell(runs) for runs in cells.values()]
+
+
+def summarize_cell(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: (r["run"], r["arm"])):
+        arms.setdefault(record["arm"], []).append(record["tenant_metrics"])
+    out = {"cell": records[0]["cell"], "spec": records[0]["cell_spec"],
+           "arms": {arm: aggregate(runs) for arm, runs in arms.items()}}
+    out["verdict"] = verdict(out["arms"])
+    return out
+
+
+def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: spread([r[name] for r in runs]) for name in METRICS}
+    backends = sorted({b for r in runs for b in r["requests_by_backend"]})
+    out["requests_by_backend"] = {b: [r["requests_by_backend"].get(b, 0) for r in runs] for b in backends}
+    out["num_runs"] = len(runs)
+    out["num_failed_requests"] = sum(r["num_requests"] - r["num_ok"] for r in runs)
+    return out
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return {"mean": math.nan, "sd": math.nan, "n": 0}
+    return {"mean": round(statistics.fmean(values), 6),
+            "sd": round(statistics.stdev(values), 6) if len(values) > 1 else 0.0, "n": len(values)}
+
+
+def verdict(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Is `cost` at least as good as the best other arm on TTFT p50, TTFT p95 and throughput,
+    beyond the run-to-run spread (worse by more than the larger of the two sds), and is its hit
+    rate within 5 points of prefix-affinity's? None where there is nothing to judge by."""
+    if HYBRID_ARM not in arms or len(arms) < 2:
+        return {}
+    cost = arms[HYBRID_ARM]
+    out: dict[str, Any] = {}
+    for metric in VERDICT_METRICS:
+        higher = METRICS[metric]
+        others = {a: v[metric] for a, v in arms.items() if a != HYBRID_ARM and v[metric]["n"]}
+        if not others or not cost[metric]["n"]:
+            continue
+        best_arm = (max if higher else min)(others, key=lambda a: others[a]["mean"])
+        best = others[best_arm]
+        worse_by = (best["mean"] - cost[metric]["mean"]) if higher else (cost[metric]["mean"] - best["mean"])
+        tolerance = max(best["sd"], cost[metric]["sd"])
+        judged = best["n"] > 1 and cost[metric]["n"] > 1
+        out[metric] = {"best_other_arm": best_arm, "best_other": best["mean"], "cost": cost[metric]["mean"],
+                       "worse_by": round(worse_by, 6), "tolerance": tolerance,
+                       "ok": (worse_by <= tolerance) if judged else None}
+    affinity = arms.get("prefix-affinity")
+    if affinity and affinity["hit_rate"]["n"] and cost["hit_rate"]["n"]:
+        gap = affinity["hit_rate"]["mean"] - cost["hit_rate"]["mean"]
+        out["hit_rate"] = {"prefix_affinity": affinity["hit_rate"]["mean"], "cost": cost["hit_rate"]["mean"],
+                           "gap": round(gap, 6), "ok": gap <= HIT_RATE_BAND}
+    return out
