@@ -1,11 +1,13 @@
-"""Incremental detokenization across multi-byte characters, and stop strings; the lean
-detokenizer against the same scheme decoded from scratch each token."""
+"""Incremental detokenization across multi-byte characters, and stop strings, in both ways the
+detokenizer works: the byte table (byte-level tokenizers) against one decode of the whole
+output, and the decode window (any tokenizer) against the same scheme decoded from scratch
+each token."""
 
 import random
 
 import pytest
 
-from tandem.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from tandem.engine.detokenizer import CONTEXT_TOKENS, ByteTable, IncrementalDetokenizer
 from tandem.engine.tokenizer import build_byte_tokenizer
 
 
@@ -14,28 +16,40 @@ def tok():
     return build_byte_tokenizer()
 
 
-def stream(tok, text, stop=()):
+BOTH_WAYS = pytest.mark.parametrize("byte_level", [True, False], ids=["byte-table", "window"])
+
+
+def stream(tok, text, stop=(), byte_level=True):
     prompt_ids = tok.encode("prompt: ", add_special_tokens=False)
-    return lean_stream(tok, prompt_ids, tok.encode(text, add_special_tokens=False), stop)
+    return lean_stream(tok, prompt_ids, tok.encode(text, add_special_tokens=False), stop, byte_level)
 
 
-def test_multibyte_characters_are_never_split(tok):
+def test_byte_level_tokenizers_get_a_byte_table(tok):
+    assert ByteTable.of(tok) is ByteTable.of(tok)  # built once per tokenizer
+    assert IncrementalDetokenizer(tok, [1], [])._token_bytes is not None
+    assert IncrementalDetokenizer(tok, [1], [], byte_level=False)._token_bytes is None
+
+
+@BOTH_WAYS
+def test_multibyte_characters_are_never_split(tok, byte_level):
     text = "héllo 日本語 🎉!"
-    pieces, _ = stream(tok, text)
+    pieces, _ = stream(tok, text, byte_level=byte_level)
     assert len(tok.encode("🎉", add_special_tokens=False)) == 4  # one token per byte
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_stop_string_cuts_output_and_is_never_streamed(tok):
-    pieces, stopped = stream(tok, "alpha beta STOP gamma", stop=["STOP"])
+@BOTH_WAYS
+def test_stop_string_cuts_output_and_is_never_streamed(tok, byte_level):
+    pieces, stopped = stream(tok, "alpha beta STOP gamma", stop=["STOP"], byte_level=byte_level)
     assert stopped
     assert "".join(pieces) == "alpha beta "
     assert not any("S" in p for p in pieces)
 
 
-def test_text_that_only_starts_like_a_stop_string_is_released(tok):
-    pieces, stopped = stream(tok, "a ST b STA c", stop=["STOP"])
+@BOTH_WAYS
+def test_text_that_only_starts_like_a_stop_string_is_released(tok, byte_level):
+    pieces, stopped = stream(tok, "a ST b STA c", stop=["STOP"], byte_level=byte_level)
     assert not stopped and "".join(pieces) == "a ST b STA c"
 
 
@@ -68,8 +82,8 @@ def reference_stream(tok, prompt_ids, ids, stop=()):
     return pieces, stopped
 
 
-def lean_stream(tok, prompt_ids, ids, stop=()):
-    detok = IncrementalDetokenizer(tok, prompt_ids, list(stop))
+def lean_stream(tok, prompt_ids, ids, stop=(), byte_level=False):
+    detok = IncrementalDetokenizer(tok, prompt_ids, list(stop), byte_level=byte_level)
     pieces, stopped = [], False
     for i, t in enumerate(ids):
         stopped = detok.add_tokens([t])
@@ -107,19 +121,51 @@ def test_lean_detokenizer_agrees_with_fresh_decodes_byte_tokenizer(tok):
     check_agrees(tok, len(tok), [256, 257, 258], seed=0)
 
 
-def test_lean_detokenizer_agrees_with_fresh_decodes_smollm2_tokenizer():
+def smollm2_tokenizer():
     from tandem.engine.model.loader import models_cache_dir
     from tandem.engine.tokenizer import load_tokenizer
 
     path = models_cache_dir() / "smollm2-135m"
     if not (path / "tokenizer.json").is_file():
         pytest.skip("smollm2-135m has not been converted on this machine")
-    smol = load_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def test_lean_detokenizer_agrees_with_fresh_decodes_smollm2_tokenizer():
+    smol = smollm2_tokenizer()
     check_agrees(smol, len(smol), smol.all_special_ids, seed=1)
 
 
-def test_full_stream_equals_one_decode_on_emoji_text(tok):
+@BOTH_WAYS
+def test_full_stream_equals_one_decode_on_emoji_text(tok, byte_level):
     text = "naïve 👩‍👩‍👧 café 日本語 🎉"
     ids = tok.encode(text, add_special_tokens=False)
-    pieces, _ = lean_stream(tok, tok.encode("q: ", add_special_tokens=False), ids)
+    pieces, _ = lean_stream(tok, tok.encode("q: ", add_special_tokens=False), ids, byte_level=byte_level)
     assert "".join(pieces) == tok.decode(ids) == text
+
+
+def check_byte_table(tok, vocab_size, special_ids, seed):
+    """The byte table's text is one decode of the output ids (random ids: invalid UTF-8,
+    characters cut at either end, special tokens), cut at the first stop string; on valid
+    UTF-8 it is the decode window's text (which may release a character's bytes later: the
+    window holds a token back until all of its text is complete, the byte table only the
+    incomplete character)."""
+    for prompt, ids, stop, emoji in random_cases(vocab_size, special_ids, seed):
+        whole = tok.decode(ids, skip_special_tokens=True)
+        hits = [i for i in (whole.find(s) for s in stop) if i >= 0]
+        pieces, stopped = lean_stream(tok, prompt, ids, stop, byte_level=True)
+        assert ("".join(pieces), stopped) == ((whole[: min(hits)], True) if hits else (whole, False))
+        text_ids = tok.encode(emoji, add_special_tokens=False)
+        by_bytes = lean_stream(tok, prompt, text_ids, stop, byte_level=True)
+        by_window = reference_stream(tok, prompt, text_ids, stop)
+        assert ("".join(by_bytes[0]), by_bytes[1]) == ("".join(by_window[0]), by_window[1])
+
+
+def test_byte_table_equals_one_decode_byte_tokenizer(tok):
+    check_byte_table(tok, len(tok), [256, 257, 258], seed=2)
+
+
+def test_byte_table_equals_one_decode_smollm2_tokenizer():
+    smol = smollm2_tokenizer()
+    assert ByteTable.of(smol) is not None
+    check_byte_table(smol, len(smol), smol.all_special_ids, seed=3)
