@@ -368,6 +368,18 @@ class TandemIngress:
             return error_response(exc, _new_request_id())
         return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name)]).model_dump())
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        """One model (`client.models.retrieve`): the served one, or OpenAI's 404 for any other."""
+        try:
+            self._check_auth(request)
+            if model_id != self.settings.served_model_name:
+                raise ModelNotFound(f"the model {_echo(model_id)} does not exist; this server serves "
+                                    f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
+        return JSONResponse(ModelCard(id=model_id).model_dump())
+
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, CompletionRequest, chat=False)
@@ -468,8 +480,12 @@ class TandemIngress:
                                  code="context_length_exceeded")
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, seed=body.seed, stop=body.stop_list,
-                                    ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+                                    top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_list,
+                                    stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                    min_tokens=body.min_tokens, n=body.n, presence_penalty=body.presence_penalty,
+                                    frequency_penalty=body.frequency_penalty,
+                                    repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
+                                    logprobs=body.num_logprobs)
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc)) from None
         return prompt_token_ids, params

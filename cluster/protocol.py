@@ -5,8 +5,15 @@ names the field (OpenAI's error shape) before it costs a tokenizer call or a rou
 Numeric fields are strict about types (`"max_tokens": "5"` is an error, as at OpenAI) but
 accept an int where a float is expected, and every one has a range: nothing a client sends
 reaches the engine's tensors or `torch.Generator.manual_seed` (which takes [0, 2**64 - 1])
-as a value they cannot hold. Unknown fields are ignored, as most OpenAI-compatible servers do,
-so newer clients keep working.
+as a value they cannot hold.
+
+Nothing a client sends is silently ignored. Every top-level field is one of: implemented (a
+declared field below); accepted and harmless (`HARMLESS_FIELDS`: labels such as `user` or
+`metadata` that change nothing about the completion); known but not implemented
+(`UNSUPPORTED_FIELDS`: a 400 that names the field, unless the value is the one that asks for
+nothing, such as `echo: false` or `service_tier: "auto"`); or unknown, which is refused the
+same way (a field a client expects to matter must not be dropped on the floor). An explicit
+`null` is the same as leaving a field out, as OpenAI's schema allows for every optional field.
 
 The body is parsed by `parse_json_object`, not by pydantic or a bare `json.loads`, because
 the standard parser's failure modes on hostile input are not 400s: nesting 50,000 deep raises
@@ -30,6 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from tandem.cluster.dispatch import InvalidRequest
+from tandem.cluster.tools import MAX_TOOLS, DeltaToolCall, ResponseFormat, ToolCall, ToolChoice, ToolDefinition, template_message
 
 MAX_STOP_SEQUENCES = 16
 MAX_JSON_DEPTH = 32  # the deepest valid request is 4 (body, messages, message, content part)
@@ -82,6 +90,8 @@ def _check_structure(text: str) -> None:
     structure = _JSON_STRING.sub('""', text)
     if _LONG_NUMBER.search(structure):
         raise InvalidRequest(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
+    if structure.count("[") + structure.count("{") <= MAX_JSON_DEPTH:
+        return  # too few openers to nest that deep (most requests: no numpy call)
     chars = np.frombuffer(structure.encode("utf-8"), dtype=np.uint8)
     steps = np.isin(chars, _OPENERS).astype(np.int32) - np.isin(chars, _CLOSERS).astype(np.int32)
     if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
@@ -138,36 +148,151 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+MAX_N = 16  # choices per request (parallel sampling)
+MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+Probability = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, strict=True)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]
+NumLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+
+
+def _never(value: Any, body: dict[str, Any]) -> bool:
+    return False
+
+
+def _equals(harmless: Any):
+    return lambda value, body: value == harmless
+
+
+# Known OpenAI and vLLM request fields Tandem does not implement: field -> (is this value the
+# one that asks for nothing?, what to tell the client). Any other value is a 400 naming it.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "best_of": (lambda value, body: value == (body.get("n") or 1),
+                "best_of is not supported (every sampled choice is returned; use n)"),
+    "echo": (_equals(False), "echo is not supported"),
+    "suffix": (_equals(""), "suffix (text insertion) is not supported"),
+    "audio": (_never, "audio output is not supported"),
+    "modalities": (_equals(["text"]), "only the text modality is supported"),
+    "prediction": (_never, "predicted outputs are not supported"),
+    "web_search_options": (_never, "web search is not supported"),
+    "functions": (_never, "the legacy functions field is not supported; use tools"),
+    "function_call": (_never, "the legacy function_call field is not supported; use tool_choice"),
+    "reasoning_effort": (_never, "reasoning_effort is not supported (the served model does not reason)"),
+    "verbosity": (_never, "verbosity is not supported"),
+    "service_tier": (lambda value, body: value in ("auto", "default"),
+                     "service_tier must be 'auto' or 'default' (there is one tier)"),
+    "store": (_equals(False), "Tandem does not store completions (store must be false)"),
+    "prompt_logprobs": (_equals(0), "prompt_logprobs is not supported"),
+    "use_beam_search": (_equals(False), "beam search is not supported"),
+    "length_penalty": (_equals(1.0), "length_penalty (beam search) is not supported"),
+    "include_stop_str_in_output": (_equals(False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (_equals(True), "special tokens are always skipped"),
+    "spaces_between_special_tokens": (_equals(True), "spaces_between_special_tokens is not supported"),
+    "truncate_prompt_tokens": (_never, "prompt truncation is not supported"),
+    "allowed_token_ids": (_never, "allowed_token_ids is not supported (use logit_bias)"),
+    "bad_words": (_equals([]), "bad_words is not supported (use logit_bias)"),
+    "guided_grammar": (_never, "guided_grammar is not supported"),
+    "priority": (_equals(0), "request priorities are not supported"),
+    "add_generation_prompt": (_equals(True), "add_generation_prompt is always true"),
+    "continue_final_message": (_equals(False), "continue_final_message is not supported"),
+    "chat_template": (_never, "a request's own chat_template is not supported"),
+    "chat_template_kwargs": (_never, "chat_template_kwargs is not supported"),
+    "documents": (_never, "documents are not supported"),
+    "logits_processors": (_never, "logits_processors are not supported"),
+    "return_tokens_as_token_ids": (_equals(False), "return_tokens_as_token_ids is not supported"),
+}
+# Accepted and dropped: labels for the client's own bookkeeping that change nothing about the
+# completion.
+HARMLESS_FIELDS = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
+
+
+def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
+    """The body with nulls and harmless labels dropped; `InvalidRequest` naming the first field
+    Tandem would otherwise ignore. Raised directly, not as a pydantic error, so the 400 carries
+    the field as its `param`."""
+    if not isinstance(data, dict):
+        return data
+    fields = model_cls.model_fields
+    screened = {}
+    for key, value in data.items():
+        field_info = fields.get(key)
+        if field_info is not None:
+            if value is not None or field_info.is_required():  # null: as if left out
+                screened[key] = value
+        elif value is None or key in HARMLESS_FIELDS:
+            continue
+        elif key in UNSUPPORTED_FIELDS:
+            harmless, reason = UNSUPPORTED_FIELDS[key]
+            if not harmless(value, data):
+                raise InvalidRequest(f"{key}: {reason}", param=key, code="unsupported_field")
+        else:
+            raise InvalidRequest(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
+                                 "rather than ignore them", param=_short(key), code="unsupported_field")
+    return screened
+
+
+def _short(key: str) -> str:
+    return key if len(key) <= 64 else key[:64] + "..."
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: TokenCount | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, strict=True)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, strict=True)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[StrictStr, Bias] | None = None
     user: StrictStr | None = None
     # Tandem extras (vLLM spells them the same way).
     top_k: StrictInt = Field(default=0, ge=-1, le=MAX_INT32)
+    min_p: Probability = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, strict=True)
     min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_INT32)
     ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    # Structured outputs (OpenAI's response_format, vLLM's guided_*), read by cluster/tools.py.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        return screen_fields(cls, data)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingRequest:
         stops = self.stop_list
         if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
             raise ValueError(f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
+        if self.logit_bias is not None:
+            self.logit_bias_ids()  # keys checked here, so a bad one is a 400 at the edge
         return self
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` with its keys (token ids as JSON strings) as ints."""
+        if not self.logit_bias:
+            return {}
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_INT32):
+                raise ValueError(f"logit_bias keys must be token ids, got {_short(key)!r}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def stop_list(self) -> list[str]:
@@ -179,12 +304,15 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per sampled token, or None when logprobs are off."""
+        return None
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
-    echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    suffix: StrictStr | None = None
+    logprobs: NumLogprobs | None = None
 
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
@@ -192,9 +320,11 @@ class CompletionRequest(_SamplingRequest):
             if len(self.prompt) != 1:
                 raise ValueError("only one prompt per request is supported")
             self.prompt = self.prompt[0]
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            raise ValueError("echo, logprobs and suffix are not supported")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -208,6 +338,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -221,19 +353,28 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # accepted; a forced call is always one call
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as chat templates expect them (developer is OpenAI's new name for system)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them (developer is OpenAI's new name for system;
+        tool calls and results as cluster/tools.py writes them)."""
+        return [template_message("system" if m.role == "developer" else m.role, m.text(), m.tool_calls,
+                                 m.tool_call_id, m.name) for m in self.messages]
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -278,7 +419,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -301,6 +443,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

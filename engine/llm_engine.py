@@ -126,7 +126,8 @@ class LLMEngine:
         request = Request(req_id, token_ids, params, self.eos_token_ids, arrival_time)
         self._tracked[req_id] = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
-            SamplingRow(params, self._make_generator(params.seed)),
+            SamplingRow(params, self._make_generator(params.seed),
+                        prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else []),
         )
         self.scheduler.add_request(request)
         self._changed[req_id] = request
@@ -139,6 +140,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

@@ -6,9 +6,9 @@ translation from the scheduler's plain-Python decisions (request, number of toke
 one go and copied with a single transfer per tensor (from pinned memory on cuda, so the copy
 never waits for the device).
 
-`launch` enqueues a step and returns at once with a `StepHandle`: the sampled ids stay on the
-device, and one asynchronous copy brings them to pinned host memory, which `StepHandle.tokens`
-waits for. So the engine can plan and launch step N+1 while step N runs. A request whose last
+`launch` enqueues a step and returns at once with a `StepHandle`: the sampled ids (and the
+logprobs of rows that asked for them) stay on the device, and asynchronous copies bring them to
+pinned host memory behind one event, which `StepHandle.tokens` waits for. So the engine can plan and launch step N+1 while step N runs. A request whose last
 token is still such a placeholder (`PLACEHOLDER_TOKEN`) gets its input id from the previous
 step's sampled ids on the device, gathered by a small index copy before the forward.
 
@@ -23,6 +23,7 @@ Everything else, mps included, runs the reference path.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import torch
 
@@ -31,20 +32,24 @@ from tandem.engine.host_tensors import to_device
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.loader import LoadedModel
 from tandem.engine.request import PLACEHOLDER_TOKEN
-from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.sampler import LogprobsTensors, Sampler, SamplingRow
 from tandem.engine.scheduler import SchedulerOutput
 
 
 class StepHandle:
-    """A launched step's sampled ids, on their way to the host."""
+    """A launched step's sampled ids (and logprobs, for rows that asked), on their way to the host."""
 
-    def __init__(self, sampled: torch.Tensor | None = None) -> None:
+    def __init__(self, sampled: torch.Tensor | None = None, logprobs: LogprobsTensors | None = None) -> None:
         self.num_sampled = 0 if sampled is None else sampled.shape[0]
         self._host = sampled
+        self._logprobs = logprobs
         self._event = None
         if sampled is not None and sampled.device.type == "cuda":
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
+            self._host = _to_pinned(sampled)
+            if logprobs is not None:
+                self._logprobs = replace(logprobs, sampled=_to_pinned(logprobs.sampled),
+                                         top_ids=_to_pinned(logprobs.top_ids),
+                                         top_logprobs=_to_pinned(logprobs.top_logprobs))
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -55,6 +60,22 @@ class StepHandle:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def logprobs(self) -> dict[int, tuple]:
+        """Sampling row -> (sampled token's logprob, top ids, top logprobs), for the rows that
+        asked; call after `tokens`."""
+        lp = self._logprobs
+        if lp is None:
+            return {}
+        sampled, top_ids, top_logprobs = lp.sampled.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        return {row: (sampled[i], top_ids[i][:k], top_logprobs[i][:k])
+                for i, (row, k) in enumerate(zip(lp.rows, lp.num_top))}
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 class ModelRunner:
@@ -210,10 +231,10 @@ class ModelRunner:
         if not sample_reqs:
             self._last_sampled, self._last_rows = None, {}
             return StepHandle()
-        sampled = self.sampler.sample(logits, [rows[r] for r in sample_reqs])
-        self._last_sampled = sampled
+        out = self.sampler.sample(logits, [rows[r] for r in sample_reqs])
+        self._last_sampled = out.sampled_token_ids
         self._last_rows = {r: i for i, r in enumerate(sample_reqs)}
-        return StepHandle(sampled)
+        return StepHandle(out.sampled_token_ids, out.logprobs)
 
     def _execute_eager(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor | None:
         """The flat varlen forward; logits at each sampling request's last token (None if none)."""

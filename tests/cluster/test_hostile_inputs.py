@@ -102,7 +102,7 @@ CASES = [
      raw(OK_CHAT, messages='[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]'),
      400, "messages"),
     ("two prompts", "POST", COMPLETIONS, JSON, raw(OK_COMPLETION, prompt='["a", "b"]'), 400, None),
-    ("n of 2", "POST", CHAT, JSON, raw(OK_CHAT, n="2"), 400, "n"),
+    ("n of 17", "POST", CHAT, JSON, raw(OK_CHAT, n="17"), 400, "n"),
     ("duplicate key, the last one bad", "POST", COMPLETIONS, JSON,
      b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "max_tokens": 4, "max_tokens": -1}', 400, "max_tokens"),
     # -- encoding ---------------------------------------------------------------------------
