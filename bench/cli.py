@@ -139,6 +139,9 @@ def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of arrivals per cell: rate x duration requests (default 10)")
     parser.add_argument("--min-requests", type=int, default=40, help="requests per cell at least (default 40)")
     parser.add_argument("--runs", type=int, default=2, help="runs per arm and cell (default 2)")
+    parser.add_argument("--drain-timeout-s", type=float,
+                        help="stop waiting this long after a measurement's last arrival; unfinished requests are "
+                             "cut off and count with their time so far (default: wait for every request)")
     parser.add_argument("--max-active", type=int, default=16, help="accelerator backends' max_active (default 16)")
     parser.add_argument("--num-kv-blocks", type=int,
                         help="KV cache blocks (16 tokens each) of every backend; what decides whether the "
@@ -242,7 +245,8 @@ def _run_tenants(args: argparse.Namespace) -> int:
     harness.write_json(out_dir / "meta.json", ctx.meta)
     total = args.runs * len(args.arms) * sum(c.num_requests for c in cells)
     with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
-        records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar)
+        records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar,
+                                       args.drain_timeout_s)
     harness.write_json(out_dir / "summary.json", {"meta": ctx.meta, "cells": tenants.summarize(records)})
     print(f"wrote {out_dir / 'summary.json'} ({len(records)} runs)")
     if args.report:

@@ -78,10 +78,17 @@ def sampling_for(request: WorkloadRequest, temperature: float) -> dict[str, Any]
     return {"temperature": temperature, "seed": request.index}
 
 
+CUT_OFF = "cut off"  # the error of a request still unfinished at the run's deadline
+
+
 async def run_workload(url: str, model: str, workload: Workload, temperature: float = 0.0,
                        timeout_s: float = 1800.0, on_done: Callable[[RequestResult], None] | None = None,
-                       transport: Any = None) -> list[RequestResult]:
-    """Send every request on schedule; return results in workload order (`transport`: for tests)."""
+                       transport: Any = None, drain_timeout_s: float | None = None) -> list[RequestResult]:
+    """Send every request on schedule; return results in workload order (`transport`: for tests).
+
+    With `drain_timeout_s`, requests still unfinished that long after the last one was due are
+    cancelled (the client hangs up, so the server aborts them) and recorded with the error
+    `cut off ...` and whatever arrived before: a slow arm cannot hold a bench for minutes."""
     import httpx
 
     limits = httpx.Limits(max_connections=workload.num_requests + 8, max_keepalive_connections=workload.num_requests + 8)
@@ -89,17 +96,30 @@ async def run_workload(url: str, model: str, workload: Workload, temperature: fl
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, transport=transport) as client:
         await client.get("/health")  # one warm connection; also fails fast if the server is down
         start = time.perf_counter()
-        tasks = [asyncio.create_task(_send_at(client, model, r, start, temperature, on_done))
-                 for r in workload.requests]
-        return list(await asyncio.gather(*tasks))
+        results = [RequestResult(index=r.index, send_s=r.arrival_s) for r in workload.requests]
+        tasks = [asyncio.create_task(_send_at(client, model, r, start, temperature, on_done, result))
+                 for r, result in zip(workload.requests, results)]
+        if drain_timeout_s is None:
+            await asyncio.gather(*tasks)
+            return results
+        last_due = max((r.arrival_s for r in workload.requests), default=0.0)
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, start + last_due + drain_timeout_s - time.perf_counter()))
+        cut_at = time.perf_counter() - start
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for result in results:
+            if result.end_s is None and result.error is None:
+                result.error = f"{CUT_OFF} at {cut_at:.3f} s, {drain_timeout_s:g} s after the last arrival"
+        return results
 
 
 async def _send_at(client: Any, model: str, request: WorkloadRequest, start: float, temperature: float,
-                   on_done: Callable[[RequestResult], None] | None) -> RequestResult:
+                   on_done: Callable[[RequestResult], None] | None, result: RequestResult) -> RequestResult:
     delay = start + request.arrival_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    result = RequestResult(index=request.index, send_s=time.perf_counter() - start)
+    result.send_s = time.perf_counter() - start
     try:
         await _stream_one(client, completion_body(model, request, sampling_for(request, temperature)), start, result)
     except Exception as exc:  # recorded per request: one failure must not hide the others' timings

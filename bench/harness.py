@@ -247,8 +247,10 @@ def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
     return dict(zip(backends, ray.get([h.num_cached_tokens.remote(probe) for h in backends.values()])))
 
 
-def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_done: Any = None) -> dict[str, Any]:
-    """Seed, run the workload through HTTP, and return the run's JSON record."""
+def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_done: Any = None,
+            drain_timeout_s: float | None = None) -> dict[str, Any]:
+    """Seed, run the workload through HTTP, and return the run's JSON record (`drain_timeout_s`:
+    see bench/client.py's `run_workload`)."""
     import ray
 
     seeded = seed_caches(cluster, workload)
@@ -256,7 +258,8 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
     log_offset = log_size(cluster.routing_log)
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     results: list[RequestResult] = asyncio.run(run_workload(
-        cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done))
+        cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done,
+        drain_timeout_s=drain_timeout_s))
     requests = [r.to_dict() for r in results]
     return {
         "workload": workload.summary(),

@@ -13,15 +13,20 @@
 # for 16 running requests' own blocks (6 x P/16 + 16 x (64 + 64)/16), as in route-sim's
 # docs/route-sim-examples/tenants-2gpu.yaml: 4 tenants fit on one GPU, 16 do not.
 #
-# Budget per call (CELL_S seconds of arrivals per measurement, default 4):
+# Budget per call (CELL_S seconds of arrivals per measurement, default 4; DRAIN_S, default 3,
+# the most a measurement waits after its last arrival before cutting off what is unfinished:
+# round-robin and least-requests give the CPU backend a share of 1k-4k-token prompts, which it
+# would take minutes to serve; cut-off requests count with their time so far, see bench/tenants.py):
 #   setup: Ray ~10 s + `tandem profile` of the 3 backends (the two H200s share one profile;
 #          skipped when RATES_FILE from an earlier call on a warm machine exists) ~60 s
-#          + cluster start and warm-up ~30 s                                   ~100 s
-#   cells: 48 x (CELL_S + ~2.5 s to drain, reconfigure and write)  = 48 x 6.5 ~312 s
-#   bundle: report, plot, tarballs                                             ~15 s
-#   total ~430 s (7.2 min) per call, inside the 9 minutes asked for; both prefix sizes in one
-#   call would be ~860 s, over the device's 10-minute limit, hence two calls. TIME_BUDGET_S
-#   (default 470) makes the bench stop starting measurements in time to write its summary.
+#          + cluster start and warm-up ~30 s                                       ~100 s
+#   cells: 24 measurements of GPU-only arms (cost, prefix-affinity) x (CELL_S + ~1.5 s to drain,
+#          reconfigure and write) = 24 x 5.5                                       ~132 s
+#          24 of the arms that feed the CPU, cut off: 24 x (CELL_S + DRAIN_S + 1.5) ~204 s
+#   bundle: report, plot, tarballs                                                 ~15 s
+#   total ~450 s (7.5 min) per call, inside the 9 minutes asked for; both prefix sizes in one
+#   call would be ~900 s, over the device's 10-minute limit, hence two calls. TIME_BUDGET_S
+#   (default 480) makes the bench stop starting measurements in time to write its summary.
 # Requests per measurement: max(40, rate x CELL_S), e.g. 40/160/400 at 10/40/100 per s.
 #
 # Results under $OUT (at most 8 files come back): the report (markdown, PNG, JSON), summary.json,
@@ -32,9 +37,10 @@ PREFIX=${1:-1024}
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=${OUT:-out/prefix-grid}
 CELL_S=${CELL_S:-4}
+DRAIN_S=${DRAIN_S:-3}
 RUNS=${RUNS:-2}
 TENANTS=${TENANTS:-4,16}
-TIME_BUDGET_S=${TIME_BUDGET_S:-470}
+TIME_BUDGET_S=${TIME_BUDGET_S:-480}
 CPU_THREADS=${CPU_THREADS:-16}  # leave cores to the serving path and the client (32 on this machine)
 MODEL=${MODEL:-qwen2.5-0.5b-random}
 BACKENDS=${BACKENDS:-cpu,cuda*2}  # a smoke test elsewhere: BACKENDS='cpu*2' MODEL=tiny-llama-random
@@ -49,7 +55,7 @@ RATES_FILE=${RATES_FILE:-out/prefix-grid-rates.json}  # kept between calls on a 
 mkdir -p "$OUT" "$WORK" "$(dirname "$RATES_FILE")"
 NAME=tenants-h200x2-p$PREFIX
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
-echo "prefix $PREFIX, tenants $TENANTS, rates $RATES/s, $CELL_S s per cell, $RUNS runs, kv blocks $NUM_KV_BLOCKS"
+echo "prefix $PREFIX, tenants $TENANTS, rates $RATES/s, $CELL_S s per cell (drain $DRAIN_S s), $RUNS runs, kv blocks $NUM_KV_BLOCKS"
 
 RATES_ARGS=()
 [ -s "$RATES_FILE" ] && RATES_ARGS=(--rates "$RATES_FILE")
@@ -57,7 +63,7 @@ start=$(date +%s)
 timeout $((TIME_BUDGET_S + 60)) python3 -m tandem.cluster.cli bench tenants --out "$WORK" \
     --model "$MODEL" --backends "$BACKENDS" --cpu-threads "$CPU_THREADS" \
     --tenants "$TENANTS" --prefix-tokens "$PREFIX" --suffix-tokens 64 --max-tokens 64 --zipf-s 1.0 \
-    --arrival-rates "$RATES" --duration-s "$CELL_S" --min-requests 40 --runs "$RUNS" \
+    --arrival-rates "$RATES" --duration-s "$CELL_S" --min-requests 40 --runs "$RUNS" --drain-timeout-s "$DRAIN_S" \
     --max-active 16 --cpu-max-active 4 --num-kv-blocks "$NUM_KV_BLOCKS" \
     --time-budget-s "$TIME_BUDGET_S" --report "$OUT/$NAME.md" "${RATES_ARGS[@]}" >"$WORK/bench.log" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start )) s"

@@ -20,7 +20,10 @@ every backend's KV cache, which is what decides whether the prefixes fit.
 Per arm and cell the summary gives TTFT p50/p95, E2E p50/p95, output tok/s, the prefix-cache
 hit rate (cached prompt tokens from each response's usage over all prompt tokens, as route-sim
 defines it) and each backend's share of requests, as means and spreads over runs, and whether
-`cost` is at least as good as the best other arm beyond the run-to-run spread.
+`cost` is at least as good as the best other arm beyond the run-to-run spread. With
+`--drain-timeout-s`, a measurement stops waiting that long after its last arrival: requests
+still unfinished (a cpu backend given a share of 4k-token prompts by round-robin takes minutes)
+are cut off and count in the percentiles with their time so far, a lower bound.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.client import CUT_OFF
 from bench.workload import Workload, WorkloadRequest, random_tokens
 
 ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin")
@@ -105,12 +109,13 @@ def settings(args: argparse.Namespace, cells: Sequence[TenantsCell]) -> dict[str
             "duration_s": args.duration_s, "min_requests": args.min_requests, "suffix_tokens": args.suffix_tokens,
             "max_tokens": args.max_tokens, "zipf_s": args.zipf_s, "runs": args.runs, "arms": args.arms,
             "max_active": args.max_active, "cpu_max_active": args.cpu_max_active,
-            "num_kv_blocks": args.num_kv_blocks, "cells": [c.name for c in cells]}
+            "num_kv_blocks": args.num_kv_blocks, "drain_timeout_s": args.drain_timeout_s,
+            "cells": [c.name for c in cells]}
 
 
 # -- running ---------------------------------------------------------------------------------
 def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], runs: int, max_active: int,
-                bar: Any) -> list[dict[str, Any]]:
+                bar: Any, drain_timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Measure every cell under every arm, `runs` times, on one cluster; returns the run records."""
     from bench.harness import write_json
     from bench.runner import arm_order, token_seed
@@ -130,7 +135,7 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
                     bar.set_description(f"run {run} {arm} {cell.name}")
                     cluster.configure(arm, max_active)
                     workload = cell.workload(token_seed(cell, run, arm), _arrival_seed(cell, run))
-                    record = measure_cell(ctx, cluster, workload, bar)
+                    record = measure_cell(ctx, cluster, workload, bar, drain_timeout_s)
                     record.update(bench="tenants", cell=cell.name, cell_spec=cell.to_dict(), arm=arm, run=run)
                     write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
                     records.append(record)
@@ -144,10 +149,12 @@ def _arrival_seed(cell: TenantsCell, run: int) -> int:
     return token_seed(cell, run)
 
 
-def measure_cell(ctx: Any, cluster: Any, workload: Workload, bar: Any) -> dict[str, Any]:
+def measure_cell(ctx: Any, cluster: Any, workload: Workload, bar: Any,
+                 drain_timeout_s: float | None = None) -> dict[str, Any]:
     from bench.harness import measure
 
-    record = measure(cluster, workload, ctx.temperature, on_done=lambda _: bar.update(1))
+    record = measure(cluster, workload, ctx.temperature, on_done=lambda _: bar.update(1),
+                     drain_timeout_s=drain_timeout_s)
     record["decisions"] = [compact_decision(d) for d in record["decisions"]]
     record["tenant_metrics"] = tenant_run_metrics(record["requests"], list(cluster.infos))
     return record
@@ -189,14 +196,39 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
 
 # -- metrics ---------------------------------------------------------------------------------
 def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence[str]) -> dict[str, Any]:
-    """One run's metrics: bench/metrics.py's, plus the prefix-cache hit rate and backend shares."""
-    from bench.metrics import run_metrics
+    """One run's metrics, bench/metrics.py's definitions plus the prefix-cache hit rate.
 
-    metrics = run_metrics(requests, backend_ids).to_dict()
+    A request cut off at the drain deadline (bench/client.py) is censored, not dropped: its TTFT
+    is its first text's time if that came, else the time to the cut-off, and its E2E the time
+    to the cut-off, both lower bounds, so an arm that falls behind keeps its worst requests in
+    its percentiles. Other failed requests are left out and counted."""
+    from tandem.routing.sim_report import percentile
+
+    cut = [r for r in requests if (r.get("error") or "").startswith(CUT_OFF)]
     ok = [r for r in requests if r.get("error") is None and r.get("end_s") is not None]
+    cut_at = max((_cut_time(r) for r in cut), default=None)
+    counts = {b: 0 for b in backend_ids}
+    for r in ok + cut:
+        if r.get("backend"):
+            counts[r["backend"]] = counts.get(r["backend"], 0) + 1
+    ttfts = [r["ttft_s"] for r in ok] + [(r["first_text_s"] if r.get("first_text_s") is not None else cut_at)
+                                          - r["send_s"] for r in cut]
+    e2es = [r["e2e_s"] for r in ok] + [cut_at - r["send_s"] for r in cut]
+    ends = [r["end_s"] for r in ok] + ([cut_at] if cut else [])
+    makespan = max(ends) - min(r["send_s"] for r in requests) if ends else math.nan
+    num_tokens = sum(r["num_output_tokens"] for r in ok)
     prompt = sum(r.get("num_prompt_tokens", 0) for r in ok)
-    metrics["hit_rate"] = sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else math.nan
-    return metrics
+    nan = math.nan
+    return {"num_requests": len(requests), "num_ok": len(ok), "num_cut": len(cut), "makespan_s": makespan,
+            "output_tok_s": num_tokens / makespan if makespan and makespan > 0 else nan,
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else nan, "ttft_p95_s": percentile(ttfts, 95) if ttfts else nan,
+            "e2e_p50_s": percentile(e2es, 50) if e2es else nan, "e2e_p95_s": percentile(e2es, 95) if e2es else nan,
+            "hit_rate": sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else nan,
+            "num_output_tokens": num_tokens, "requests_by_backend": counts}
+
+
+def _cut_time(request: dict[str, Any]) -> float:
+    return float(request["error"].split(" at ", 1)[1].split(" s", 1)[0])
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -222,7 +254,8 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     backends = sorted({b for r in runs for b in r["requests_by_backend"]})
     out["requests_by_backend"] = {b: [r["requests_by_backend"].get(b, 0) for r in runs] for b in backends}
     out["num_runs"] = len(runs)
-    out["num_failed_requests"] = sum(r["num_requests"] - r["num_ok"] for r in runs)
+    out["num_cut_requests"] = sum(r["num_cut"] for r in runs)
+    out["num_failed_requests"] = sum(r["num_requests"] - r["num_ok"] - r["num_cut"] for r in runs)
     return out
 
 

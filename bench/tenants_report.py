@@ -69,6 +69,7 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[s
              "(OUT/scenarios/ holds each cell's scenario)",
              f"- Arms: {', '.join(meta.get('arms', []))}; {s.get('runs')} runs per arm and cell, arms alternating, "
              f"all on one cluster; each arm has prefixes of its own",
+             f"- Drain: {'every request awaited' if not s.get('drain_timeout_s') else str(s['drain_timeout_s']) + ' s after the last arrival, then the rest is cut off'}",
              f"- KV cache: {s.get('num_kv_blocks') or 'the engine default'} blocks of 16 tokens per backend; "
              f"max_active {s.get('max_active')} on accelerators, {s.get('cpu_max_active')} on cpu backends"]
     backends = max((r["cluster"]["backends"] for r in runs), key=len) if runs else []
@@ -104,9 +105,11 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
     lines = ["", "## Results", "",
              "Means ± sample sd over runs. Hit rate: cached prompt tokens over all prompt tokens (responses' usage). "
              "✓/✗ on `cost`'s row: at least as good as the best other arm / worse by more than the larger of the two "
-             "arms' sds (2+ runs each); the hit rate's mark is the 5-point band around prefix-affinity's.", "",
+             "arms' sds (2+ runs each); the hit rate's mark is the 5-point band around prefix-affinity's. Requests "
+             "cut off at the drain deadline count in TTFT and E2E with their time so far (lower bounds) and not in "
+             "the hit rate or output tokens.", "",
              "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p95 ms | E2E p95 ms | out tok/s | "
-             "requests per backend (mean) | failed |",
+             "requests per backend (mean) | cut off / failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in sorted(cells, key=_cell_order):
         spec = cell["spec"]
@@ -119,7 +122,7 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
                 f"{fmt(agg['ttft_p50_s'], 1000)}{_mark(cell, arm, 'ttft_p50_s')} | "
                 f"{fmt(agg['ttft_p95_s'], 1000)}{_mark(cell, arm, 'ttft_p95_s')} | {fmt(agg['e2e_p95_s'], 1000)} | "
                 f"{fmt(agg['output_tok_s'], 1, 0)}{_mark(cell, arm, 'output_tok_s')} | {shares} | "
-                f"{agg['num_failed_requests']} |")
+                f"{agg['num_cut_requests']} / {agg['num_failed_requests']} |")
     return lines
 
 

@@ -31,7 +31,7 @@ def test_tenants_bench_on_two_cpu_backends(tmp_path):
                "--tenants", "2", "--prefix-tokens", "128", "--suffix-tokens", "16", "--max-tokens", "3",
                "--arrival-rates", "20", "--duration-s", "0.3", "--min-requests", "6", "--runs", "1",
                "--max-active", "2", "--cpu-max-active", "2", "--num-kv-blocks", "64", "--warmup-tokens", "2",
-               "--time-budget-s", "400", "--report", str(report)]
+               "--drain-timeout-s", "60", "--time-budget-s", "400", "--report", str(report)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,6 +43,7 @@ def test_tenants_bench_on_two_cpu_backends(tmp_path):
         assert {b["backend_id"] for b in record["cluster"]["backends"]} == {"cpu0", "cpu1"}
         assert [r["error"] for r in record["requests"]] == [None] * 6
         assert all(r["num_output_tokens"] == 3 and r["num_prompt_tokens"] == 144 for r in record["requests"])
+        assert record["tenant_metrics"]["num_cut"] == 0
         assert len(record["decisions"]) == 6 and record["decisions"][0]["per_backend"]["cpu0"]["num_active"] is not None
     first = [records[arm]["workload"] for arm in ARMS]
     assert len({json.dumps((w["arrivals_s"], w["tenants"])) for w in first}) == 1  # the same arrivals and tenants

@@ -1,0 +1,122 @@
+"""The multi-tenant bench's pure parts: the workload mirrors route-sim's, metrics censor cut-off
+requests, the verdict, and the client's drain deadline (against a fake streaming server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from bench.tenants import TenantsCell, build_cells, tenant_run_metrics, verdict
+from tandem.routing.scenario import parse_scenario
+
+CELL = TenantsCell(num_tenants=5, prefix_tokens=64, rate_per_s=40.0, num_requests=30, suffix_tokens=16, max_tokens=8)
+
+
+def test_arrivals_and_tenants_are_route_sims():
+    scenario = parse_scenario({"backends": [{"backend_id": "g", "device_kind": "cuda",
+                                             "rates": {"prefill_tok_s": 1, "decode_tok_s": 1}}],
+                               "tenants": CELL.scenario_tenants(seed=7)})
+    workload = CELL.workload(token_seed=1, arrival_seed=7)
+    assert [(r.arrival_s, r.tenant) for r in workload.requests] == [(r.arrival_s, r.tenant) for r in scenario.requests]
+    assert workload.description["tenants"] == [r.tenant for r in scenario.requests]
+
+
+def test_a_tenants_requests_share_its_prefix_and_nothing_more():
+    requests = CELL.workload(token_seed=1, arrival_seed=7).requests
+    assert all(len(r.prompt_token_ids) == 80 and r.max_tokens == 8 for r in requests)
+    prefixes = {}
+    for r in requests:
+        prefixes.setdefault(r.tenant, set()).add(tuple(r.prompt_token_ids[:64]))
+    assert all(len(p) == 1 for p in prefixes.values()) and len({next(iter(p)) for p in prefixes.values()}) == len(prefixes)
+    assert len({tuple(r.prompt_token_ids[64:]) for r in requests}) == len(requests)
+
+
+def test_arms_get_their_own_prefixes_and_the_same_arrivals():
+    a, b = CELL.workload(token_seed=1, arrival_seed=7), CELL.workload(token_seed=2, arrival_seed=7)
+    assert [r.arrival_s for r in a.requests] == [r.arrival_s for r in b.requests]
+    assert a.requests[0].prompt_token_ids[:64] != b.requests[0].prompt_token_ids[:64]
+    assert [r.arrival_s for r in CELL.workload(1, arrival_seed=8).requests] != [r.arrival_s for r in a.requests]
+
+
+def test_cells_take_rate_times_duration_requests():
+    args = SimpleNamespace(tenants=[4, 16], prefix_tokens=[1024], arrival_rates=[10.0, 100.0], duration_s=4.0,
+                           min_requests=40, suffix_tokens=64, max_tokens=64, zipf_s=1.0)
+    cells = build_cells(args)
+    assert [(c.name, c.num_requests) for c in cells] == [
+        ("t4-p1024-r10", 40), ("t4-p1024-r100", 400), ("t16-p1024-r10", 40), ("t16-p1024-r100", 400)]
+
+
+def request(index, send, first, end, prompt=80, cached=64, backend="cuda0", error=None, tokens=8):
+    return {"index": index, "send_s": send, "first_text_s": first, "end_s": end, "error": error, "backend": backend,
+            "ttft_s": None if first is None else first - send, "e2e_s": None if end is None else end - send,
+            "num_prompt_tokens": prompt if error is None else 0, "num_cached_tokens": cached if error is None else 0,
+            "num_output_tokens": tokens if error is None else 0}
+
+
+def test_cut_off_requests_count_with_their_time_so_far():
+    cut = "cut off at 10.000 s, 5 s after the last arrival"
+    metrics = tenant_run_metrics([
+        request(0, 0.0, 0.1, 0.5), request(1, 1.0, 1.2, 1.6, cached=0),
+        request(2, 2.0, 3.0, None, backend="cpu0", error=cut),   # its first text came, then the cut
+        request(3, 4.0, None, None, backend="cpu0", error=cut),  # nothing before the cut
+        request(4, 4.5, None, None, error="HTTP 503: no backend"),
+    ], ["cuda0", "cpu0"])
+    assert (metrics["num_ok"], metrics["num_cut"]) == (2, 2)
+    assert metrics["requests_by_backend"] == {"cuda0": 2, "cpu0": 2}
+    assert metrics["hit_rate"] == pytest.approx(64 / 160)
+    assert metrics["makespan_s"] == pytest.approx(10.0) and metrics["output_tok_s"] == pytest.approx(16 / 10)
+    ttfts = sorted([0.1, 0.2, 1.0, 6.0])
+    assert metrics["ttft_p50_s"] == pytest.approx((ttfts[1] + ttfts[2]) / 2)
+    assert metrics["e2e_p95_s"] > 7.0  # 8.0 (cut at 10, sent at 2) is the largest
+
+
+def arm(**means):
+    return {m: {"mean": v, "sd": 0.01 * v, "n": 2} for m, v in means.items()}
+
+
+def test_verdict_against_the_best_other_arm():
+    arms = {"cost": arm(ttft_p50_s=0.10, ttft_p95_s=0.30, output_tok_s=1000.0, hit_rate=0.80),
+            "prefix-affinity": arm(ttft_p50_s=0.11, ttft_p95_s=0.20, output_tok_s=1000.5, hit_rate=0.84),
+            "round-robin": arm(ttft_p50_s=0.12, ttft_p95_s=0.40, output_tok_s=990.0, hit_rate=0.50)}
+    v = verdict(arms)
+    assert v["ttft_p50_s"]["ok"] is True and v["ttft_p50_s"]["best_other_arm"] == "prefix-affinity"
+    assert v["ttft_p95_s"]["ok"] is False and v["ttft_p95_s"]["worse_by"] == pytest.approx(0.10)
+    assert v["output_tok_s"]["ok"] is True  # 0.5 tok/s behind, within the spread
+    assert v["hit_rate"]["ok"] is True and v["hit_rate"]["gap"] == pytest.approx(0.04)
+    arms["prefix-affinity"]["hit_rate"]["mean"] = 0.90
+    assert verdict(arms)["hit_rate"]["ok"] is False
+
+
+def test_the_client_cuts_off_what_is_unfinished_at_the_drain_deadline():
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from bench.client import run_workload
+
+    async def completions(request):
+        body = await request.json()
+        slow = body["prompt"][0] == 1
+
+        async def events():
+            yield f"data: {json.dumps({'id': 'x', 'choices': [{'text': 'a', 'finish_reason': None}]})}\n\n"
+            if slow:
+                await asyncio.sleep(30)
+            usage = {"completion_tokens": 1, "prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}
+            yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-tandem-backend": "b"})
+
+    app = Starlette(routes=[Route("/health", lambda r: JSONResponse({})),
+                            Route("/v1/completions", completions, methods=["POST"])])
+    from bench.workload import Workload, WorkloadRequest
+
+    workload = Workload("w", [WorkloadRequest(0, 0.0, [0, 5], 1), WorkloadRequest(1, 0.0, [1, 5], 1)], [], 0)
+    results = asyncio.run(run_workload("http://test", "m", workload, transport=httpx.ASGITransport(app=app),
+                                       drain_timeout_s=0.5))
+    assert results[0].ok and (results[0].num_prompt_tokens, results[0].num_cached_tokens) == (2, 1)
+    assert results[1].error.startswith("cut off at ") and not results[1].ok  # (this transport buffers a response)
