@@ -165,8 +165,17 @@ def test_apply_grammars_on_a_vocab_slice(compiler, device):
 # -- the engine ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines():
-    kw = {"model": "tiny-llama-random", "max_model_len": 128, "max_active": 4}
-    return {mode: LLMEngine(EngineConfig(async_scheduling=mode, **kw)) for mode in (False, True)}
+    """Engines by (device, async_scheduling), built on first use; on cuda (None: its default)
+    the engine takes its fast path (Triton attention, CUDA graphs) and schedules asynchronously."""
+    built = {}
+
+    def get(device="cpu", async_scheduling=False):
+        if (device, async_scheduling) not in built:
+            built[device, async_scheduling] = LLMEngine(EngineConfig(
+                model="tiny-llama-random", device=device, dtype="float32", max_model_len=128, max_active=4,
+                async_scheduling=async_scheduling))  # float32: greedy tokens do not depend on the batch
+        return built[device, async_scheduling]
+    return get
 
 
 def run(engine, requests):
@@ -183,9 +192,10 @@ def run(engine, requests):
     return got
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_engine_constrains_grammar_rows_and_leaves_the_others(engines, async_scheduling):
-    engine = engines[async_scheduling]
+@pytest.mark.parametrize("device, async_scheduling", [("cpu", False), ("cpu", True), *[
+    pytest.param("cuda", None, marks=p.marks) for p in DEVICES[1:]]])
+def test_engine_constrains_grammar_rows_and_leaves_the_others(engines, device, async_scheduling):
+    engine = engines(device, async_scheduling)
     schema = StructuredOutputParams.from_json_schema(SCHEMA)
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     requests = {
@@ -205,7 +215,7 @@ def test_engine_constrains_grammar_rows_and_leaves_the_others(engines, async_sch
 
 
 def test_engine_refuses_a_bad_grammar_before_queueing(engines):
-    engine = engines[False]
+    engine = engines()
     with pytest.raises(InvalidRequestError, match="regex could not be compiled"):
         engine.add_request("bad", [1, 2], SamplingParams(structured_output=StructuredOutputParams(regex="(")))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
