@@ -349,7 +349,7 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     from tandem.cluster.profile import describe_rates, load_cache, rate_fields, resolve_profiles, store_in_cache
 
     from_file = _load_rates_file(config) if config.rates else {}
-    device_names = _gpu_models()
+    device_names = _gpu_models() if any(i.device_kind == "cuda" for i in infos) else {}
     rates: dict[str, dict[str, Any]] = {}
     wanted: list[tuple[str, str]] = []
     for plan, info in zip(plans, infos):
