@@ -250,7 +250,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init_ray(config: TandemConfig, ray_metrics_port: int, serve_http: bool) -> bool:
+def _init_ray(config: TandemConfig, ray_metrics_port: int) -> bool:
     """Start Ray (or join `config.address`); Ray's own metrics export goes to `ray_metrics_port`,
     behind Tandem's page on `config.metrics_port` (cluster/metrics_route.py)."""
     import ray
@@ -262,8 +262,6 @@ def _init_ray(config: TandemConfig, ray_metrics_port: int, serve_http: bool) -> 
     if config.address:
         ray.init(address=config.address, namespace=config.namespace, logging_level=level)
     else:
-        if serve_http and ingress_mode(config) == "direct":  # Ray's processes inherit it
-            os.environ.update(direct_ingress_env(config.port))
         ray.init(address="local", namespace=config.namespace, include_dashboard=config.dashboard,
                  dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
                  _metrics_export_port=ray_metrics_port, logging_level=level)
@@ -397,38 +395,8 @@ def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
     return {name: asdict(profile) for name, profile in load_rate_profiles(config.rates).items()}
 
 
-def ingress_mode(config: TandemConfig) -> str:
-    """`direct` or `proxy` (see `TandemConfig.ingress`).
-
-    Direct ingress (Ray Serve's `RAY_SERVE_ENABLE_DIRECT_INGRESS`) takes Serve's HTTP proxy out
-    of every request: without it a request crosses the proxy process and a Ray call into the
-    replica, with it the replica's own HTTP server parses it. Measured under a steady load of
-    short requests, it cut the CPU of the HTTP path (proxy plus replica) per request by 3.5x.
-    Its flag is read when Ray's processes start, so it needs a Ray that Tandem starts; each
-    replica gets a port of its own, so it serves one replica, on `port`."""
-    if config.ingress != "auto":
-        return config.ingress
-    return "proxy" if config.address or config.http_replicas > 1 else "direct"
-
-
-def check_ingress(config: TandemConfig) -> None:
-    if config.ingress == "direct" and config.address:
-        raise ConfigError("--ingress direct needs a Ray that tandem starts; with --address use --ingress proxy")
-    if config.ingress == "direct" and config.http_replicas > 1:
-        raise ConfigError("--ingress direct serves one ingress replica; use --ingress proxy for --http-replicas > 1")
-
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve's direct-ingress settings: the one replica's HTTP port is `port`."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1)}
-
-
 def http_replicas(config: TandemConfig) -> int:
-    """Serve ingress replicas: one with direct ingress; else as configured, else one per 4 of
-    this machine's cores, 1 to 4."""
-    if ingress_mode(config) == "direct":
-        return 1
+    """Serve ingress replicas: as configured, else one per 4 of this machine's cores, 1 to 4."""
     return config.http_replicas or max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
@@ -449,9 +417,7 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any, pla
     # not be applied", printed by serve.run even though serve.start just applied them) and its
     # per-request access log follow --log-level and --access-log.
     logging.getLogger("ray.serve").setLevel(config.log_level.upper())
-    # With direct ingress the replica takes `port`; Serve's proxy still starts, on a port nobody uses.
-    proxy_port = _free_port() if ingress_mode(config) == "direct" else config.port
-    serve.start(http_options={"host": config.host, "port": proxy_port},
+    serve.start(http_options={"host": config.host, "port": config.port},
                 logging_config={"log_level": config.log_level.upper(), "enable_access_log": config.access_log})
     app = build_app(router, tokenizer, settings, access_log=config.access_log, num_replicas=replicas)
     serve.run(app, name=SERVE_APP_NAME, route_prefix="/", blocking=False)
