@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_command == "report":
         if args.tenants_report:
             _render_tenants(Path(args.out), Path(args.tenants_report))
-        return _render(Path(args.out), args.report, args.sweep_report)
+        return _render(Path(args.out), args.report, args.sweep_report) if args.report or args.sweep_report else 0
     if args.bench_command == "tenants":
         return _run_tenants(args)
     from tqdm import tqdm

@@ -8,6 +8,13 @@
 #   source .device-ray/activate.sh && bash bench/prefix_grid_h200x2.sh 1024    # call 1
 #   source .device-ray/activate.sh && bash bench/prefix_grid_h200x2.sh 4096    # call 2
 #
+# And, a short call of its own (~2 min), whether the two H200s profile alike: `tandem profile`
+# of GPU 0, GPU 1, then GPU 0 again, one GPU visible at a time, all against one profile cache;
+# from the second on it prints how far the new profile is from the cached one (the same key:
+# model, cuda:H200, bf16, threads, max_active), which should be within 10%:
+#
+#   source .device-ray/activate.sh && bash bench/prefix_grid_h200x2.sh profile
+#
 # Each call starts one cluster and runs 2 tenant counts x 3 rates x 4 arms x 2 runs = 48
 # measurements on it. KV cache: every backend gets NUM_KV_BLOCKS = 6 prefixes' blocks plus room
 # for 16 running requests' own blocks (6 x P/16 + 16 x (64 + 64)/16), as in route-sim's
@@ -44,6 +51,15 @@ TIME_BUDGET_S=${TIME_BUDGET_S:-480}
 CPU_THREADS=${CPU_THREADS:-16}  # leave cores to the serving path and the client (32 on this machine)
 MODEL=${MODEL:-qwen2.5-0.5b-random}
 BACKENDS=${BACKENDS:-cpu,cuda*2}  # a smoke test elsewhere: BACKENDS='cpu*2' MODEL=tiny-llama-random
+if [ "$PREFIX" = profile ]; then
+    mkdir -p "$OUT"
+    for gpu in 0 1 0; do
+        CUDA_VISIBLE_DEVICES=$gpu TANDEM_CACHE_DIR=/tmp/prefix-grid-profile timeout 200 python3 -m tandem.cluster.cli \
+            profile --model "${MODEL:-qwen2.5-0.5b-random}" --backends cuda --max-active 16 \
+            --output "$OUT/rates-gpu$gpu.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/profile-gpus.log"
+    done
+    exit 0
+fi
 case "$PREFIX" in
   1024) RATES=${RATES:-20,60,150} ;;   # 150/s: past what the served path sustains with 1k prefixes
   4096) RATES=${RATES:-10,40,100} ;;   # 100/s: about two H200s' prefill capacity (route-sim)

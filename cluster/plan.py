@@ -79,14 +79,15 @@ def _resolve_devices(backends: list[BackendConfig], num_gpus: int,
     """Each backend that will run, with its device and why; counts expanded, in config order."""
     num_explicit = sum(b.count for b in backends if b.device == "cuda" and b.count != "all")
     if num_explicit > num_gpus:
-        raise ConfigError(f"backends: {num_explicit} cuda backends asked for, but the Ray cluster has "
-                          f"{_gpus(num_gpus)} (each cuda backend takes one); use cuda*all for one per GPU")
+        raise ConfigError(f"backends: {num_explicit} cuda backend{'s' if num_explicit > 1 else ''} asked for, but "
+                          f"there {'is' if num_gpus == 1 else 'are'} {_gpus(num_gpus)} (each cuda backend takes one); "
+                          "use cuda*all for one per GPU")
     num_free_gpus = num_gpus - num_explicit
     resolved: list[tuple[BackendConfig, str, str]] = []
     for backend in backends:
         if backend.device == "cuda" and backend.count == "all":
             if num_free_gpus == 0:
-                raise ConfigError(f"backends: cuda*all found no free GPU (the Ray cluster has {_gpus(num_gpus)}, "
+                raise ConfigError(f"backends: cuda*all found no free GPU ({_gpus(num_gpus)} in all, "
                                   f"{num_explicit} taken by explicit cuda backends)")
             resolved += [(backend, "cuda", f"cuda*all -> cuda (GPU {i + 1} of {num_free_gpus} free)")
                          for i in range(num_free_gpus)]

@@ -58,9 +58,9 @@ def test_counts_of_cpu_backends_share_the_cores():
 
 
 @pytest.mark.parametrize("spec, num_gpus, message", [
-    ("cpu,cuda,cuda", 1, "2 cuda backends asked for, but the Ray cluster has 1 GPU"),
-    ("cuda*3", 2, "3 cuda backends asked for, but the Ray cluster has 2 GPUs"),
-    ("cuda", 0, "1 cuda backends asked for, but the Ray cluster has 0 GPUs"),
+    ("cpu,cuda,cuda", 1, "2 cuda backends asked for, but there is 1 GPU"),
+    ("cuda*3", 2, "3 cuda backends asked for, but there are 2 GPUs"),
+    ("cuda", 0, "1 cuda backend asked for, but there are 0 GPUs"),
     ("cuda*all", 0, "cuda\\*all found no free GPU"),
     ("cuda*2,cuda*all", 2, "cuda\\*all found no free GPU .* 2 taken by explicit cuda backends"),
 ])
