@@ -344,7 +344,7 @@ class BackendActor:
         if replies:
             self._answer(replies)
         if outputs:
-            self._deliver([core.unpack_output(t) for t in outputs])
+            self._deliver(outputs)
         if step is not None:
             self.metrics.observe("tandem_backend_step_time_seconds", step[3])
             self.metrics.inc("tandem_backend_steps")
@@ -372,22 +372,27 @@ class BackendActor:
             loop.call_soon_threadsafe(_resolve_all, answers)
 
     def _deliver(self, outputs: list) -> None:
-        """Hand a step's outputs to their streams and channels with one wake-up of the event loop,
-        not one per request. `generate` streams are paced here (a stream's coroutine wakes only
-        to send); channels get every step's outputs in one batch."""
+        """Hand a step's outputs (the core's packed tuples) to their streams and channels with
+        one wake-up of the event loop, not one per request. `generate` streams are paced here (a
+        stream's coroutine wakes only to send); channels get every step's outputs in one batch,
+        still packed: a list of plain tuples crosses Ray as msgpack, where `RequestOutput`s
+        would be pickled here and unpickled at the caller (the largest cost of both loops under
+        streaming load), so the channel's reader unpacks them."""
         now = time.monotonic()
         batches: dict[int, tuple[_Channel, list]] = {}
-        for out in outputs:
-            channel = self._channel_of.get(out.req_id)
+        for packed in outputs:
+            req_id = packed[0]
+            channel = self._channel_of.get(req_id)
             if channel is not None:
-                batches.setdefault(id(channel), (channel, []))[1].append(out)
-                if out.finished:
-                    self._forget(out.req_id)
+                batches.setdefault(id(channel), (channel, []))[1].append(packed)
+                if packed[3]:  # finished
+                    self._forget(req_id)
                 continue
-            stream = self._streams.get(out.req_id)
+            stream = self._streams.get(req_id)
             if stream is not None:
+                out = core.unpack_output(packed)
                 stream.pending = out if stream.pending is None else stream.pending.merge(out)
-                self._held[out.req_id] = stream
+                self._held[req_id] = stream
         deliveries = []
         if self._held:
             interval = self._stream_interval()

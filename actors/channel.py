@@ -25,6 +25,7 @@ import os
 import uuid
 from typing import Any
 
+from tandem.actors.engine_core import unpack_output
 from tandem.actors.messages import Admitted, BackendError
 
 logger = logging.getLogger("tandem.channel")
@@ -64,11 +65,10 @@ class BackendChannel:
         try:
             gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
             async for ref in gen:
-                for item in await ref:
-                    req_id = item[0] if isinstance(item, tuple) else item.req_id
-                    queue = self.queues.get(req_id)
+                for item in await ref:  # packed outputs, or (req_id, error) for one request
+                    queue = self.queues.get(item[0])
                     if queue is not None:
-                        queue.put_nowait(item[1] if isinstance(item, tuple) else item)
+                        queue.put_nowait(item[1] if len(item) == 2 else unpack_output(item))
             raise BackendError(f"backend channel {self.channel_id} ended")
         except BaseException as exc:  # the backend died or restarted, or this loop is closing
             self.error = exc

@@ -156,7 +156,21 @@ class RouterActor:
 
     # -- decisions ---------------------------------------------------------------------------
     async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
-        """Place a request. `attempt` > 1 means its previous backend failed before it started."""
+        """Place a request and return the whole decision: its record and the backend's handle.
+        `attempt` > 1 means its previous backend failed before it started."""
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
+        return Decision(req_id, record.backend_id, backend.info.instance_id, record.to_dict(), record.chosen.score_s,
+                        backend.handle)
+
+    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    attempt: int = 1) -> tuple[str, str, float]:
+        """`route` for the serving path: (backend id, instance id, estimated seconds) and nothing
+        else, since every caller pays to receive the reply (callers keep the handles from
+        `list_backends`)."""
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
+        return record.backend_id, backend.info.instance_id, record.chosen.score_s
+
+    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
         from tandem.routing import NoBackendError, RouteRequest
 
         hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
@@ -170,16 +184,14 @@ class RouterActor:
         except NoBackendError as exc:
             raise NoBackendAvailable(str(exc)) from None
         chosen = record.chosen
-        backend = self.backends[record.backend_id]
         now = time.time()
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
-        record_dict = record.to_dict()
-        self._log_decision(now, record_dict, num_cached, attempt)
+        if self._log is not None:
+            self._log_decision(now, record.to_dict(), num_cached, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
-        return Decision(req_id, record.backend_id, backend.info.instance_id, record_dict, chosen.score_s,
-                        backend.handle)
+        return record, self.backends[record.backend_id]
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
@@ -197,8 +209,6 @@ class RouterActor:
         return found
 
     def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
-        if self._log is None:
-            return
         line = {"ts": round(now, 6), **record, "cache_answers": num_cached, "attempt": attempt}
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 

@@ -103,7 +103,7 @@ class PhaseTimer:
         self.wrap(runner, "prepare_inputs", "inputs")
         self.wrap(runner.model, "forward", "forward")
         self.wrap(runner.model, "compute_logits", "forward")
-        self.wrap(runner, "sampler", "sample")  # an instance attribute: wraps the callable
+        self.wrap(runner.sampler, "sample", "sample")
 
     def reset(self) -> None:
         self.totals = dict.fromkeys(PHASES, 0.0)

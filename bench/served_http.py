@@ -241,6 +241,8 @@ def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
         overrides["cpu_threads"] = args.threads
     if args.http_replicas:
         overrides["http_replicas"] = args.http_replicas
+    if getattr(args, "ingress", None):
+        overrides["ingress"] = args.ingress
     start = time.perf_counter()
     tandem = cluster.start(**overrides)
     setup = {"cluster_start_s": round(time.perf_counter() - start, 1)}

@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     http.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
     http.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
     http.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
+    http.add_argument("--ingress", choices=("auto", "direct", "proxy"), help="tandem serve --ingress (default auto)")
     http.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
     http.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     return parser.parse_args(argv)

@@ -11,6 +11,12 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
   replaying elsewhere would repeat or change text the client already has.
 - `close()` aborts the request on its backend unless it finished, which is what frees the
   blocks of a client that disconnected mid-stream.
+
+The router answers `place` with a backend id, not a handle: an actor handle in a reply is
+serialized by the router and rebuilt (and reference-counted with its owner) by the receiver, on
+every request, which measured as the largest single cost of a short request in both processes.
+Each process keeps the backends' handles instead (`BackendHandles`), fetched from the router
+when it first meets a backend id.
 """
 
 from __future__ import annotations
@@ -47,6 +53,39 @@ class BackendUnavailable(RequestFailed):
     """No backend could serve the request now (none alive, or the one serving it failed)."""
 
 
+class BackendHandles:
+    """backend id -> actor handle, one cache per router per process.
+
+    A handle stays valid across Ray's restarts of its actor, so an entry is dropped only when
+    its backend failed (it may come back as a new actor with a new handle)."""
+
+    _by_router: dict[Any, BackendHandles] = {}
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self._handles: dict[str, Any] = {}
+
+    @classmethod
+    def of(cls, router: Any) -> BackendHandles:
+        key = getattr(router, "_actor_id", None) or id(router)
+        cache = cls._by_router.get(key)
+        if cache is None:
+            cache = cls._by_router[key] = cls(router)
+        return cache
+
+    async def get(self, backend_id: str) -> Any:
+        handle = self._handles.get(backend_id)
+        if handle is None:
+            self._handles = dict(await self.router.list_backends.remote())
+            handle = self._handles.get(backend_id)
+            if handle is None:
+                raise BackendUnavailable(f"backend {backend_id} left before the request reached it; retry it")
+        return handle
+
+    def drop(self, backend_id: str) -> None:
+        self._handles.pop(backend_id, None)
+
+
 class RequestStream:
     def __init__(self, router: Any, req_id: str, prompt_token_ids: list[int], params: Any,
                  arrival_time: float | None = None, max_attempts: int = 3) -> None:
@@ -62,6 +101,7 @@ class RequestStream:
         self.finished = False
         self.attempts = 0
         self._gen: Any = None
+        self._handles = BackendHandles.of(router)
 
     @property
     def backend_id(self) -> str | None:
@@ -78,12 +118,14 @@ class RequestStream:
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                self.decision = await self.router.route.remote(
+                backend_id, instance_id, estimated_s = await self.router.place.remote(
                     self.req_id, self.prompt_token_ids, self.params.max_tokens, self.attempts)
+                handle = await self._handles.get(backend_id)
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
             except ray.exceptions.RayActorError as exc:  # the router itself is gone; nothing restarts it
                 raise BackendUnavailable("the router is unavailable", detail=type(exc).__name__) from None
+            self.decision = Decision(self.req_id, backend_id, instance_id, estimated_s=estimated_s, handle=handle)
             if self._gen is not None:
                 self._gen.close()
             self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,
@@ -151,6 +193,7 @@ class RequestStream:
 
     async def _backend_failed(self, reason: str) -> None:
         decision = self.decision
+        self._handles.drop(decision.backend_id)
         try:
             decision.handle.abort.remote(self.req_id)  # in case it is alive after all
             await self.router.backend_failed.remote(decision.backend_id, decision.instance_id, reason)

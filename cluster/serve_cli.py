@@ -35,8 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="discount queued decode budgets with SGLang's decaying new_token_ratio")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    parser.add_argument("--ingress", choices=("auto", "direct", "proxy"),
+                        help="direct: the Serve ingress replica serves HTTP on --port itself (Ray Serve's direct "
+                             "ingress: no proxy hop; one replica); proxy: Serve's HTTP proxy on --port in front "
+                             "of --http-replicas replicas; auto (default): direct unless --address or "
+                             "--http-replicas > 1")
     parser.add_argument("--http-replicas", type=int,
-                        help="Serve ingress replicas (default: one per 4 cores of this machine, 1 to 4)")
+                        help="Serve ingress replicas behind the proxy (default: one per 4 cores of this machine, "
+                             "1 to 4)")
     parser.add_argument("--metrics-port", type=int,
                         help="Prometheus scrape port, Ray's metrics export (default 8080; /metrics on --port serves "
                              "the same page)")
@@ -61,7 +67,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file; flags override it")
     parser.add_argument("--model", help="preset name, local HF directory or .gguf file (default smollm2-135m)")
     parser.add_argument("--backends", help="comma-separated devices, cpu, cuda, mps or auto; id=device names "
-                        "one (default cpu,auto: auto is cuda, else mps, else a second cpu)")
+                        "one; DEVICE*N is N alike (cuda*2), cuda*all or auto*all one per free GPU "
+                        "(default cpu,auto: auto is cuda, else mps, else a second cpu)")
     parser.add_argument("--max-active", type=int, help="running requests per backend (default 4)")
     parser.add_argument("--cpu-threads", type=int,
                         help="torch threads per cpu backend (default: the cores left after one for serving and "
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
             address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard,
             dashboard_port=args.dashboard_port, log_level=args.log_level, access_log=args.access_log,
-            http_replicas=args.http_replicas)
+            http_replicas=args.http_replicas, ingress=args.ingress)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

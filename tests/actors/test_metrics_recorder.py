@@ -36,6 +36,8 @@ def fakes(monkeypatch):
         return made[spec.name]
 
     monkeypatch.setattr(metrics, "_make_metric", make)
+    # As outside Ray, whatever ran before in this process: no refresh thread, nothing buffered.
+    monkeypatch.setattr(metrics, "_ray_running", lambda: False)
     return made
 
 
@@ -79,3 +81,21 @@ def test_increments_of_zero_are_skipped(fakes):
     recorder.inc("tandem_backend_steps", 0)
     recorder.inc("tandem_backend_steps", 2)
     assert [c for c in fakes["tandem_backend_steps"].calls if c[0] == "inc"] == [("inc", 2, {"backend": "cpu0"})]
+
+
+def test_inside_ray_counters_and_gauges_wait_for_the_flush(fakes):
+    def calls(name, kind):
+        return [c for c in getattr(fakes.get(name), "calls", []) if c[0] == kind]
+
+    recorder = Recorder(ROUTER_METRICS, buffered=True)
+    for _ in range(3):
+        recorder.inc("tandem_router_decisions", tags={"backend": "cuda0", "policy": "cost"})
+    recorder.set("tandem_router_pending_seconds", 1.0, tags={"backend": "cuda0"})
+    recorder.set("tandem_router_pending_seconds", 2.5, tags={"backend": "cuda0"})
+    assert not calls("tandem_router_decisions", "inc")
+    assert not calls("tandem_router_pending_seconds", "set")
+    recorder.flush()
+    assert calls("tandem_router_decisions", "inc") == [("inc", 3.0, {"backend": "cuda0", "policy": "cost"})]
+    assert calls("tandem_router_pending_seconds", "set") == [("set", 2.5, {"backend": "cuda0"})]
+    recorder.flush()  # nothing new: nothing recorded again
+    assert len(calls("tandem_router_decisions", "inc")) == 1

@@ -60,7 +60,8 @@ def tandem(tmp_path_factory):
         port=free_port(), metrics_port=free_port(), routing_log=str(tmp / "routing.jsonl"),
         rates=str(rates), rates_cache=str(tmp / "rates-cache.json"), profile="never",
         health_check_period_s=0.5, access_log=False, log=lambda line: None,
-        calibration_alpha=0)  # fixed, equal rates: tests that need both backends busy can rely on it
+        calibration_alpha=0,  # fixed, equal rates: tests that need both backends busy can rely on it
+        ingress="proxy")  # the proxy routes to both apps by prefix (direct ingress: test_direct_ingress.py)
     # A second ingress on the same cluster that requires an API key, for the 401 tests.
     backend = next(iter(handle.backends.values()))
     tokenizer, info = ray.get([backend.tokenizer.remote(), backend.info.remote()])

@@ -421,6 +421,30 @@ def test_backend_killed_mid_stream(tiny):
            backend_restarts_besides_victim=int(after[survivor] != before[survivor]))
 
 
+def test_ingress_replica_killed_serves_again_on_the_same_port(tiny):
+    """With direct ingress (the default here) the Serve replica itself listens on the API port:
+    killed, Serve starts a new one, which takes the same port back, and nothing else restarts."""
+    import ray
+
+    assert tiny.config.ingress == "direct"
+    before = instance_ids(tiny)
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "TandemIngress" in a["name"]]
+    assert len(replicas) == 1, replicas
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace="serve"), no_restart=True)
+    body = {"model": MODEL, "prompt": "Back again?", "max_tokens": 4}
+
+    def answers() -> bool:
+        try:
+            return httpx.post(tiny.url + COMPLETIONS, json=body, timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, timeout_s=120, interval_s=0.5, what="a new ingress replica on the same port")
+    assert instance_ids(tiny) == before
+    wait_idle(tiny, "the cluster to be idle after the ingress restart")
+
+
 def test_a_dead_router_is_a_503_not_a_500(tiny):
     """Last in this module: it leaves the cluster without its router (nothing restarts one)."""
     import ray
