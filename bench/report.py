@@ -108,7 +108,8 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> l
              f"- Date: {meta.get('date', '?')}", f"- Command: `{meta.get('command', '?')}`",
              f"- Model: `{meta.get('model')}`; sampling temperature {meta.get('temperature')}"]
     for b in resolved_backends(meta, runs):
-        role = "the accelerator slot (`auto`)" if b["backend_id"] == meta.get("accel_id") else "the CPU backend"
+        role = ("the accelerator slot (`auto`)" if b["backend_id"] == meta.get("accel_id")
+                else "another accelerator backend" if b["device"] != "cpu" else "the CPU backend")
         lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {b['threads']} torch threads "
                      f"— {role}")
     lines += [f"- {note}" for note in meta.get("notes", [])]
