@@ -240,9 +240,12 @@ def connect(address: str = "auto", namespace: str = "tandem") -> Tandem:
 
 
 def _normalise(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`backends` as `--backends` spells them ("cpu", "cuda*2", "big=cpu") or as config dicts."""
+    from tandem.cluster.config import parse_backends
+
     backends = overrides.get("backends")
     if backends is not None and backends and isinstance(backends[0], str):
-        overrides["backends"] = [{"device": d} for d in backends]
+        overrides["backends"] = parse_backends(",".join(backends))
     return overrides
 
 
