@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_ACTIVE = 4
 DEFAULT_BLOCK_SIZE = 16
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+# Weight-only quantized dtypes (cpu): int8 / int4 weights, bfloat16 activations (engine/model/quant.py).
+QUANTIZED_DTYPES = ("int8", "int4")
 
 
 def cache_root() -> Path:
@@ -38,7 +40,7 @@ def cache_root() -> Path:
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"  # cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 elsewhere
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 elsewhere; int8 | int4: quantized weights (cpu)
     max_active: int = DEFAULT_MAX_ACTIVE
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
@@ -55,6 +57,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.dtype in QUANTIZED_DTYPES and self.device_type != "cpu":
+            raise ValueError(f"dtype {self.dtype} (weight-only quantization) runs on the cpu only, not {self.device!r}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
@@ -72,7 +76,14 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
+        if self.dtype in QUANTIZED_DTYPES:
+            return torch.bfloat16  # the activations: the int8/int4 kernels' float32 paths are scalar
         return getattr(torch, self.dtype)
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """int8 | int4 when the weights are quantized, else None."""
+        return self.dtype if self.dtype in QUANTIZED_DTYPES else None
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:

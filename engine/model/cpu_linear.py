@@ -79,7 +79,7 @@ def pack_model(model: nn.Module) -> int:
                if isinstance(child, nn.Linear) and child is not output_head]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child.weight, child.bias))
-    if hasattr(model, "logits_proj"):
+    if getattr(model, "logits_proj", False) is None:  # not already quantized (engine/model/quant.py)
         model.logits_proj = PackedLinear(model.output_weight(), None)
         return len(targets) + 1
     return len(targets)

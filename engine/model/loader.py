@@ -56,9 +56,28 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     attn_backend=None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load a preset (see `PRESETS`), a local HF directory, a `.gguf` file or a hub id."""
-    device = torch.device(device)
+    """Load a preset (see `PRESETS`), a local HF directory, a `.gguf` file or a hub id;
+    `quantization` (int8 | int4) swaps the linears for weight-only quantized ones (cpu)."""
+    loaded = _load(name_or_path, torch.device(device), dtype, attn_backend)
+    if quantization is not None:
+        from tandem.engine.model.quant import quantize_model
+
+        quantize_model(loaded.model, quantization, _gguf_source(name_or_path))
+    return loaded
+
+
+def _gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model came from, whose quantized blocks can be used as they are."""
+    if name_or_path in PRESETS:
+        preset = get_preset(name_or_path)
+        return _package_gguf(preset) if isinstance(preset, GGUFPreset) else None
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" else None
+
+
+def _load(name_or_path: str, device: torch.device, dtype: torch.dtype, attn_backend) -> LoadedModel:
     if name_or_path in PRESETS:
         preset = get_preset(name_or_path)
         if isinstance(preset, RandomPreset):

