@@ -48,6 +48,7 @@ from typing import Any
 from tandem.actors import engine_core as core
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
+from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.backend")
 
@@ -64,9 +65,9 @@ CORE_START_TIMEOUT_S = 600.0
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    # Reader-thread state: outputs merged but not yet handed over, and when the next hand-over
-    # is due (time.monotonic; 0: the first output goes at once).
-    pending: Any = None
+    # Reader-thread state: outputs not yet handed over, and when the next hand-over is due
+    # (time.monotonic; 0: the first output goes at once).
+    pending: list = field(default_factory=list)
     next_send: float = 0.0
 
 
@@ -209,9 +210,10 @@ class BackendActor:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                item, pending_error = _coalesce(item, stream.queue)
-                finished = item.finished
-                yield item
+                items, pending_error = _coalesce(item, stream.queue)
+                for item in items:
+                    finished = item.finished
+                    yield item
                 if pending_error is not None:
                     raise pending_error
         finally:
@@ -390,17 +392,16 @@ class BackendActor:
                 continue
             stream = self._streams.get(req_id)
             if stream is not None:
-                out = core.unpack_output(packed)
-                stream.pending = out if stream.pending is None else stream.pending.merge(out)
+                stream.pending.append(core.unpack_output(packed))
                 self._held[req_id] = stream
         deliveries = []
         if self._held:
             interval = self._stream_interval()
             for req_id, stream in list(self._held.items()):
-                if stream.pending.finished or now >= stream.next_send:
+                if stream.pending[-1].finished or now >= stream.next_send:
                     del self._held[req_id]
-                    deliveries.append((stream, stream.pending))
-                    stream.pending, stream.next_send = None, now + interval
+                    deliveries.extend((stream, out) for out in merge_outputs(stream.pending))
+                    stream.pending, stream.next_send = [], now + interval
         _dispatch(deliveries, list(batches.values()))
 
     def _stream_interval(self) -> float:
@@ -529,16 +530,17 @@ def _hand_over(deliveries: list[tuple[_Stream, Any]], channels: list[tuple[_Chan
             channel.wake.set()
 
 
-def _coalesce(item: Any, queue: asyncio.Queue) -> tuple[Any, BaseException | None]:
-    """Merge the outputs already waiting behind `item` into it, so a stream whose consumer fell
-    behind sends one message per catch-up rather than one per engine step. An error found
-    while draining is returned to be raised after the merged output is sent."""
-    while not item.finished and not queue.empty():
+def _coalesce(item: Any, queue: asyncio.Queue) -> tuple[list, BaseException | None]:
+    """Merge the outputs already waiting behind `item` with it (one per choice), so a stream
+    whose consumer fell behind sends one message per catch-up rather than one per engine step.
+    An error found while draining is returned to be raised after the merged outputs are sent."""
+    items = [item]
+    while not items[-1].finished and not queue.empty():
         following = queue.get_nowait()
         if isinstance(following, BaseException):
-            return item, following
-        item = item.merge(following)
-    return item, None
+            return merge_outputs(items), following
+        items.append(following)
+    return merge_outputs(items), None
 
 
 def _was_reconstructed() -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 from tandem.actors.engine_core import unpack_output
 from tandem.actors.messages import Admitted, BackendError
+from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
 
@@ -90,24 +91,29 @@ class ChannelStream:
         self._add_args = (req_id, prompt_token_ids, params, arrival_time, channel.channel_id)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending_error: BaseException | None = None
+        self._ready: list = []  # merged outputs of other choices, returned before reading more
         self._admitted = False
 
     async def next(self) -> Any:
         if not self._admitted:
             return await self._add()
+        if self._ready:
+            return self._ready.pop(0)
         if self._pending_error is not None:
             raise self._pending_error
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self.close()
             raise item
-        while not item.finished and not self._queue.empty():  # catch up in one delta
+        items = [item]
+        while not items[-1].finished and not self._queue.empty():  # catch up in one delta per choice
             following = self._queue.get_nowait()
             if isinstance(following, BaseException):
                 self._pending_error = following
                 break
-            item = item.merge(following)
-        if item.finished:
+            items.append(following)
+        item, *self._ready = merge_outputs(items)
+        if items[-1].finished:
             self.close()
         return item
 

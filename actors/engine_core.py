@@ -44,13 +44,14 @@ def pack_output(out: Any) -> tuple:
     u = out.usage
     return (out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
             u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
-            out.first_token_time, out.finished_time)
+            out.first_token_time, out.finished_time, out.index, out.logprobs)
 
 
 def unpack_output(t: tuple) -> Any:
     from tandem.engine.outputs import RequestOutput, Usage
 
-    return RequestOutput(t[0], t[1], t[2], t[3], t[4], Usage(t[5], t[6], t[7]), t[8], t[9], t[10], t[11])
+    return RequestOutput(t[0], t[1], t[2], t[3], t[4], Usage(t[5], t[6], t[7]), t[8], t[9], t[10], t[11],
+                         t[12], t[13])
 
 
 def pack_progress(p: Any) -> tuple:

@@ -46,6 +46,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tandem.cluster.choices import Choice, LogprobsFormatter
 from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
 from tandem.cluster.metrics_route import metrics_response
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
@@ -266,15 +267,15 @@ class _ChunkMaker:
     chat: bool
     info: Any
 
-    def make(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+    def make(self, delta: Any, finish_reason: str | None, index: int = 0, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
+            choice: Any = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
             chunk: Any = ChatCompletionChunk(id=self.stream.req_id, created=self.created, model=self.model,
-                                             choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                                             tandem=self.info(self.stream))
+                                             choices=[choice], tandem=self.info(self.stream))
         else:
+            choice = CompletionChoice(index=index, text=delta, finish_reason=finish_reason, logprobs=logprobs)
             chunk = CompletionResponse(id=self.stream.req_id, created=self.created, model=self.model,
-                                       choices=[CompletionChoice(text=delta, finish_reason=finish_reason)],
-                                       tandem=self.info(self.stream))
+                                       choices=[choice], tandem=self.info(self.stream))
         return chunk.model_dump()
 
     def usage(self, usage: UsageInfo) -> dict[str, Any]:
@@ -339,6 +340,7 @@ class TandemIngress:
         self.settings = settings
         self.num_pending = 0
         self.metrics = Recorder(INGRESS_METRICS)
+        self.logprobs = LogprobsFormatter(tokenizer)
 
     # -- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -525,20 +527,27 @@ class TandemIngress:
         return TandemInfo(backend=stream.backend_id, estimated_s=round(stream.decision.estimated_s, 6))
 
     async def _full_response(self, stream: RequestStream, body: Any, chat: bool) -> JSONResponse:
-        pieces, final = [], None
+        choices: dict[int, Choice] = {}
+        final = None
         async for out in stream.outputs():
-            pieces.append(out.new_text)
+            choices.setdefault(out.index, Choice()).add(out)
             final = out
         usage = UsageInfo.of(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens)
-        text, reason = "".join(pieces), final.finish_reason
+        wants_logprobs = body.num_logprobs is not None
         if chat:
             response: Any = ChatCompletionResponse(
                 id=stream.req_id, model=body.model, usage=usage, tandem=self._info(stream),
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+                choices=[ChatChoice(index=index, message=AssistantMessage(content=c.text),
+                                    finish_reason=c.finish_reason,
+                                    logprobs=self.logprobs.chat(c.token_ids, c.logprobs) if wants_logprobs else None)
+                         for index, c in sorted(choices.items())])
         else:
             response = CompletionResponse(
                 id=stream.req_id, model=body.model, usage=usage, tandem=self._info(stream),
-                choices=[CompletionChoice(text=text, finish_reason=reason)])
+                choices=[CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
+                                          logprobs=self.logprobs.completion(c.token_ids, c.logprobs, 0)
+                                          if wants_logprobs else None)
+                         for index, c in sorted(choices.items())])
         return JSONResponse(response.model_dump(), headers=_headers(stream))
 
     def _streaming_response(self, stream: RequestStream, body: Any, chat: bool) -> StreamingResponse:
@@ -553,15 +562,18 @@ class TandemIngress:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
         created = int(time.time())
         chunk = _ChunkMaker(stream, body.model, created, chat, self._info)
+        text_offsets = [0] * body.n
         try:
             if chat:
-                yield _sse(chunk.make(DeltaMessage(role="assistant", content=""), None))
+                for index in range(body.n):
+                    yield _sse(chunk.make(DeltaMessage(role="assistant", content=""), None, index))
             final = None
             try:
                 async for out in stream.outputs():
                     final = out
-                    if out.new_text or out.finished:
-                        yield _sse(chunk.make(_delta(out.new_text, chat), out.finish_reason))
+                    logprobs = self._chunk_logprobs(out, body, chat, text_offsets) if out.logprobs else None
+                    if out.new_text or out.finish_reason or logprobs is not None:
+                        yield _sse(chunk.make(_delta(out.new_text, chat), out.finish_reason, out.index, logprobs))
                 if body.include_usage and final is not None:
                     u = final.usage
                     yield _sse(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)))
@@ -574,6 +586,16 @@ class TandemIngress:
         finally:
             await stream.close()  # at once, not when the response object is torn down
 
+
+    def _chunk_logprobs(self, out: Any, body: Any, chat: bool, text_offsets: list[int]) -> Any:
+        """One streamed output's logprobs; completions' text offsets continue per choice."""
+        if body.num_logprobs is None:
+            return None
+        if chat:
+            return self.logprobs.chat(out.new_token_ids, out.logprobs)
+        logprobs = self.logprobs.completion(out.new_token_ids, out.logprobs, text_offsets[out.index])
+        text_offsets[out.index] += sum(len(token) for token in logprobs.tokens)
+        return logprobs
 
     # -- everything else (keep this route the last one of the class) -------------------------
     @api.api_route(CATCH_ALL, methods=ALL_METHODS, include_in_schema=False)

@@ -119,7 +119,7 @@ class RequestStream:
             self.attempts += 1
             try:
                 backend_id, instance_id, estimated_s = await self.router.place.remote(
-                    self.req_id, self.prompt_token_ids, self.params.max_tokens, self.attempts)
+                    self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n, self.attempts)
                 handle = await self._handles.get(backend_id)
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None

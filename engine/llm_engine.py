@@ -13,7 +13,7 @@ ever reaches the step loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,21 @@ class _InFlight:
     num_prefill: int
     num_decode: int
     start: float  # perf_counter() when its launch began
+
+
+@dataclass
+class _Group:
+    """A request with n > 1: n child requests (`{req_id}#{i}`) that share its prompt. Child 0
+    enters the scheduler at once and the others once it has produced its first token, so its
+    prompt's full blocks are in the prefix cache and the others compute only the last partial
+    block: the prompt is prefilled once."""
+
+    req_id: str
+    children: list[Request]
+    completion_tokens: list[int]
+    num_added: int = 1
+    num_finished: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -89,6 +104,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._changed: dict[str, Request] = {}
         self._stats = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
+        self._groups: dict[str, _Group] = {}  # n > 1 requests by id
+        self._child_of: dict[str, tuple[_Group, int]] = {}  # child req_id -> (its group, its index)
 
     # -- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -119,19 +136,42 @@ class LLMEngine:
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> int:
         """Queue a request; returns its number of prompt tokens."""
-        if req_id in self.scheduler.requests:
+        if req_id in self.scheduler.requests or req_id in self._groups:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
+        if params.n > 1:
+            self._add_group(req_id, token_ids, params, arrival_time)
+            return len(token_ids)
+        self.scheduler.add_request(self._new_request(req_id, token_ids, params, arrival_time))
+        self._changed[req_id] = self.scheduler.requests[req_id]
+        return len(token_ids)
+
+    def _add_group(self, req_id: str, token_ids: list[int], params: SamplingParams,
+                   arrival_time: float | None) -> None:
+        """n child requests, seeded seed, seed + 1, ... when seeded so the choices differ."""
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            child = self._new_request(f"{req_id}#{i}", token_ids, replace(params, n=1, seed=seed), arrival_time)
+            children.append(child)
+        group = _Group(req_id, children, [0] * params.n)
+        self._groups[req_id] = group
+        for i, child in enumerate(children):
+            self._child_of[child.req_id] = (group, i)
+        self.scheduler.add_request(children[0])
+        self._changed[children[0].req_id] = children[0]
+
+    def _new_request(self, req_id: str, token_ids: list[int], params: SamplingParams,
+                     arrival_time: float | None) -> Request:
+        """A request and its engine-side state, not yet in the scheduler."""
         request = Request(req_id, token_ids, params, self.eos_token_ids, arrival_time)
         self._tracked[req_id] = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
             SamplingRow(params, self._make_generator(params.seed),
                         prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else []),
         )
-        self.scheduler.add_request(request)
-        self._changed[req_id] = request
-        return len(token_ids)
+        return request
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
@@ -159,6 +199,10 @@ class LLMEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def abort_request(self, req_id: str) -> bool:
+        group = self._groups.pop(req_id, None)
+        if group is not None:
+            self._abort_group(group)
+            return True
         request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return False
@@ -166,6 +210,22 @@ class LLMEngine:
         self._tracked.pop(req_id, None)
         self._changed[req_id] = request
         return True
+
+    def _abort_group(self, group: _Group) -> None:
+        """Abort every choice; one last output, finished, reports the request's usage so far."""
+        for child in group.children:
+            if self.scheduler.finish_request(child.req_id, RequestStatus.FINISHED_ABORTED) is None:
+                if not child.is_finished:  # not in the scheduler yet
+                    child.status = RequestStatus.FINISHED_ABORTED
+            self._tracked.pop(child.req_id, None)
+            self._changed[child.req_id] = child
+        group.num_finished = len(group.children)
+        first = group.children[0]
+        self._pending_outputs.append(RequestOutput(
+            group.req_id, [], "", True, "abort",
+            Usage(first.num_prompt_tokens, sum(c.num_resolved_output_tokens for c in group.children),
+                  max(first.num_cached_tokens, 0)),
+            first.arrival_time, first.first_scheduled_time, first.first_token_time, first.finished_time))
 
     def set_max_active(self, max_active: int) -> None:
         """Change how many requests may run at once (a benchmark sweeps it on one engine). It
@@ -221,7 +281,45 @@ class LLMEngine:
         # it was launched while that one ran.
         self._record_step(step.num_prefill, step.num_decode, now - max(step.start, self._last_finish))
         self._last_finish = now
-        return self._process_outputs(step.pending, tokens)
+        outputs = self._process_outputs(step.pending, tokens)
+        logprobs = step.handle.logprobs()
+        if logprobs:
+            self._attach_logprobs(outputs, logprobs, step.pending)
+        if self._child_of:
+            outputs = [self._group_output(out) if out.req_id in self._child_of else out for out in outputs]
+        return outputs
+
+    @staticmethod
+    def _attach_logprobs(outputs: list[RequestOutput], logprobs: dict[int, tuple],
+                         pending: list[tuple[Request, int]]) -> None:
+        """Each output's token's logprobs (a request samples at most one token a step)."""
+        by_req_id = {pending[row][0].req_id: entry for row, entry in logprobs.items()}
+        for out in outputs:
+            entry = by_req_id.get(out.req_id)
+            if entry is not None:
+                out.logprobs = [entry]
+
+    def _group_output(self, out: RequestOutput) -> RequestOutput:
+        """A child's output as its group's: the group's id, the child's index, the group's usage,
+        and `finished` only once every choice is. Child 0's first token admits the others."""
+        group, index = self._child_of[out.req_id]
+        group.completion_tokens[index] = out.usage.completion_tokens
+        if index == 0:
+            group.cached_tokens = out.usage.cached_tokens
+            while group.num_added < len(group.children):
+                child = group.children[group.num_added]
+                group.num_added += 1
+                if not child.is_finished:
+                    self.scheduler.add_request(child)
+                    self._changed[child.req_id] = child
+        if out.finished:
+            group.num_finished += 1
+            self._changed[out.req_id] = group.children[index]  # its progress turns "finished" now
+        done = group.num_finished == len(group.children)
+        if done:
+            self._groups.pop(group.req_id, None)
+        return replace(out, req_id=group.req_id, index=index, finished=done,
+                       usage=Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens))
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         row = self._tracked[request.req_id].sampling_row
@@ -343,9 +441,36 @@ class LLMEngine:
             self._evicted = False
             for request in self.scheduler.waiting:
                 self._changed[request.req_id] = request
-        progress = [self._progress(r) for r in self._changed.values()]
+        progress, groups = [], {}
+        child_of = self._child_of
+        for req_id, request in self._changed.items():
+            entry = child_of.get(req_id) if child_of else None
+            if entry is None:
+                progress.append(self._progress(request))
+            else:
+                groups[entry[0].req_id] = entry[0]
         self._changed = {}
+        progress.extend(self._group_progress(group) for group in groups.values())
         return progress
+
+    def _group_progress(self, group: _Group) -> RequestProgress:
+        """A group as the router sees it: one prompt and n decode budgets. Once it finished,
+        its children are forgotten."""
+        children = [self._progress(c) for c in group.children]
+        first = children[0]
+        aborted = RequestStatus.FINISHED_ABORTED  # an aborted choice's last placeholder never resolves
+        if all(p.status == "finished" or c.status is aborted for p, c in zip(children, group.children)):
+            status = "finished"
+            for child in group.children:
+                self._child_of.pop(child.req_id, None)
+        elif any(p.status == "running" for p in children):
+            status = "running"
+        else:
+            status = first.status
+        return RequestProgress(group.req_id, status, first.num_prompt_tokens, first.num_cached_tokens,
+                               first.num_computed_prompt_tokens, sum(p.num_output_tokens for p in children),
+                               sum(p.max_tokens for p in children))
+
 
     def _progress(self, request: Request) -> RequestProgress:
         if request.is_finished and not request.num_pending_tokens:

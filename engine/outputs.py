@@ -3,6 +3,12 @@
 Outputs carry deltas (new token ids and new text since the last output) so a caller can
 stream without diffing, plus the running usage so the final output alone is enough for a
 non-streaming response.
+
+A request with `n` > 1 streams the outputs of its n choices under its one `req_id`, each
+output carrying its choice's `index`. `finish_reason` is set on the last output of a choice;
+`finished` on the last output of the request (all its choices done), so every consumer that
+waits for `finished` waits for the whole request. The usage is the request's: its prompt once,
+the completion tokens of all its choices.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+# One sampled token's logprobs: (its logprob, top token ids, their logprobs), most likely first.
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
 @dataclass
 class RequestOutput:
     req_id: str
@@ -34,12 +44,31 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    index: int = 0  # the choice (parallel sampling, n > 1)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
     def merge(self, later: RequestOutput) -> RequestOutput:
-        """This output and a later one of the same request as a single delta: a consumer that
+        """This output and a later one of the same choice as a single delta: a consumer that
         fell behind gets one message where it would have had several."""
+        if later.index != self.index:
+            raise ValueError(f"cannot merge outputs of choices {self.index} and {later.index}")
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = later.logprobs if logprobs is None else logprobs + later.logprobs
         return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                       new_text=self.new_text + later.new_text)
+                       new_text=self.new_text + later.new_text, logprobs=logprobs)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Consecutive outputs of one request as one delta per choice, in the order of each
+    choice's latest output (so the request's `finished` output stays last)."""
+    if len(outputs) == 1:
+        return outputs
+    by_index: dict[int, RequestOutput] = {}
+    for out in outputs:
+        earlier = by_index.pop(out.index, None)
+        by_index[out.index] = out if earlier is None else earlier.merge(out)
+    return list(by_index.values())
 
 
 @dataclass

@@ -70,7 +70,9 @@ def test_waiting_outputs_merge_into_one_message_and_an_error_stops_the_merge():
         for item in items:
             queue.put_nowait(item)
         first = await queue.get()
-        return _coalesce(first, queue), queue.qsize()
+        merged, error = _coalesce(first, queue)
+        assert len(merged) == 1  # one choice: one message
+        return (merged[0], error), queue.qsize()
 
     (merged, error), left = run(drain([out(1, "a"), out(2, "b"), out(3, "c", done=True), out(9, "x")]))
     assert merged.new_token_ids == [1, 2, 3] and merged.new_text == "abc"
