@@ -80,6 +80,12 @@ class Int4Linear(nn.Module):
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).view(n, k)
         return cls(q, scales, low + 8.0 * scales, group_size, bias, dtype)
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] as the kernel sees it (through the kernel itself, in the scales' dtype)."""
+        eye = torch.eye(self.in_features, dtype=self.scale_and_zero.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed_weight, self.group_size,
+                                                          self.scale_and_zero).float().t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self.scale_and_zero)
         return out if self.bias is None else out.add_(self.bias)
