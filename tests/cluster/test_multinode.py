@@ -1,5 +1,7 @@
 """`tandem serve --address`: joining an existing multi-node Ray cluster places CPU backends on
-different nodes, and requests still route and stream.
+different nodes, and requests still route and stream; under `cost` and `prefix-affinity` alike,
+a prefix's later requests follow it to the backend on the other node that holds it and hit its
+cache (the router's mirror hears from every node the same way).
 
 The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`): a head and a worker node,
 each a real raylet, both on loopback. It runs in a subprocess because the rest of the cluster
@@ -31,7 +33,17 @@ SCRIPT = textwrap.dedent("""
     try:
         infos = ray.get([b.info.remote() for b in tandem.backends.values()])
         outs = list(tandem.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0)))
+        prefix_runs = {}
+        for n, policy in enumerate(["cost", "prefix-affinity"]):
+            ray.get(tandem.router.set_policy.remote(policy))
+            prefix = [10 + n] + [20 + (i * 7 + n) % 90 for i in range(159)]  # 10 full blocks, one per policy
+            cached = [list(tandem.generate(prefix + [100 + i, 101 + i], SamplingParams(max_tokens=2, temperature=0.0)))[-1]
+                      .usage.cached_tokens for i in range(3)]
+            decisions = [json.loads(line) for line in (tmp / "routing.jsonl").read_text().splitlines()][-3:]
+            prefix_runs[policy] = {"cached": cached, "policies": [d["policy"] for d in decisions],
+                                   "backends": [d["backend_id"] for d in decisions]}
         print("RESULT " + json.dumps({
+            "prefix_runs": prefix_runs,
             "cluster_nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
             "backend_nodes": sorted(i.node_id for i in infos),
             "num_tokens": sum(len(o.new_token_ids) for o in outs),
@@ -52,3 +64,7 @@ def test_joined_cluster_places_cpu_backends_on_different_nodes():
     assert len(result["cluster_nodes"]) == 2
     assert result["backend_nodes"] == result["cluster_nodes"]  # one backend on each node
     assert result["num_tokens"] == 4 and result["finished"]
+    for policy, run in result["prefix_runs"].items():
+        assert run["policies"] == [policy] * 3
+        assert len(set(run["backends"])) == 1, run  # the prefix's later requests follow it
+        assert run["cached"] == [0, 160, 160], run  # and hit it on that backend, whichever node it is on

@@ -24,6 +24,7 @@ def test_rates_have_every_batch_size(rates):
     assert rates["prefill_tok_s"] > 0 and rates["decode_tok_s"] > 0
     assert sorted(rates["decode_tok_s_by_batch"]) == [1, 2, 3]
     assert rates["decode_tok_s"] == rates["decode_tok_s_by_batch"][1]
+    assert rates["spread"]["repeats"] == 3 and rates["spread"]["prefill_tok_s"] >= 0
 
 
 def test_rates_file_loads_in_the_router(tmp_path, rates):
@@ -35,7 +36,7 @@ def test_rates_file_loads_in_the_router(tmp_path, rates):
 
 def test_cache_round_trip(tmp_path, rates):
     path = tmp_path / "cache" / "rates-cache.json"
-    key = profile_key("tiny-llama-random", "cpu", "float32", 1)
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1, 3)
     store_in_cache(path, key, rates)
     store_in_cache(path, "other|cpu|float32|threads=2", rates)
     cache = load_cache(path)

@@ -46,7 +46,7 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
             except queue.Empty:
                 pass
         output = "".join(seen)
-        assert "profiling backend cpu0" in output and "profiling backend cpu1" in output
+        assert "profiling backend cpu0" in output and "rates for cpu1: the same device" in output  # one profile
         assert "auto -> cpu" in output and f"http://127.0.0.1:{port}/v1" in output
         assert f"routing log {tmp_path / 'routing.jsonl'}" in output
         assert f"cache       {tmp_path / 'cache' / 'tandem'}" in output
@@ -65,7 +65,7 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     cache = json.loads((tmp_path / "cache" / "tandem" / "rates-cache.json").read_text())
     from tandem.cluster.profile import profile_key
 
-    assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1)]
+    assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 4)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
