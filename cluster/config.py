@@ -51,7 +51,8 @@ class BackendConfig(BaseModel):
     device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
     count: Annotated[int, Field(ge=1)] | Literal["all"] = 1
     id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # int8 / int4: weight-only quantized linears with bfloat16 activations, cpu backends only
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"] = "auto"
     threads: int | None = Field(default=None, ge=1)  # torch threads; None: the cluster's cpu_threads
     max_active: int | None = Field(default=None, ge=1)  # None: the cluster's max_active
     num_kv_blocks: int | None = Field(default=None, ge=2)
@@ -62,6 +63,8 @@ class BackendConfig(BaseModel):
         if self.count == "all" and self.device not in EVERY_GPU_DEVICES:
             raise ValueError(f"count all is one backend per GPU: it applies to "
                              f"{' and '.join(EVERY_GPU_DEVICES)}, not {self.device}")
+        if self.dtype in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"dtype {self.dtype} (quantized weights) is for cpu backends, not {self.device}")
         if self.count != 1 and self.id is not None:
             raise ValueError("an id names one backend: drop the id or the count (ids are then cuda0, cuda1, ...)")
         return self

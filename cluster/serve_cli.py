@@ -73,6 +73,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int,
                         help="torch threads per cpu backend (default: the cores left after one for serving and "
                              "one per accelerator backend, shared by the cpu backends)")
+    parser.add_argument("--cpu-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"),
+                        help="dtype of every cpu backend: int8/int4 are weight-only quantized linears with bfloat16 "
+                             "activations (default: the config's, else float32)")
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
@@ -80,7 +83,15 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads, **extra)
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
-    return config.with_overrides(**overrides)
+    config = config.with_overrides(**overrides)
+    cpu_dtype = getattr(args, "cpu_dtype", None)
+    if cpu_dtype:
+        data = config.model_dump()
+        for backend in data["backends"]:
+            if backend["device"] == "cpu":
+                backend["dtype"] = cpu_dtype
+        config = config.validated(data, source="flags")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 is off (default 0)")
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, or int8 / int4 (cpu: quantized weights)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the cpu")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")

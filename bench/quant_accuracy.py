@@ -1,0 +1,78 @@
+"""What int8 / int4 weights cost in accuracy: perplexity and top-1 agreement against float32.
+
+One fixed text (this repository's README, its first `--tokens` tokens under the model's
+tokenizer) goes through the engine's own model (packed, fused, quantized exactly as
+`LLMEngine` builds it) in one prefill; for each position we take the next-token
+distribution and report the perplexity of the text and how often the top-1 token equals
+float32's (teacher-forced, so one early difference does not cascade as in free decoding).
+
+    python -m bench.quant_accuracy --modes float32 bfloat16 int8 int4 --out out/quant_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def text_logits(engine, ids: list[int]) -> torch.Tensor:
+    """float32 logits [T, vocab] of `ids` as one prompt through the engine's model."""
+    from tandem.engine.attention.metadata import AttentionMetadata
+
+    runner = engine.model_runner
+    num_tokens, block_size = len(ids), runner.block_size
+    num_blocks = -(-num_tokens // block_size)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        slot_mapping=torch.arange(num_tokens), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], block_size=block_size)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(num_tokens), runner.kv_caches, meta)
+        return runner.model.compute_logits(hidden).float()
+
+
+def measure(model: str, modes: list[str], num_tokens: int, threads: int) -> dict:
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    text = (REPO / "README.md").read_text()
+    results, reference = {}, None
+    for mode in modes:
+        engine = LLMEngine(EngineConfig(model=model, dtype=mode, num_threads=threads))
+        ids = engine.tokenizer.encode(text)[:num_tokens]
+        logits = text_logits(engine, ids)
+        logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+        top1 = logits[:-1].argmax(-1)
+        if reference is None:
+            reference = top1
+        results[mode] = {"perplexity": math.exp(nll), "top1_agreement_vs_first": (top1 == reference).float().mean().item(),
+                         "tokens": len(ids)}
+        print(mode, results[mode], flush=True)
+        del engine
+    return {"model": model, "text": "README.md", "reference": modes[0], "modes": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--modes", nargs="*", default=["float32", "bfloat16", "int8", "int4"])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    result = measure(args.model, args.modes, args.tokens, args.threads)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
