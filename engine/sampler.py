@@ -65,6 +65,9 @@ class SamplingRow:
         # Anything beyond argmax: the fast path is for batches where every row is plain.
         self.plain_greedy = self.greedy and not (self.needs_history or params.logit_bias
                                                   or params.logprobs is not None)
+        # logit_bias as two lists once, so a step only extends the batch's lists with them.
+        self.bias_ids = list(params.logit_bias)
+        self.bias_values = list(params.logit_bias.values())
 
 
 @dataclass
@@ -202,25 +205,26 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 
 def _apply_bias_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """logit_bias and banned tokens as two scatters over the whole batch."""
-    vocab = logits.shape[-1]
+    """logit_bias and banned tokens as two scatters over the whole batch. A bias on an id past
+    the sampling vocabulary (a random preset's) is clamped and zeroed on the device, so nothing
+    here reads a device value back."""
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
     for i, row in enumerate(rows):
-        bias = row.params.logit_bias
-        if bias:
-            for token_id, value in bias.items():
-                if token_id < vocab:
-                    bias_rows.append(i)
-                    bias_ids.append(token_id)
-                    bias_values.append(value)
-        for token_id in row.banned_token_ids:
+        if row.bias_ids:
+            bias_rows += [i] * len(row.bias_ids)
+            bias_ids += row.bias_ids
+            bias_values += row.bias_values
+    device, vocab = logits.device, logits.shape[-1]
+    for i, row in enumerate(rows):
+        for token_id in row.banned_token_ids:  # a few stop ids, only while under min_tokens
             if token_id < vocab:
                 ban_rows.append(i)
                 ban_ids.append(token_id)
-    device = logits.device
     if bias_rows:
-        logits.index_put_((_tensor(bias_rows, torch.int64, device), _tensor(bias_ids, torch.int64, device)),
-                          _tensor(bias_values, torch.float32, device), accumulate=True)
+        ids = _tensor(bias_ids, torch.int64, device)
+        values = _tensor(bias_values, torch.float32, device).masked_fill_(ids >= vocab, 0.0)
+        logits.index_put_((_tensor(bias_rows, torch.int64, device), ids.clamp_(max=vocab - 1)), values,
+                          accumulate=True)
     if ban_rows:
         logits[_tensor(ban_rows, torch.int64, device), _tensor(ban_ids, torch.int64, device)] = float("-inf")
 

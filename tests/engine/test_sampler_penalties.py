@@ -175,3 +175,12 @@ def test_all_greedy_plain_batch_stays_on_the_fast_path():
     logits = torch.randn(4, VOCAB)
     out = Sampler().sample(logits, make_rows("cpu", [dict(temperature=0.0)] * 4, [[]] * 4))
     assert out.logprobs is None and out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_bias_past_the_sampling_vocabulary_is_ignored():
+    """Random presets sample only ids their tokenizer can decode; a bias beyond those is a no-op."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = 1.0
+    rows = make_rows("cpu", [dict(temperature=0.0, logit_bias={60: 100.0, 3: 5.0}, logprobs=1)], [[]])
+    out = Sampler(sampling_vocab_size=50).sample(logits, rows)
+    assert out.sampled_token_ids.tolist() == [3] and out.logprobs.top_ids.tolist() == [[3]]
