@@ -40,6 +40,18 @@ def _pinned(values: list[int], dtype: torch.dtype) -> torch.Tensor:
     return int_tensor(values, dtype).pin_memory()
 
 
+def capture_graph(forward, pool):
+    """Run `forward` once eagerly (Triton compiles its kernels and cuBLAS picks its own outside
+    the capture), then capture it into a CUDA graph sharing `pool` with the graphs before it.
+    Returns (graph, its static output, the pool for the next capture)."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return graph, output, graph.pool()
+
+
 def bucket_sizes(max_batch_size: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_batch_size]
     sizes += list(range(8, max_batch_size, 8))
@@ -92,16 +104,9 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = self.pool
-        for batch_size in reversed(self.batch_sizes):
-            # An eager run first compiles the Triton kernels and lets cuBLAS choose its kernels
-            # outside the capture; the padded inputs write nothing to the cache.
-            self._forward(batch_size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[batch_size] = self._forward(batch_size)
-            pool = graph.pool()
-            self.graphs[batch_size] = graph
+        for batch_size in reversed(self.batch_sizes):  # the padded inputs write nothing to the cache
+            self.graphs[batch_size], self.logits[batch_size], pool = capture_graph(
+                lambda: self._forward(batch_size), pool)
         self.pool = pool
         torch.cuda.synchronize()
 
@@ -218,13 +223,8 @@ class MixedGraphRunner:
             slots.fill_(-1)
             seq_lens.fill_(1)
             work.fill_(-1)
-            self._forward(num_tokens)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[num_tokens] = self._forward(num_tokens)
-            pool = graph.pool()
-            self.graphs[num_tokens] = graph
+            self.graphs[num_tokens], self.logits[num_tokens], pool = capture_graph(
+                lambda: self._forward(num_tokens), pool)
         self.pool = pool
         torch.cuda.synchronize()
 
