@@ -242,8 +242,8 @@ def _engine_line(r: dict) -> str:
 
 def _mask_line(r: dict) -> str:
     par = f"{r['fill_par_ms_mean']:.3f}" if r["fill_par_ms_mean"] is not None else "-"
-    return (f"  mask   B={r['batch']:<3} {r['library']:<11} fill mean {r['fill_ms_mean']:.3f} p50 {r['fill_ms_p50']:.3f}"
-            f" max {r['fill_ms_max']:.3f} par {par} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
+    return (f"  mask   B={r['batch']:<3} {r['library']:<11} fill mean {r['fill_ms_mean']:.3f}"
+            f" p50 {r['fill_ms_p50']:.3f} max {r['fill_ms_max']:.3f} par {par} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
             f" {r['apply_ms_torch']:.3f} ms  compile {r['compile_ms']:.1f} ms")
 
 
@@ -290,9 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, vocab_size = engine.tokenizer, engine.grammar_compiler.vocab_size
         eos = list(engine.eos_token_ids)
     mask_results = mask_rows(tokenizer, vocab_size, eos, args.batch, engine.device)
-    result = {"load_average": os.getloadavg(), "stamp": run_stamp(), "machine": machine_info(torch.get_num_threads(), args.device), "command": " ".join(sys.argv),
-              "args": vars(args), "engine": engine_results, "summary": summary(engine_results) if engine_results else [],
-              "mask": mask_results}
+    result = {"load_average": os.getloadavg(), "stamp": run_stamp(),
+              "machine": machine_info(torch.get_num_threads(), args.device), "command": " ".join(sys.argv),
+              "args": vars(args), "engine": engine_results, "summary": summary(engine_results), "mask": mask_results}
     for line in result["summary"]:
         print(f"  B={line['batch']}: json_schema costs {line['overhead_ms_per_step']:+.2f} ms/step "
               f"({line['overhead_pct']:+.1f}%) against unconstrained decoding"

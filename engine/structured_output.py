@@ -114,13 +114,6 @@ def check_enforceable(schema: Any, path: str = "schema") -> None:
                 check_enforceable(sub, f"{path}.{keyword}.{name}")
 
 
-def is_available() -> bool:
-    """Whether the grammar library is installed here."""
-    import importlib.util
-
-    return importlib.util.find_spec("xgrammar") is not None
-
-
 class RequestGrammar:
     """One request's position in its grammar."""
 

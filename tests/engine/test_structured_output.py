@@ -90,7 +90,8 @@ def test_a_schema_sent_again_is_compiled_once(compiler):
 
 @pytest.mark.parametrize("params, match", [
     (StructuredOutputParams(regex="(["), "regex could not be compiled into a grammar: .*Unclosed"),
-    (StructuredOutputParams.from_json_schema({"type": "strin"}), "json_schema could not be compiled into a grammar: .*strin"),
+    (StructuredOutputParams.from_json_schema({"type": "strin"}),
+     "json_schema could not be compiled into a grammar: .*strin"),
 ])
 def test_compile_errors_are_invalid_requests(compiler, params, match):
     with pytest.raises(InvalidRequestError, match=match):
