@@ -41,7 +41,7 @@ BAD_REQUESTS = [
     ("bad role", CHAT, {**OK_CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
     ("missing model", CHAT, {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
     ("stream not a bool", CHAT, {**OK_CHAT, "stream": "yes"}, 400, "stream"),
-    ("n above one", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
+    ("n above sixteen", CHAT, {**OK_CHAT, "n": 17}, 400, "n"),
     ("min_tokens over max_tokens", COMPLETIONS, {**OK_COMPLETION, "min_tokens": 50}, 400, None),
     ("body too large", COMPLETIONS, b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
 ]
