@@ -141,20 +141,25 @@ class Sampler:
 
     # -- penalties: device-side token history ---------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], history: list[int]) -> None:
+        """Only the penalties some row uses are computed: each is a few passes over the rows'
+        `[vocab]` logits (cheap on a GPU, not on one CPU core)."""
         slots = [self._slot(rows[i], logits) for i in history]
         device = logits.device
         index = _tensor(history, torch.int64, device)
         slot_index = _tensor(slots, torch.int64, device)
         counts = self._counts.index_select(0, slot_index)
-        seen = counts > 0
         params = [rows[i].params for i in history]
-        values = _tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
-                         torch.float32, device)
-        repetition, frequency, presence = values[:, 0:1], values[:, 1:2], values[:, 2:3]
         sub = logits.index_select(0, index)
-        repeated = seen | self._in_prompt.index_select(0, slot_index)
-        sub = torch.where(repeated, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        sub = sub - frequency * counts - presence * seen
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = _tensor([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
+            repeated = (counts > 0) | self._in_prompt.index_select(0, slot_index)
+            sub = torch.where(repeated, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        if any(p.frequency_penalty for p in params):
+            frequency = _tensor([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
+            sub = sub.sub_(frequency * counts)
+        if any(p.presence_penalty for p in params):
+            presence = _tensor([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
+            sub = sub.sub_(presence * (counts > 0))
         logits.index_copy_(0, index, sub)
 
     def _count(self, sampled: torch.Tensor, rows: list[SamplingRow], history: list[int]) -> None:
