@@ -26,9 +26,15 @@ weights (a machine without the SmolLM2 package); llama.cpp rows there need `--ll
 
 from __future__ import annotations
 
+import os
+
+# Threads that sleep at a barrier instead of spinning (libgomp reads this once, before torch loads):
+# on cores shared with other work a spinning OpenMP thread starves the one doing the work (see
+# docs/benchmarks/cpu-vs-llamacpp-2core.md); set OMP_WAIT_POLICY=ACTIVE to measure the other way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -196,7 +202,7 @@ def smollm2_gguf() -> Path | None:
 def llama_setup(args) -> tuple[dict[str, Path], str | None]:
     """The llama.cpp files to run, or a reason there are none."""
     bin_dir = Path(args.llama_bin)
-    missing = [b for b in ("llama-bench", "llama-server", "llama-quantize") if not (bin_dir / b).is_file()]
+    missing = [b for b in ("llama-bench", "llama-quantize") if not (bin_dir / b).is_file()]
     if missing:
         return {}, f"llama.cpp skipped: {', '.join(missing)} not in {bin_dir} (build: bench/build_llamacpp.sh)"
     source = Path(args.llama_gguf) if args.llama_gguf else (smollm2_gguf() if args.model == "smollm2-135m" else None)
@@ -223,15 +229,17 @@ def collect(args) -> dict:
             print(f"round {r} tandem {mode}: {_brief(row['tandem'][mode])}", flush=True)
         for kind, gguf in files.items():
             result = llama_single(Path(args.llama_bin), gguf, args.threads, args.decode_tokens)
-            server = LlamaServer(Path(args.llama_bin), gguf, args.threads, args.port)
-            try:
-                result.update(server.concurrent(1000 + r, vocab))
-            finally:
-                server.close()
+            if (Path(args.llama_bin) / "llama-server").is_file() and not args.no_server:
+                server = LlamaServer(Path(args.llama_bin), gguf, args.threads, args.port)
+                try:
+                    result.update(server.concurrent(1000 + r, vocab))
+                finally:
+                    server.close()
             row["llama.cpp"][kind] = dict(result, load_avg=load_avg())
             print(f"round {r} llama.cpp {kind}: {_brief(row['llama.cpp'][kind])}", flush=True)
         rounds.append(row)
     return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "llama_skipped": skipped,
             "load_s": {m: r.load_s for m, r in runners.items()}, "rounds": rounds,
             "median": medians(rounds)}
@@ -246,7 +254,7 @@ def medians(rounds: list[dict]) -> dict:
     for side in ("tandem", "llama.cpp"):
         for name in rounds[0][side]:
             cells = [r[side][name] for r in rounds]
-            out[f"{side} {name}"] = {k: statistics.median(c[k] for c in cells)
+            out[f"{side} {name}"] = {k: statistics.median(c[k] for c in cells) if k in cells[0] else None
                                      for k in ("prefill_tok_s", "decode_tok_s", "concurrent_tok_s")}
     return out
 
@@ -261,10 +269,15 @@ def render(result: dict) -> str:
             other = med.get("llama.cpp " + MATCHED[name.split()[1]])
             if other:
                 ratio_decode = f"{m['decode_tok_s'] / other['decode_tok_s']:.2f}x ({MATCHED[name.split()[1]]})"
-                ratio_conc = f"{m['concurrent_tok_s'] / other['concurrent_tok_s']:.2f}x"
-        lines.append(f"| {name} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {m['concurrent_tok_s']:.1f} | "
-                     f"{ratio_decode} | {ratio_conc} |")
+                if other["concurrent_tok_s"]:
+                    ratio_conc = f"{m['concurrent_tok_s'] / other['concurrent_tok_s']:.2f}x"
+        cells = [_fmt(m[k], d) for k, d in (("prefill_tok_s", 0), ("decode_tok_s", 1), ("concurrent_tok_s", 1))]
+        lines.append(f"| {name} | {' | '.join(cells)} | {ratio_decode} | {ratio_conc} |")
     return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "not run" if value is None else f"{value:.{digits}f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -280,6 +293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-gguf", help="source GGUF for llama.cpp (default: the SmolLM2 package's Q4_1)")
     p.add_argument("--llama-cache", default=str(REPO / ".cache-llamacpp" / "gguf"))
     p.add_argument("--port", type=int, default=18377)
+    p.add_argument("--no-server", action="store_true", help="skip llama-server's concurrent rows")
     p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
     return p.parse_args(argv)
 
