@@ -30,7 +30,6 @@ uses is defined above it: Serve serializes the class when it is decorated.)
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -49,6 +48,7 @@ from starlette.requests import ClientDisconnect
 from tandem.cluster.choices import Choice, LogprobsFormatter
 from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
 from tandem.cluster.metrics_route import metrics_response
+from tandem.cluster.sse import ChunkTemplate, sse_event
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
     AssistantMessage,
@@ -319,8 +319,7 @@ def _delta(text: str, chat: bool) -> Any:
     return DeltaMessage(content=text) if chat else text
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+_sse = sse_event
 
 
 def _with_known_paths(cls: type) -> type:
@@ -563,6 +562,15 @@ class TandemIngress:
         created = int(time.time())
         chunk = _ChunkMaker(stream, body.model, created, chat, self._info)
         text_offsets = [0] * body.n
+        templates: dict[int, ChunkTemplate] = {}
+
+        def text_event(index: int, text: str, reason: str | None) -> str:
+            """A chunk of text only, from this choice's template (the same bytes as `chunk.make`)."""
+            template = templates.get(index)
+            if template is None:
+                template = templates[index] = ChunkTemplate(lambda t, r: chunk.make(_delta(t, chat), r, index))
+            return template.event(text, reason)
+
         try:
             if chat:
                 for index in range(body.n):
@@ -572,8 +580,10 @@ class TandemIngress:
                 async for out in stream.outputs():
                     final = out
                     logprobs = self._chunk_logprobs(out, body, chat, text_offsets) if out.logprobs else None
-                    if out.new_text or out.finish_reason or logprobs is not None:
+                    if logprobs is not None:
                         yield _sse(chunk.make(_delta(out.new_text, chat), out.finish_reason, out.index, logprobs))
+                    elif out.new_text or out.finish_reason:
+                        yield text_event(out.index, out.new_text, out.finish_reason)
                 if body.include_usage and final is not None:
                     u = final.usage
                     yield _sse(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)))
