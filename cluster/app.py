@@ -49,6 +49,7 @@ from tandem.cluster.choices import Choice, LogprobsFormatter
 from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
+from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
     AssistantMessage,
@@ -319,6 +320,17 @@ def _delta(text: str, chat: bool) -> Any:
     return DeltaMessage(content=text) if chat else text
 
 
+def _tool_delta(tool_stream: ToolCallStream, out: Any) -> tuple[DeltaMessage | None, str | None]:
+    """What a chat stream that reads tool calls sends for one engine output: content as it
+    becomes safe to send, the calls (and the reason) with the last one; None for nothing yet."""
+    content = tool_stream.feed(out.new_text)
+    if out.finish_reason is None:  # this choice goes on (`finished` is the whole request's)
+        return (DeltaMessage(content=content) if content else None), None
+    rest, calls, reason = tool_stream.finish(out.finish_reason)
+    text = content + (rest or "")
+    return DeltaMessage(content=text or None, tool_calls=delta_tool_calls(calls) if calls else None), reason
+
+
 _sse = sse_event
 
 
@@ -400,15 +412,15 @@ class TandemIngress:
             body = await self._parse(request, model_cls)
             self._admit()
             admitted = True
-            prompt_token_ids, params = self._prepare(body, chat)
+            prompt_token_ids, params, plan = self._prepare(body, chat)
             stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
                                    self.settings.max_route_attempts)
             await stream.open()
             if body.stream:
-                response = self._streaming_response(stream, body, chat)
+                response = self._streaming_response(stream, body, chat, plan)
                 handed_over = True
             else:
-                response = await self._full_response(stream, body, chat)
+                response = await self._full_response(stream, body, chat, plan)
             self._count(endpoint, 200)
             return response
         except RequestFailed as exc:
@@ -463,10 +475,11 @@ class TandemIngress:
             raise Unauthorized("missing or invalid API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
 
-    def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any]:
+    def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any, OutputPlan]:
         from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
-        prompt_token_ids = self._tokenize(body, chat)
+        plan = plan_output(body, getattr(self.tokenizer, "chat_template", None) if chat else None)
+        prompt_token_ids = self._tokenize(body, chat, plan.template_tools)
         max_model_len = self.settings.max_model_len
         if len(prompt_token_ids) >= max_model_len:
             raise InvalidRequest(f"the prompt is {len(prompt_token_ids)} tokens; this model's context is "
@@ -486,27 +499,27 @@ class TandemIngress:
                                     min_tokens=body.min_tokens, n=body.n, presence_penalty=body.presence_penalty,
                                     frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
-                                    logprobs=body.num_logprobs)
+                                    logprobs=body.num_logprobs, structured_output=plan.structured_output)
         except InvalidRequestError as exc:
             raise InvalidRequest(str(exc)) from None
-        return prompt_token_ids, params
+        return prompt_token_ids, params, plan
 
-    def _tokenize(self, body: Any, chat: bool) -> list[int]:
+    def _tokenize(self, body: Any, chat: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
         if chat:
-            return self._encode_chat(body)
+            return self._encode_chat(body, tools)
         if not body.prompt:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         if isinstance(body.prompt, str):
             return encode_prompt(self.tokenizer, body.prompt)
         return list(body.prompt)
 
-    def _encode_chat(self, body: Any) -> list[int]:
+    def _encode_chat(self, body: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The messages through the model's chat template, which may refuse them (a template
         can raise on, say, roles out of order): that is the request's fault, a 400."""
         from jinja2 import TemplateError
 
         try:
-            return encode_chat(self.tokenizer, body.template_messages())
+            return encode_chat(self.tokenizer, body.template_messages(), tools)
         except TemplateError as exc:
             raise InvalidRequest(f"the model's chat template refused the messages: {str(exc)[:200]}",
                                  param="messages") from None
@@ -525,7 +538,7 @@ class TandemIngress:
     def _info(self, stream: RequestStream) -> TandemInfo:
         return TandemInfo(backend=stream.backend_id, estimated_s=round(stream.decision.estimated_s, 6))
 
-    async def _full_response(self, stream: RequestStream, body: Any, chat: bool) -> JSONResponse:
+    async def _full_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
         choices: dict[int, Choice] = {}
         final = None
         async for out in stream.outputs():
@@ -534,12 +547,15 @@ class TandemIngress:
         usage = UsageInfo.of(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens)
         wants_logprobs = body.num_logprobs is not None
         if chat:
-            response: Any = ChatCompletionResponse(
-                id=stream.req_id, model=body.model, usage=usage, tandem=self._info(stream),
-                choices=[ChatChoice(index=index, message=AssistantMessage(content=c.text),
-                                    finish_reason=c.finish_reason,
-                                    logprobs=self.logprobs.chat(c.token_ids, c.logprobs) if wants_logprobs else None)
-                         for index, c in sorted(choices.items())])
+            chat_choices = []
+            for index, c in sorted(choices.items()):
+                content, tool_calls, reason = plan.read(c.text, c.finish_reason)
+                logprobs = self.logprobs.chat(c.token_ids, c.logprobs) if wants_logprobs else None
+                chat_choices.append(ChatChoice(index=index, message=AssistantMessage(content=content,
+                                                                                     tool_calls=tool_calls),
+                                               finish_reason=reason, logprobs=logprobs))
+            response: Any = ChatCompletionResponse(id=stream.req_id, model=body.model, usage=usage,
+                                                   tandem=self._info(stream), choices=chat_choices)
         else:
             response = CompletionResponse(
                 id=stream.req_id, model=body.model, usage=usage, tandem=self._info(stream),
@@ -549,18 +565,19 @@ class TandemIngress:
                          for index, c in sorted(choices.items())])
         return JSONResponse(response.model_dump(), headers=_headers(stream))
 
-    def _streaming_response(self, stream: RequestStream, body: Any, chat: bool) -> StreamingResponse:
+    def _streaming_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> StreamingResponse:
         async def cleanup() -> None:
             await stream.close()
             self._release()
 
-        return _OnceClosedStreamingResponse(self._sse(stream, body, chat), cleanup, media_type="text/event-stream",
+        return _OnceClosedStreamingResponse(self._sse(stream, body, chat, plan), cleanup, media_type="text/event-stream",
                                             headers={**_headers(stream), "cache-control": "no-cache"})
 
-    async def _sse(self, stream: RequestStream, body: Any, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> AsyncIterator[str]:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
         created = int(time.time())
         chunk = _ChunkMaker(stream, body.model, created, chat, self._info)
+        tool_streams = {i: plan.tool_stream() for i in range(body.n)} if chat else {}
         text_offsets = [0] * body.n
         templates: dict[int, ChunkTemplate] = {}
 
@@ -580,7 +597,12 @@ class TandemIngress:
                 async for out in stream.outputs():
                     final = out
                     logprobs = self._chunk_logprobs(out, body, chat, text_offsets) if out.logprobs else None
-                    if logprobs is not None:
+                    tool_stream = tool_streams.get(out.index)
+                    if tool_stream is not None:
+                        delta, reason = _tool_delta(tool_stream, out)
+                        if delta is not None or logprobs is not None:
+                            yield _sse(chunk.make(delta or DeltaMessage(), reason, out.index, logprobs))
+                    elif logprobs is not None:
                         yield _sse(chunk.make(_delta(out.new_text, chat), out.finish_reason, out.index, logprobs))
                     elif out.new_text or out.finish_reason:
                         yield text_event(out.index, out.new_text, out.finish_reason)

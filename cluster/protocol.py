@@ -37,7 +37,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from tandem.cluster.dispatch import InvalidRequest
-from tandem.cluster.tools import MAX_TOOLS, DeltaToolCall, ResponseFormat, ToolCall, ToolChoice, ToolDefinition, template_message
+from tandem.cluster.tools import (
+    MAX_TOOLS,
+    DeltaToolCall,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    template_message,
+)
 
 MAX_STOP_SEQUENCES = 16
 MAX_JSON_DEPTH = 32  # the deepest valid request is 4 (body, messages, message, content part)

@@ -27,6 +27,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import SamplingRow
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.structured_output import GrammarCompiler, RequestGrammar
 from tandem.engine.tokenizer import encode_chat, encode_prompt
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -41,6 +42,7 @@ class _InFlight:
     num_prefill: int
     num_decode: int
     start: float  # perf_counter() when its launch began
+    has_grammar: bool = False  # a row's next mask needs this step's token (see `step`)
 
 
 @dataclass
@@ -75,7 +77,7 @@ class LLMEngine:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
-        loaded = load_model(cfg.model, self.device, self.dtype)
+        loaded = load_model(cfg.model, self.device, self.dtype, quantization=cfg.weight_quantization)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config
@@ -98,6 +100,8 @@ class LLMEngine:
                                         cfg.resolved_max_num_batched_tokens)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda")
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, loaded.sampling_vocab_size or self.model_config.vocab_size, self.eos_token_ids)
         self._in_flight: _InFlight | None = None
         self._last_finish = 0.0
         self._tracked: dict[str, _Tracked] = {}
@@ -165,10 +169,11 @@ class LLMEngine:
     def _new_request(self, req_id: str, token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None) -> Request:
         """A request and its engine-side state, not yet in the scheduler."""
+        grammar = self._make_grammar(params)
         request = Request(req_id, token_ids, params, self.eos_token_ids, arrival_time)
         self._tracked[req_id] = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
-            SamplingRow(params, self._make_generator(params.seed),
+            SamplingRow(params, self._make_generator(params.seed), grammar=grammar,
                         prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else []),
         )
         return request
@@ -192,6 +197,15 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the request needs {num_blocks} KV blocks but the whole cache has "
                 f"{self.kv_cache_manager.num_usable_blocks}; lower max_tokens or the prompt")
+
+    def _make_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """The request's grammar matcher; compile errors are the request's fault (a 400)."""
+        if params.structured_output is None:
+            return None
+        if params.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured output (the grammar "
+                                      "decides where the output ends)")
+        return self.grammar_compiler.make_grammar(params.structured_output)
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -247,6 +261,11 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight is not None and self._in_flight.has_grammar:
+            # A grammar's next mask needs the token the running step samples: wait for it
+            # (steps without grammar rows keep the asynchronous path).
+            outputs.extend(self._finish(self._in_flight))
+            self._in_flight = None
         sched = self.scheduler.schedule()
         launched = None if sched.is_empty else self._launch(sched)
         if self._in_flight is not None:  # the previous step ran while this one was planned
@@ -271,7 +290,8 @@ class LLMEngine:
         changed = self._changed
         for s in sched.scheduled:
             changed[s.request.req_id] = s.request
-        return _InFlight(handle, pending, num_prefill, num_decode, start)
+        has_grammar = any(row.grammar is not None for row in rows.values())
+        return _InFlight(handle, pending, num_prefill, num_decode, start, has_grammar)
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and turn them into outputs."""
@@ -281,6 +301,8 @@ class LLMEngine:
         # it was launched while that one ran.
         self._record_step(step.num_prefill, step.num_decode, now - max(step.start, self._last_finish))
         self._last_finish = now
+        if step.has_grammar:
+            self._advance_grammars(step.pending, tokens)
         outputs = self._process_outputs(step.pending, tokens)
         logprobs = step.handle.logprobs()
         if logprobs:
@@ -320,6 +342,16 @@ class LLMEngine:
             self._groups.pop(group.req_id, None)
         return replace(out, req_id=group.req_id, index=index, finished=done,
                        usage=Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens))
+
+    def _advance_grammars(self, pending: list[tuple[Request, int]], tokens: list[int]) -> None:
+        """Each grammar row accepts its sampled token; a grammar that is complete (its EOS
+        accepted, even under ignore_eos) or that refuses the token stops its request there."""
+        for (request, index), token in zip(pending, tokens):
+            if request.status is RequestStatus.FINISHED_ABORTED or index >= len(request.output_token_ids):
+                continue
+            grammar = self._tracked[request.req_id].sampling_row.grammar
+            if grammar is not None and (not grammar.accept_token(token) or grammar.is_terminated()):
+                self._stop(request, index)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         row = self._tracked[request.req_id].sampling_row
@@ -470,7 +502,6 @@ class LLMEngine:
         return RequestProgress(group.req_id, status, first.num_prompt_tokens, first.num_cached_tokens,
                                first.num_computed_prompt_tokens, sum(p.num_output_tokens for p in children),
                                sum(p.max_tokens for p in children))
-
 
     def _progress(self, request: Request) -> RequestProgress:
         if request.is_finished and not request.num_pending_tokens:

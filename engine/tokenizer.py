@@ -78,7 +78,8 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Chat messages through the model's template, ending with the assistant's turn opened."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Chat messages (and the tools the model may call, for templates that render them)
+    through the model's template, ending with the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
