@@ -56,6 +56,7 @@ class CPUDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
+        self.self_attn, self.mlp = attn, mlp  # kept for code that inspects a layer's projections
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
