@@ -137,3 +137,18 @@ def test_quantized_engine_generates(dtype):
     prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(3)]
     engine, out = _greedy("tiny-qwen2-random", dtype, prompts)
     assert engine.dtype == torch.bfloat16 and [len(o) for o in out] == [12, 12, 12]
+
+
+def test_serve_flag_and_yaml_set_cpu_backends_only():
+    import argparse
+
+    from tandem.cluster.config import BackendConfig
+    from tandem.cluster.serve_cli import add_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = load_config(parser.parse_args(["--backends", "cpu,cuda", "--cpu-dtype", "int4"]))
+    assert [(b.device, b.dtype) for b in config.backends] == [("cpu", "int4"), ("cuda", "auto")]
+    assert BackendConfig(device="cpu", dtype="int8").dtype == "int8"
+    with pytest.raises(ValueError, match="cpu backends"):
+        BackendConfig(device="cuda", dtype="int8")
