@@ -114,7 +114,7 @@ class EngineCore:
         engine, cfg = self.engine, self.engine.config
         conn.send((READY, dict(
             device=str(engine.device), device_kind=engine.device.type,
-            dtype=str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
+            dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, model_name=engine.model_name, max_model_len=engine.max_model_len,
             tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid())))
 

@@ -67,7 +67,8 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
     from tandem.cluster.profile import gpu_model, profile_key
     from tandem.engine.config import EngineConfig
 
-    dtype = str(EngineConfig(model=config.model, device=plan.device, dtype=plan.dtype).torch_dtype)
+    engine_config = EngineConfig(model=config.model, device=plan.device, dtype=plan.dtype)
+    dtype = engine_config.weight_quantization or str(engine_config.torch_dtype)  # int4 rates are not bf16's
     name = ""
     if plan.device == "cuda":
         import torch

@@ -101,9 +101,11 @@ class ModelRunner:
         if self.attention_backend == "triton":
             self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager, max_num_batched_tokens)
         elif device.type == "cpu" and pack_cpu_weights:
+            from tandem.engine.model.cpu_layers import fuse_cpu_model
             from tandem.engine.model.cpu_linear import pack_model
 
             self.num_packed_linears = pack_model(self.model)
+            fuse_cpu_model(self.model)  # few-call layers (engine/model/cpu_layers.py)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
                           max_num_batched_tokens: int) -> None:

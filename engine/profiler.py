@@ -30,8 +30,9 @@ from tandem.engine.sampling_params import SamplingParams
 # Bumped when the engine gets much faster or slower, so cached rates from before are not reused
 # (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box; 3: the CPU decode's
 # context gather by whole blocks, 3-4 ms less per step on 14 Xeon threads; 4: asynchronous
-# scheduling and graphed prefill/mixed steps on cuda, ~1.9x the output rate at 256 requests).
-ENGINE_SPEED_VERSION = 4
+# scheduling and graphed prefill/mixed steps on cuda, ~1.9x the output rate at 256 requests;
+# 5: few-op CPU decoder layers and the byte-table detokenizer).
+ENGINE_SPEED_VERSION = 5
 
 
 def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
