@@ -60,7 +60,7 @@ def _arms(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,report}", required=True)
-    seed = sub.add_parser("seed", help="the spec's experiment: accelerator-only vs hybrid, 8 and 48 requests")
+    seed = sub.add_parser("seed", help="the design's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
     _seed_arguments(seed, "--num-requests")
     seed.add_argument("--runs", type=int, default=3, help="runs per arm, each on a fresh cluster (default 3)")
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _seed_arguments(parser: argparse.ArgumentParser, *aliases: str) -> None:
     parser.add_argument("--seed-num-requests", *aliases, dest="seed_num_requests", type=_ints,
-                        default=[8, 48], help="request counts of the spec's experiment (default 8,48)")
+                        default=[8, 48], help="request counts of the design's experiment (default 8,48)")
     parser.add_argument("--seed-prefix-tokens", type=int, default=508,
                         help="prompt tokens seeded into both caches (default 508: 496 reusable in 16-token blocks)")
 
@@ -106,8 +106,8 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
                        help="a fresh cluster per max_active, run and arm, as the seed does (default: one cluster "
                             "for the whole sweep, reconfigured between cells; see bench/runner.py)")
     sweep.add_argument("--with-seed", action="store_true",
-                       help="also run the spec's experiment, in the base max_active's clusters")
-    sweep.add_argument("--seed-runs", type=int, default=3, help="runs of the spec's cells with --with-seed (3)")
+                       help="also run the design's experiment, in the base max_active's clusters")
+    sweep.add_argument("--seed-runs", type=int, default=3, help="runs of the design's cells with --with-seed (3)")
     sweep.add_argument("--seed-report", help="with --with-seed: the seed report (markdown) to write")
     _seed_arguments(sweep)
 

@@ -1,13 +1,13 @@
 """Engine benchmark: N concurrent requests through Tandem's engine and through HF transformers.
 
-The workload is the spec's: N requests (default 8) submitted at once, each a 516-token prompt
+The workload is the design's: N requests (default 8) submitted at once, each a 516-token prompt
 made of one shared 496-token prefix of real text plus 20 tokens of its own, each generating
 exactly 128 tokens (EOS ignored), greedy. The same prompts go through
 
   * the engine, `max_active = N` by default, twice: "cold" (nothing cached; the engine still
     shares the prefix between the requests of the run, as soon as the first one's prefill is
     scheduled) and "warm-prefix" (the shared prefix was computed by an earlier request, as in the
-    spec's experiment where a router sends repeat prefixes to the backend that holds them);
+    design's experiment where a router sends repeat prefixes to the backend that holds them);
   * HF transformers at the same concurrency: one batch of the N equal-length prompts through
     `model.generate(do_sample=False, max_new_tokens=128)` with EOS disabled (no padding needed).
 

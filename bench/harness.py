@@ -68,7 +68,7 @@ class Layout:
 
     model: str
     backends: list[dict[str, Any]]  # BackendConfig dicts, explicit ids
-    accel_id: str  # the backend `auto` resolved to (the spec's "GPU")
+    accel_id: str  # the backend `auto` resolved to (the design's "GPU")
     has_accelerator: bool
     cpu_threads: int | None
 

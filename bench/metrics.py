@@ -1,6 +1,6 @@
 """Per-run metrics and their means and spreads across runs.
 
-Definitions, the same as the spec's write-up and routing/sim_report.py:
+Definitions, the same as the design's write-up and routing/sim_report.py:
   makespan          last request's end - first request's send ("completion time")
   output tok/s      all output tokens / makespan
   TTFT, E2E         per request (bench/client.py); p50 and p95 interpolate linearly (numpy's

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 BASELINE_ARM, HYBRID_ARM = "accelerator-only", "cost"
 METRIC_COLUMNS = [("makespan_s", "makespan s"), ("output_tok_s", "output tok/s"), ("ttft_p50_s", "TTFT p50 s"),
                   ("ttft_p95_s", "TTFT p95 s"), ("e2e_p50_s", "E2E p50 s"), ("e2e_p95_s", "E2E p95 s")]
-# The spec's M2 results (3-run means), printed beside the seed table.
+# The design's M2 results (3-run means), printed beside the seed table.
 SPEC_M2 = {
     8: {"makespan": "11.47 → 10.35 s (−9.8%)", "offloaded": "0, 1, 6",
         "other": "median TTFT improved, p95 TTFT 3.5% worse"},

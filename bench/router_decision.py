@@ -1,6 +1,6 @@
 """Router decision latency with a deep backlog: running sums vs walking the queue.
 
-Builds a Router over N backends (default: one accelerator, one CPU, the spec's rates), routes
+Builds a Router over N backends (default: one accelerator, one CPU, the design's rates), routes
 `--num-pending` requests (default 1,000) of varied prompt length, cache hit and budget, and
 admits/advances some of them so the ledgers hold a realistic mix of active and queued work.
 Then it times `Router.route()` for `--num-decisions` new requests, one at a time with

@@ -5,7 +5,7 @@ A plan is a list of cells, each with how many runs it wants. A cluster's engines
 start (policy, max_active), so cells are grouped by the accelerator's max_active; for each
 group, each run and each arm one fresh cluster is started (bench/harness.py) and every cell of
 the group that still wants that run is measured in it, one after another, each with its own
-prompts and seeded prefix. Groups run in plan order (the spec's cells and the sweep's base
+prompts and seeded prefix. Groups run in plan order (the design's cells and the sweep's base
 first), all runs of a group before the next group, so a time budget that runs out leaves the
 most important cells complete. Arms alternate their order from run to run, so slow drift
 (thermal, other load) does not always favour the same arm.
@@ -15,7 +15,7 @@ With `reuse`, the sweep's cells instead share one cluster started at the largest
 measurement the cluster is reconfigured for the arm and max_active, and each arm gets its own
 prompts and seeded prefix (same shapes, different token ids; the same arrival times), so no
 arm finds another's KV blocks in the cache. Each run goes through every cell, arms alternating, before the next run.
-The spec's cells (bench "seed") always get fresh clusters, as the spec prescribes.
+The design's cells (bench "seed") always get fresh clusters, as the design prescribes.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _run_cells(ctx: BenchContext, cluster: Any, items: list[PlanItem], arm: str,
                bar: Any) -> list[dict[str, Any]]:
     records = []
     for item in items:
-        if ctx.budget.spent() and item.bench != "seed":  # a started cluster always runs the spec's cells
+        if ctx.budget.spent() and item.bench != "seed":  # a started cluster always runs the design's cells
             break
         records.append(_measure_item(ctx, cluster, item, arm, run, bar, token_seed(item.cell, run)))
     return records

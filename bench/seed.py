@@ -1,4 +1,4 @@
-"""`tandem bench seed`: the spec's experiment through the HTTP endpoint.
+"""`tandem bench seed`: the design's experiment through the HTTP endpoint.
 
 For each run (default 3) and arm (accelerator-only, hybrid = `cost`, optionally more policies),
 a fresh cluster (bench/harness.py); in it, for each request count (default 8 and 48), a

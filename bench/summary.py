@@ -8,7 +8,7 @@ are grouped here into what the report shows:
   metric and whether it is worse beyond the run-to-run spread;
 - the oracle and the router's share of its gain (bench/oracle.py), for the `cost` arm;
 - for each hybrid run, the routing decisions around the first request sent off the
-  accelerator (the spec's worked example shows those).
+  accelerator (the design's worked example shows those).
 """
 
 from __future__ import annotations

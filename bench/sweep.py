@@ -1,6 +1,6 @@
 """`tandem bench sweep`: the questions the design left open, one dimension at a time.
 
-The base cell is the spec's setting with a unique suffix per request (so every request hits
+The base cell is the design's setting with a unique suffix per request (so every request hits
 exactly the seeded prefix): N requests every 50 ms, 516-token prompts, 96% of them cached,
 128 output tokens, accelerator max_active 4 (the CPU backend stays at `--cpu-max-active`).
 Each dimension varies one parameter from the base:
@@ -12,7 +12,7 @@ Each dimension varies one parameter from the base:
 
 An empty list skips a dimension; cells that coincide (the base appears in several) run once.
 bench/runner.py runs them: the cells at the base max_active share their clusters (and, with
-`--with-seed`, the spec's cells share them too), each other max_active needs clusters of its
+`--with-seed`, the design's cells share them too), each other max_active needs clusters of its
 own. `--time-budget-s` stops starting clusters and cells once the budget is spent.
 """
 

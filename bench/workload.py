@@ -8,9 +8,9 @@ presets, and ordinary tokens in SmolLM2's vocabulary, so the same workload runs 
 
 Two shapes here, and a third in bench/tenants.py (many tenants with shared prefixes):
 
-- `spec_workload`: the spec's experiment. Every request has the same 516-token prompt; both
+- `spec_workload`: the design's experiment. Every request has the same 516-token prompt; both
   caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
-  (496 tokens) reusable, the number the spec's worked example reports.
+  (496 tokens) reusable, the number the design's worked example reports.
 - `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded to whole blocks,
   since only full blocks are cached: 96% of 516 is 496 tokens), then a suffix of its own per request, so each
   request hits exactly the seeded prefix and nothing from the requests before it. Arrivals are
@@ -92,7 +92,7 @@ def poisson_arrivals(num_requests: int, rate_per_s: float, rng: random.Random) -
 def spec_workload(num_requests: int, prompt_tokens: int = 516, seed_prefix_tokens: int = 508,
                   max_tokens: int = 128, interval_s: float = 0.05, token_seed: int = 0,
                   block_size: int = 16, name: str | None = None) -> Workload:
-    """The spec's setting: N identical prompts every `interval_s`, caches seeded with a prefix."""
+    """The design's setting: N identical prompts every `interval_s`, caches seeded with a prefix."""
     if not 0 < seed_prefix_tokens <= prompt_tokens:
         raise ValueError(f"seed prefix ({seed_prefix_tokens}) must be in 1..prompt tokens ({prompt_tokens})")
     rng = random.Random(token_seed)
@@ -131,7 +131,7 @@ def sweep_workload(num_requests: int, prompt_tokens: int, max_tokens: int, cache
 class CellSpec:
     """One benchmark cell: the cluster setting (accelerator max_active) and the workload's parameters.
 
-    `kind="spec"` is the spec's experiment (identical prompts, caches seeded with the prompt's
+    `kind="spec"` is the design's experiment (identical prompts, caches seeded with the prompt's
     first `seed_prefix_tokens`); `kind="sweep"` is `sweep_workload` (a seeded shared prefix of
     `cache_hit` of the prompt, a unique suffix per request).
     """

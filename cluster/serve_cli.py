@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "online (default 0.2; 0 turns calibration off and keeps the profiled rates)")
     parser.add_argument("--spill-margin", type=float,
                         help="with an accelerator present, a CPU backend takes a request only if its score is "
-                             "lower than the accelerator's by this fraction (default 0.05; 0: the spec's rule)")
+                             "lower than the accelerator's by this fraction (default 0.05; 0: the design's rule)")
     parser.add_argument("--spill-allow-queue", action="store_true", default=None,
                         help="let a CPU backend queue requests beyond its max_active while an accelerator "
                              "could take them (default: spill only to a free CPU slot, which guards p95 TTFT)")

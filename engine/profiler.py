@@ -3,7 +3,7 @@
 `measure_rates` drives a bare `LLMEngine` (no Ray, no other load) the way the router's cost
 model reads rates: prefill tok/s on a long prompt that cannot hit the prefix cache, and
 aggregate decode tok/s at each batch size from 1 to `max_active` (the batch-aware table; its
-batch-1 entry is the spec's isolated decode rate). Times come from the engine's own per-step
+batch-1 entry is the design's isolated decode rate). Times come from the engine's own per-step
 timer, and a step counts as prefill or decode only if it did nothing else. Every shape is run
 once untimed first: a GPU backend compiles kernels and captures graphs on first use, and
 timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU

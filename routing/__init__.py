@@ -1,7 +1,7 @@
 """Tandem's router, as a pure Python package (no ray, no torch).
 
 It decides which backend (CPU engine, accelerator engine, ...) gets each request, from
-per-backend ledgers of pending work and the spec's cost model, and it includes a what-if
+per-backend ledgers of pending work and the design's cost model, and it includes a what-if
 simulator and an oracle split so a policy's gain can be set against the attainable gain.
 The Ray actor that hosts the `Router` lives in `actors/`; see docs/routing.md.
 """

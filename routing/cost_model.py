@@ -11,7 +11,7 @@ The rates are the backend's profile, so the score ranks backends by pending work
 predict batched completion time. With a batch-aware profile the decode rate is the aggregate
 rate at the batch size the backend would run with the new request on it,
 `min(max_active, num_active + num_queued + 1)`; without one it is `decode_tok_s`, exactly the
-spec's formula. Inputs are the ledger's running sums, so this is O(1) per backend.
+design's formula. Inputs are the ledger's running sums, so this is O(1) per backend.
 
 With a batch-aware profile the decode term is also at least the new request's own decode:
 `max_tokens` steps of that batch, `max_tokens x batch / rate(batch)`. Summed budgets over the
@@ -20,7 +20,7 @@ requests finish and the new request, with the largest budget, runs last at a low
 on a GPU whose aggregate rate grows almost linearly with the batch, the plain sum made a busy
 backend look faster than an idle one and piled requests onto it (route-sim showed one GPU
 taking 3 of every 4 requests of a light multi-tenant load, with a worse E2E p95). Without a
-table the plain formula is kept, so the spec's worked example is unchanged.
+table the plain formula is kept, so the design's worked example is unchanged.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ All policies see the same `BackendScore`s (routing/cost_model.py), listed in pre
 (accelerators first, then lower backend_id). Every policy picks the *first* best candidate in
 that order, which is how ties go to the accelerator and then to the lower id.
 
-- `cost` (default): lowest rank (the score plus the recompute term, below), the spec's router,
+- `cost` (default): lowest rank (the score plus the recompute term, below), the design's router,
   optionally behind a spill guard (below).
 - `accelerator-only` / `cpu-only`: lowest rank among non-CPU / CPU backends (with a single
-  backend of that kind, simply that backend). The spec's "all requests forced to the GPU" arm.
+  backend of that kind, simply that backend). The design's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.
 - `least-requests`: fewest active + queued requests, the count-based baseline of other routers.
 - `prefix-affinity`: a home backend per prompt prefix by rendezvous hashing, spilling to the
@@ -27,8 +27,8 @@ prefix-affinity's 0.6 s). The router therefore adds, for each backend,
 `recompute_weight x (largest reusable prefix among the routable backends - this backend's) /
 its prefill rate` (`BackendScore.recompute_term_s`, computed by the Router, which knows which
 backends are routable). The weight is 2 by default, the best of 1, 1.5 and 2 on the route-sim
-tenants grid (docs/routing.md); 0 restores the spec's plain score. Where every backend reports
-the same prefix, as in the spec's worked example, the term is zero.
+tenants grid (docs/routing.md); 0 restores the design's plain score. Where every backend reports
+the same prefix, as in the design's worked example, the term is zero.
 
 `prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first
 `num_prefix_blocks` full blocks (fewer when the prompt is shorter): chained, so it stands for
@@ -52,7 +52,7 @@ With an accelerator present, a CPU backend therefore wins only if (1) its rank b
 accelerator's by `margin` (a fraction of the accelerator's rank) and (2), unless
 `allow_queue`, it has a free slot: a request queued behind a slow backend's running ones
 waits for whole slow decodes, which is where p95 TTFT blows up. Without an accelerator (CPU
-backends only) the guard does nothing, and with `SpillGuard()` it is the spec's plain rule.
+backends only) the guard does nothing, and with `SpillGuard()` it is the design's plain rule.
 """
 
 from __future__ import annotations

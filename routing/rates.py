@@ -2,7 +2,7 @@
 
 A `RateProfile` is what the cost model divides by. Rates are *aggregate* throughputs of the
 whole backend: `decode_tok_s` is output tokens per second summed over everything it decodes,
-so "pending decode tokens / decode_tok_s" is the time to drain the backend. The spec's
+so "pending decode tokens / decode_tok_s" is the time to drain the backend. The design's
 numbers come from an isolated profile (one request at a time), which is why it ranks work
 rather than predicting batched completion times.
 

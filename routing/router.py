@@ -56,7 +56,7 @@ class PendingSummary:
 @dataclass
 class _BackendState:
     spec: BackendSpec
-    rates: RateProfile  # current rates: the spec's profile, calibrated if calibration is on
+    rates: RateProfile  # current rates: the design's profile, calibrated if calibration is on
     ledger: Ledger
     ratio: NewTokenRatio
     inflight: InflightPrefixes = field(default_factory=InflightPrefixes)

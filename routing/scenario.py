@@ -3,7 +3,7 @@
 A scenario names the backends (rates the router uses, optional `actual_rates` the simulated
 backend really runs at, `max_active`), the requests, the default policy and router options.
 Requests are listed explicitly under `requests:` and/or generated under `generate:` (n
-identical requests at a fixed interval, the spec's setting in six lines), each with the
+identical requests at a fixed interval, the design's setting in six lines), each with the
 prefix each backend has cached for it fixed up front. Or they come from `tenants:`: several
 tenants, each with a shared prefix, picked with Zipf popularity, arriving as a Poisson
 process; then every backend simulates a prefix cache of `num_kv_blocks` blocks with LRU
@@ -183,7 +183,7 @@ class _RouterModel(BaseModel):
     calibration: _CalibrationModel | None = None
     spill_guard: _SpillGuardModel | None = None
     prefix_affinity: _PrefixAffinityModel | None = None
-    recompute_weight: float = Field(2.0, ge=0)  # 0: the spec's plain score
+    recompute_weight: float = Field(2.0, ge=0)  # 0: the design's plain score
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
 
 

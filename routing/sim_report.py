@@ -2,7 +2,7 @@
 
 `percentile` interpolates linearly between order statistics (numpy's default), so results
 match what a notebook would compute. Makespan is last finish minus first arrival, as the
-spec's "completion time"; output tok/s is total output tokens over the makespan. The cache
+design's "completion time"; output tok/s is total output tokens over the makespan. The cache
 hit rate is prompt tokens reused from a prefix cache over all prompt tokens (the engine's
 prefix_cache_hits / prefix_cache_queries).
 

@@ -66,7 +66,7 @@ def test_spec_worked_example_through_the_actor(tmp_path):
 
     async def scenario():
         router, gpu, cpu = make_router(tmp_path)
-        # The spec's prompts share a 496-token prefix; the rest is each request's own (identical
+        # The design's prompts share a 496-token prefix; the rest is each request's own (identical
         # prompts would rightly be counted as hitting 512 tokens behind one another in flight).
         prompt = [list(range(496)) + [10_000 + i] * 20 for i in range(9)]
         await router.add_backend(gpu.info("cuda"), gpu, gpu.cached_hashes(prompt[0]))

@@ -146,7 +146,7 @@ SPEC_RATES = {"cuda0": {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0},
 
 
 def _records_from_sim(policy, n=8, run=1):
-    """A run record whose timings are the simulator's own (the spec's setting, rates as profiled)."""
+    """A run record whose timings are the simulator's own (the design's setting, rates as profiled)."""
     backends = [SimBackendSpec(BackendSpec(b, "cuda" if b == "cuda0" else "cpu", RateProfile(**SPEC_RATES[b]), 4),
                                RateProfile(**SPEC_RATES[b])) for b in ("cuda0", "cpu0")]
     arrivals = [0.05 * i for i in range(n)]
@@ -170,7 +170,7 @@ def test_oracle_on_simulated_measurements_matches_route_sim():
     baseline, hybrid = _records_from_sim("accelerator-only"), _records_from_sim("cost")
     o = cell_oracle([baseline], [hybrid], "cuda0")
     assert o["factors"]["cuda0"] == pytest.approx(1.0, abs=1e-3) and o["factors"]["cpu0"] == pytest.approx(1.0, abs=1e-3)
-    # docs/routing.md, the spec's setting with 8 requests: 3.530 s -> cost 3.446 s, oracle 3.139 s, 21%.
+    # docs/routing.md, the design's setting with 8 requests: 3.530 s -> cost 3.446 s, oracle 3.139 s, 21%.
     assert o["baseline_makespan_s"] == pytest.approx(3.530, abs=1e-3)
     assert o["hybrid_makespan_s"] == pytest.approx(3.446, abs=1e-3)
     assert o["oracle_makespan_s"] == pytest.approx(3.139, abs=2e-3)

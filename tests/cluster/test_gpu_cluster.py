@@ -65,7 +65,7 @@ def run_gpu_cluster_checks(log=print) -> dict:
         prefix = "The history of the city is long and full of events. " * 40
 
         def call(i: int) -> tuple[int, str, dict]:
-            time.sleep(0.05 * i)  # arrivals every 50 ms, as in the spec's experiment
+            time.sleep(0.05 * i)  # arrivals every 50 ms, as in the design's experiment
             body = {"model": MODEL, "prompt": prefix + f"Request {i}.", "max_tokens": 64,
                     "temperature": 0, "ignore_eos": True}
             status, headers, data = _post(url, body)

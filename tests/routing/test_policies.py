@@ -69,7 +69,7 @@ def test_spill_guard_margin_and_free_slot():
     from tandem.routing.policies import CostPolicy
 
     plain = CostPolicy()
-    assert plain.choose(_scores(3.0, 3.1)) == "cpu0"  # the spec's rule: any lower score wins
+    assert plain.choose(_scores(3.0, 3.1)) == "cpu0"  # the design's rule: any lower score wins
     guarded = CostPolicy(SpillGuard(margin=0.05))
     assert guarded.choose(_scores(3.0, 3.1)) == "cuda0"  # 3.0 is not below 0.95 x 3.1 = 2.945
     assert guarded.choose(_scores(2.9, 3.1)) == "cpu0"

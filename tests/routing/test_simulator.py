@@ -1,4 +1,4 @@
-"""The router-driven simulator on the spec's setting, and its agreement with the oracle's replay."""
+"""The router-driven simulator on the design's setting, and its agreement with the oracle's replay."""
 
 import pytest
 

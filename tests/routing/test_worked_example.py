@@ -1,4 +1,4 @@
-"""The spec's worked example, through the public API: 3.118 (idle CPU), 3.027 (request 7 ->
+"""The design's worked example, through the public API: 3.118 (idle CPU), 3.027 (request 7 ->
 GPU), 3.444 (request 8 -> CPU), with queued requests keeping their cache discount; and the
 original bug (queued requests losing that discount) sending request 7 to the CPU instead."""
 
