@@ -193,31 +193,43 @@ def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: 
     queue.put(asyncio.run(run()))
 
 
+def start_capacity_clients(url: str, model: str, vocab: int, rate: float, duration_s: float,
+                           clients: int, start_at: float) -> tuple[list, Any]:
+    """`clients` processes sending `rate` short requests/s in all from `start_at` for `duration_s`."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_capacity_client, args=(url, model, vocab, rate / clients, duration_s, start_at,
+                                                        k, queue)) for k in range(clients)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def collect_capacity(procs: list, queue: Any, duration_s: float) -> dict[str, Any]:
+    """Wait for the clients; completed, errors, achieved rate and latency percentiles."""
+    latencies, errors = [], 0
+    for _ in procs:
+        lat, err = queue.get()
+        latencies += lat
+        errors += err
+    for p in procs:
+        p.join()
+    latencies.sort()
+    done = len(latencies)
+    span = duration_s + (latencies[-1] if latencies else 0.0)
+    return {"completed": done, "errors": errors,
+            "achieved_req_s": round(done / span, 1) if done else 0.0,
+            "p50_ms": round(1e3 * latencies[done // 2], 1) if done else None,
+            "p99_ms": round(1e3 * latencies[min(done - 1, int(done * 0.99))], 1) if done else None}
+
+
 def capacity(url: str, model: str, vocab: int, rates: list[float], duration_s: float,
              clients: int) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
     rows = []
     for rate in rates:
-        queue = ctx.Queue()
         start_at = time.time() + 2.0  # every client is up by then
-        procs = [ctx.Process(target=_capacity_client, args=(url, model, vocab, rate / clients, duration_s, start_at,
-                                                            k, queue)) for k in range(clients)]
-        for p in procs:
-            p.start()
-        latencies, errors = [], 0
-        for _ in procs:
-            lat, err = queue.get()
-            latencies += lat
-            errors += err
-        for p in procs:
-            p.join()
-        latencies.sort()
-        done = len(latencies)
-        span = duration_s + (latencies[-1] if latencies else 0.0)
-        rows.append({"offered_req_s": rate, "completed": done, "errors": errors,
-                     "achieved_req_s": round(done / span, 1) if done else 0.0,
-                     "p50_ms": round(1e3 * latencies[done // 2], 1) if done else None,
-                     "p99_ms": round(1e3 * latencies[min(done - 1, int(done * 0.99))], 1) if done else None})
+        procs, queue = start_capacity_clients(url, model, vocab, rate, duration_s, clients, start_at)
+        rows.append({"offered_req_s": rate, **collect_capacity(procs, queue, duration_s)})
         print(f"  capacity {rate:>6.0f} req/s offered: {rows[-1]}", flush=True)
     return rows
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import collections
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.served_http import VOCAB_LOW, _capacity_client, _free_port, _stream_one
+from bench.served_http import VOCAB_LOW, _free_port, _stream_one, collect_capacity, start_capacity_clients
 
 ROLES = (  # (role, what its command line contains), first match wins
     ("proxy", "ray::ProxyActor"),
@@ -143,30 +142,10 @@ def _short(frame: str) -> str:
 
 # -- loads ----------------------------------------------------------------------------------
 def run_short(url: str, model: str, args: argparse.Namespace, vocab: int) -> Any:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
     duration = args.warmup + args.seconds + 1.0
     start_at = time.time() + 2.0
-    procs = [ctx.Process(target=_capacity_client, args=(url, model, vocab, args.rate / args.clients, duration,
-                                                        start_at, k, queue)) for k in range(args.clients)]
-    for p in procs:
-        p.start()
-
-    def collect() -> dict[str, Any]:
-        lat, errors = [], 0
-        for _ in procs:
-            a, b = queue.get()
-            lat += a
-            errors += b
-        for p in procs:
-            p.join()
-        lat.sort()
-        n = len(lat)
-        return {"completed": n, "errors": errors, "achieved_req_s": round(n / (duration + (lat[-1] if n else 0)), 1),
-                "p50_ms": round(1e3 * lat[n // 2], 1) if n else None,
-                "p99_ms": round(1e3 * lat[min(n - 1, int(n * 0.99))], 1) if n else None}
-
-    return start_at, collect
+    procs, queue = start_capacity_clients(url, model, vocab, args.rate, duration, args.clients, start_at)
+    return start_at, lambda: collect_capacity(procs, queue, duration)
 
 
 def run_stream(url: str, model: str, args: argparse.Namespace, vocab: int) -> Any:
