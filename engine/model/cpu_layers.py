@@ -23,6 +23,7 @@ from torch import nn
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.model.cpu_linear import PackedLinear
+from tandem.engine.model.llama import adopt_layer_parts
 
 
 class SignedRotaryEmbedding(nn.Module):
@@ -57,13 +58,7 @@ class CPUDecoderLayer(nn.Module):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.self_attn, self.mlp = attn, mlp  # kept for code that inspects a layer's projections
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
-        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
-        self.attn = attn.attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.q_size, self.kv_size, self.scale = attn.q_size, attn.kv_size, attn.scale
+        adopt_layer_parts(self, layer)
         self.hidden_shape = (attn.o_proj.out_features,)
         self.intermediate_size = mlp.down_proj.in_features
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import nn
 
 from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.model.llama import adopt_layer_parts
 
 
 @triton.jit
@@ -122,14 +123,7 @@ class FusedDecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
-        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
-        self.attn = attn.attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.q_size, self.kv_size, self.scale = attn.q_size, attn.kv_size, attn.scale
+        adopt_layer_parts(self, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -135,6 +135,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def adopt_layer_parts(module: nn.Module, layer: nn.Module) -> None:
+    """Give `module` a reference `DecoderLayer`'s norms, projections, attention backend and head
+    geometry (shared with the layer, not copied): what every fused layer runs on."""
+    attn, mlp = layer.self_attn, layer.mlp
+    module.input_layernorm = layer.input_layernorm
+    module.post_attention_layernorm = layer.post_attention_layernorm
+    module.qkv_proj, module.o_proj = attn.qkv_proj, attn.o_proj
+    module.gate_up_proj, module.down_proj = mlp.gate_up_proj, mlp.down_proj
+    module.attn = attn.attn
+    module.num_heads, module.num_kv_heads, module.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    module.q_size, module.kv_size, module.scale = attn.q_size, attn.kv_size, attn.scale
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend) -> None:
         super().__init__()
