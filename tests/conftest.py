@@ -57,3 +57,19 @@ def build_step(
 def make_step():
     """`make_step(reqs, block_size=4, device="cpu") -> (positions, AttentionMetadata)`."""
     return build_step
+
+
+def greedy_tokens(config, prompts: list[list[int]], max_tokens: int = 12):
+    """An engine built from `config` and each prompt's greedy output ids (EOS ignored)."""
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    return engine, [out[f"r{i}"] for i in range(len(prompts))]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tandem.engine.model.cpu_layers import CPUDecoderLayer, fuse_cpu_model
+from tests.conftest import greedy_tokens
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama-random", "tiny-qwen2-random"])
@@ -18,18 +19,9 @@ def test_fused_cpu_engine_matches_the_reference_in_float32(preset):
 
 def _greedy(preset, prompts, pack, max_tokens=12):
     from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=preset, dtype="float32", max_active=4, pack_cpu_weights=pack))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.setdefault(o.req_id, []).extend(o.new_token_ids)
-    return engine, [out[f"r{i}"] for i in range(len(prompts))]
+    config = EngineConfig(model=preset, dtype="float32", max_active=4, pack_cpu_weights=pack)
+    return greedy_tokens(config, prompts, max_tokens)
 
 
 def test_fused_layer_matches_reference_layer_on_a_prefill():

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tandem.engine.model import quant
 from tandem.engine.model.quant import Int4Linear, Int8Linear
+from tests.conftest import greedy_tokens
 
 
 def needs(quantization):
@@ -74,18 +75,8 @@ def test_quantized_dtypes_are_cpu_only_with_bf16_activations():
 
 def _greedy(model, dtype, prompts, max_tokens=12):
     from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_active=4))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.setdefault(o.req_id, []).extend(o.new_token_ids)
-    return engine, [out[f"r{i}"] for i in range(len(prompts))]
+    return greedy_tokens(EngineConfig(model=model, dtype=dtype, max_active=4), prompts, max_tokens)
 
 
 def _prefill_logits(model, num_tokens=20, block_size=16):
