@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from tandem.cluster.choices import Choice, LogprobsFormatter
 from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
+from tandem.cluster.http_server import ReplicaHTTPServer
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
@@ -96,6 +97,9 @@ class IngressSettings:
     max_pending_requests: int = 64
     max_request_bytes: int = 4 << 20
     max_route_attempts: int = 3
+    # Where each replica serves HTTP itself (cluster/http_server.py); None: behind Serve's proxy.
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
 
 
 class Unauthorized(RequestFailed):
@@ -352,6 +356,14 @@ class TandemIngress:
         self.num_pending = 0
         self.metrics = Recorder(INGRESS_METRICS)
         self.logprobs = LogprobsFormatter(tokenizer)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id  # /health names which one answered
+        self.http_server = None
+        if settings.http_port is not None:
+            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port)
+
+    async def _asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        """This replica's app as its own HTTP server calls it (Serve's ASGI entry point)."""
+        await self(scope, receive, send)
 
     # -- endpoints ---------------------------------------------------------------------------
     @api.get("/health")
@@ -363,7 +375,7 @@ class TandemIngress:
             return JSONResponse({"status": "unavailable", "error": "the router is unreachable"}, 503,
                                 headers={"retry-after": str(UNAVAILABLE_RETRY_AFTER_S)})
         body = {"status": "ok" if infos else "unavailable", "model": self.settings.served_model_name,
-                "num_pending": self.num_pending,
+                "num_pending": self.num_pending, "ingress_replica": self.replica_id,
                 "backends": {bid: {"device": i.device, "instance_id": i.instance_id} for bid, i in infos.items()}}
         headers = None if infos else {"retry-after": str(UNAVAILABLE_RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if infos else 503, headers=headers)
@@ -644,10 +656,16 @@ class TandemIngress:
             return error_response(exc, _new_request_id())
 
 def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log: bool = True,
-              num_replicas: int = 1) -> Any:
+              num_replicas: int = 1, on_this_node: bool = False) -> Any:
     """The Serve application, ready for `serve.run` (`num_replicas` ingress replicas, each
-    holding `settings.max_pending_requests` of the limit)."""
+    holding `settings.max_pending_requests` of the limit; `on_this_node`: placed on the node
+    that calls this, as replicas serving this machine's port must be)."""
     deployment = TandemIngress.options(num_replicas=num_replicas)
+    if on_this_node:
+        import ray
+
+        node = f"node:{ray.util.get_node_ip_address()}"
+        deployment = deployment.options(ray_actor_options={"num_cpus": 0, "resources": {node: 0.001}})
     if not access_log:
         deployment = deployment.options(logging_config={"enable_access_log": False})
     return deployment.bind(router, tokenizer, settings)

@@ -107,11 +107,11 @@ class TandemConfig(BaseModel):
     # Admitted and unfinished, all ingress replicas together; beyond: 429. None: 4 x the backends'
     # max_active in total (at least 64), so the limit grows with what the backends can run.
     max_pending_requests: int | None = Field(default=None, ge=1)
-    # direct: the one Serve ingress replica serves HTTP on `port` itself (Ray Serve's direct
-    # ingress; a Ray that Tandem starts only); proxy: Serve's HTTP proxy on `port` in front of
-    # `http_replicas` replicas; auto: direct unless joining a cluster or asking for replicas.
+    # direct: each Serve ingress replica serves HTTP on `port` itself, the port shared between
+    # them (SO_REUSEPORT); proxy: Serve's HTTP proxy on `port` in front of the replicas; auto:
+    # direct unless joining a cluster.
     ingress: Literal["auto", "direct", "proxy"] = "auto"
-    http_replicas: int = Field(default=0, ge=0)  # Serve ingress replicas, proxy mode; 0: one per 4 cores, 1 to 4
+    http_replicas: int = Field(default=0, ge=0)  # Serve ingress replicas; 0: one per 4 cores, 1 to 4
     max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     max_route_attempts: int = Field(default=3, ge=1)
     stream_interval_s: float = Field(default=0.01, ge=0)  # after the first token, one message per interval

@@ -198,7 +198,7 @@ def start(config: TandemConfig | None = None, *, serve_http: bool = True, log: A
 
     ray_env_defaults()
     if serve_http:
-        config = config.with_overrides(ingress=resolve_ingress(config, ray.is_initialized()))
+        config = config.with_overrides(ingress=resolve_ingress(config))
     check_ports(config, serve_http)
     ray_metrics_port = _free_port()
     # Tandem's page takes --metrics-port before Ray starts, so nothing of Ray's can land on it.
@@ -267,7 +267,6 @@ def _init_ray(config: TandemConfig, ray_metrics_port: int) -> bool:
     if config.address:
         ray.init(address=config.address, namespace=config.namespace, logging_level=level)
     else:
-        _set_direct_ingress_env(config.port if config.ingress == "direct" else None)
         ray.init(address="local", namespace=config.namespace, include_dashboard=config.dashboard,
                  dashboard_host="127.0.0.1", dashboard_port=config.dashboard_port,
                  _metrics_export_port=ray_metrics_port, logging_level=level)
@@ -401,50 +400,31 @@ def _load_rates_file(config: TandemConfig) -> dict[str, dict[str, Any]]:
     return {name: asdict(profile) for name, profile in load_rate_profiles(config.rates).items()}
 
 
-def resolve_ingress(config: TandemConfig, ray_running: bool) -> str:
+def resolve_ingress(config: TandemConfig) -> str:
     """`direct` or `proxy` for `config.ingress` (see `TandemConfig.ingress`).
 
-    Direct ingress (Ray Serve's `RAY_SERVE_ENABLE_DIRECT_INGRESS`) takes Serve's HTTP proxy out
-    of every request: without it a request crosses the proxy process and a Ray call into the
-    replica; with it the replica's own HTTP server parses it. Under a steady load of short
-    requests it cut the CPU of the HTTP path (proxy plus replica) per request by 3.5x. Serve
-    reads the flag when its processes start, so it needs a Ray that Tandem starts here; and each
-    replica gets a port of its own, so it serves one replica, on `port`."""
-    reasons = [why for why, applies in (
-        ("it joins a Ray cluster (--address)", bool(config.address)),
-        ("Ray is already running in this process", ray_running),
-        ("it asks for more than one ingress replica (--http-replicas)", config.http_replicas > 1)) if applies]
-    if config.ingress == "direct" and reasons:
-        raise ConfigError(f"--ingress direct is not possible here: {reasons[0]}; use --ingress proxy")
+    Direct: every ingress replica serves HTTP on `port` itself, the port shared through
+    `SO_REUSEPORT` (cluster/http_server.py), so no request crosses Serve's proxy process; under
+    a steady load of short requests the proxy and a replica together spent 3.5x the CPU per
+    request of a replica serving alone. The replicas must then run on this machine, so joining a
+    cluster (--address) keeps the proxy unless direct is asked for."""
     if config.ingress != "auto":
         return config.ingress
-    return "proxy" if reasons else "direct"
-
-
-def _set_direct_ingress_env(port: int | None) -> None:
-    """Ray Serve's direct-ingress settings for the Ray about to start (its processes inherit
-    them): the one replica serves HTTP on `port`; a replica that Serve restarts gets the port
-    back at once (no quarantine), and one shutting down skips Serve's 30 s drain for an outside
-    load balancer. The app runs on the replica's event loop, next to its HTTP server, rather
-    than on a thread of its own: every ASGI message would otherwise cross between two loops.
-    `None` clears them (a proxy-mode start after a direct one)."""
-    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str((port or 0) + 1),
-           "RAY_SERVE_PORT_QUARANTINE_S": "0", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-           "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-    for key, value in env.items():
-        if port is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    return "proxy" if config.address else "direct"
 
 
 def http_replicas(config: TandemConfig) -> int:
-    """Serve ingress replicas: one with direct ingress; else as configured, else one per 4 of
-    this machine's cores, 1 to 4."""
-    if config.ingress == "direct":
-        return 1
-    return config.http_replicas or max(1, min(4, (os.cpu_count() or 1) // 4))
+    """Serve ingress replicas: as configured, else one per 4 of this machine's cores, 1 to 4;
+    one with direct ingress where the system does not balance a shared port."""
+    from tandem.cluster.http_server import shared_port_balances
+
+    balances = config.ingress != "direct" or shared_port_balances()
+    if config.http_replicas > 1 and not balances:
+        raise ConfigError("--http-replicas > 1 with --ingress direct needs Linux (SO_REUSEPORT balancing); "
+                          "use --ingress proxy")
+    if config.http_replicas:
+        return config.http_replicas
+    return max(1, min(4, (os.cpu_count() or 1) // 4)) if balances else 1
 
 
 def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any, plans: list[BackendPlan]) -> str:
@@ -456,19 +436,21 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any, pla
     tokenizer = ray.get(backend.tokenizer.remote())
     replicas = http_replicas(config)
     pending = config.max_pending_requests or max(64, 4 * sum(p.max_active for p in plans))
+    direct = config.ingress == "direct"
     settings = IngressSettings(
         served_model_name=config.served_model_name or info.model_name, max_model_len=info.max_model_len,
         api_key=config.api_key, max_pending_requests=-(-pending // replicas),
-        max_request_bytes=config.max_request_bytes, max_route_attempts=config.max_route_attempts)
+        max_request_bytes=config.max_request_bytes, max_route_attempts=config.max_route_attempts,
+        http_host=config.host, http_port=config.port if direct else None)
     # Serve's driver-side INFO lines ("Connecting to existing Serve app ... New http_options will
     # not be applied", printed by serve.run even though serve.start just applied them) and its
     # per-request access log follow --log-level and --access-log.
     logging.getLogger("ray.serve").setLevel(config.log_level.upper())
-    # With direct ingress the replica takes `port`; Serve's proxy still starts, on a port nobody uses.
-    proxy_port = _free_port() if config.ingress == "direct" else config.port
-    serve.start(http_options={"host": config.host, "port": proxy_port},
+    # With direct ingress the replicas hold `port` and Serve starts no proxy.
+    serve.start(proxy_location="Disabled" if direct else None, http_options={"host": config.host, "port": config.port},
                 logging_config={"log_level": config.log_level.upper(), "enable_access_log": config.access_log})
-    app = build_app(router, tokenizer, settings, access_log=config.access_log, num_replicas=replicas)
+    app = build_app(router, tokenizer, settings, access_log=config.access_log, num_replicas=replicas,
+                    on_this_node=direct)
     serve.run(app, name=SERVE_APP_NAME, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     return f"http://{host}:{config.port}"

@@ -36,13 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--ingress", choices=("auto", "direct", "proxy"),
-                        help="direct: the Serve ingress replica serves HTTP on --port itself (Ray Serve's direct "
-                             "ingress: no proxy hop; one replica); proxy: Serve's HTTP proxy on --port in front "
-                             "of --http-replicas replicas; auto (default): direct unless --address or "
-                             "--http-replicas > 1")
+                        help="direct: each ingress replica serves HTTP on --port itself, the kernel spreading "
+                             "connections over them (SO_REUSEPORT; one replica off Linux); proxy: Serve's HTTP "
+                             "proxy on --port in front of the replicas (one more process hop per request); "
+                             "auto (default): direct unless --address")
     parser.add_argument("--http-replicas", type=int,
-                        help="Serve ingress replicas behind the proxy (default: one per 4 cores of this machine, "
-                             "1 to 4)")
+                        help="Serve ingress replicas, each an HTTP process of its own (default: one per 4 cores "
+                             "of this machine, 1 to 4)")
     parser.add_argument("--metrics-port", type=int,
                         help="Prometheus scrape port, Ray's metrics export (default 8080; /metrics on --port serves "
                              "the same page)")
