@@ -14,6 +14,7 @@ from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
 from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard, make_policy
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
+from tandem.routing.replication import ReplicationConfig
 from tandem.routing.router import PendingSummary, RemovedRequests, Router
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "ProgressEvent",
     "RateProfile",
     "RemovedRequests",
+    "ReplicationConfig",
     "RouteRequest",
     "Router",
     "SpillGuard",

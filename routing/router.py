@@ -8,7 +8,9 @@ requests are ignored. Backends can come and go (`add_backend`, `remove_backend`)
 
 A request that carries its prompt's block hashes is also recorded as in flight on the chosen
 backend (routing/inflight.py): until it finishes, later requests with the same prefix are
-scored as hitting it there, even before the backend has reported the blocks cached.
+scored as hitting it there, even before the backend has reported the blocks cached. Its prefix
+is also counted (routing/replication.py): on a backend with room, a miss on a hot prefix is an
+investment rather than a recompute.
 
 Decisions cost O(number of backends), independent of how many requests are pending
 (bench/router_decision.py measures it).
@@ -27,8 +29,9 @@ from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
 from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
-from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy
+from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy, prefix_key
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
+from tandem.routing.replication import PrefixStats, ReplicationConfig
 
 
 @dataclass
@@ -74,10 +77,12 @@ class Router:
         prefix_affinity: PrefixAffinityConfig | None = None,
         recompute_weight: float = 2.0,
         inflight_prefixes: bool = True,
+        replication: ReplicationConfig | None = ReplicationConfig(),
     ) -> None:
         if recompute_weight < 0:
             raise ValueError(f"recompute_weight must be >= 0 (got {recompute_weight!r})")
         self._recompute_weight = recompute_weight
+        self._prefix_stats = None if replication is None else PrefixStats(replication)
         self._inflight_prefixes = inflight_prefixes  # False: only what backends reported counts
         self._spill_guard = spill_guard
         self._prefix_affinity = prefix_affinity
@@ -144,8 +149,9 @@ class Router:
     # --- decisions ------------------------------------------------------------------------
 
     def score(self, request: RouteRequest) -> list[BackendScore]:
-        """Every backend's score for `request`, in preference order, without routing it. The
-        recompute term is relative to the routable (not cordoned) backends."""
+        """Every backend's score for `request`, in preference order, without routing it (nor
+        counting its prefix). The recompute and replication terms are relative to the routable
+        (not cordoned) backends."""
         scores = []
         for backend_id, state in self._backends.items():
             num_cached = request.num_cached_tokens.get(backend_id, 0)
@@ -158,18 +164,38 @@ class Router:
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
             ))
-        self._add_recompute_terms(scores)
+        self._add_prefix_terms(scores, self._num_seen(request))
         return scores
 
-    def _add_recompute_terms(self, scores: list[BackendScore]) -> None:
-        """Charge each backend for recomputing a prefix a routable backend already holds
-        (routing/policies.py says why)."""
-        if self._recompute_weight == 0:
-            return
+    def _prefix_key(self, request: RouteRequest) -> int | None:
+        if self._prefix_stats is None:
+            return None
+        return prefix_key(request, self._prefix_stats.config.num_prefix_blocks)
+
+    def _num_seen(self, request: RouteRequest) -> int:
+        key = self._prefix_key(request)
+        return 0 if key is None else self._prefix_stats.num_seen(key)
+
+    def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
+        """Charge each backend that lacks part of a prefix a routable backend holds: the
+        recompute term (routing/policies.py says why), or, where a copy is an investment, the
+        replication term (routing/replication.py)."""
         top = max((s.num_cached_tokens for s in scores if not self._backends[s.backend_id].cordoned), default=0)
         for s in scores:
-            if s.num_cached_tokens < top:
-                s.recompute_term_s = self._recompute_weight * (top - s.num_cached_tokens) / s.prefill_tok_s
+            if s.num_cached_tokens >= top:
+                continue
+            missing_s = (top - s.num_cached_tokens) / s.prefill_tok_s
+            if self._invests(s, num_seen):
+                config = self._prefix_stats.config
+                num_waiting = 1 + s.num_active + s.num_queued
+                s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
+            else:
+                s.recompute_term_s = self._recompute_weight * missing_s
+
+    def _invests(self, s: BackendScore, num_seen: int) -> bool:
+        """Whether copying the prefix to this backend counts as an investment."""
+        return (num_seen > 0 and s.num_active + s.num_queued < s.max_active
+                and not self._prefix_stats.under_pressure(s.backend_id))
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued."""
@@ -180,6 +206,10 @@ class Router:
         scores = {s.backend_id: s for s in self.score(request)}
         routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
         backend_id = self._policy.choose(routable, request)
+        key = self._prefix_key(request)
+        if key is not None:
+            self._prefix_stats.observe(key, request.block_hashes, request.block_size,
+                                       {b: s.num_cached_tokens for b, s in scores.items()})
         entry = LedgerEntry(
             req_id=request.req_id,
             num_prompt_tokens=request.num_prompt_tokens,

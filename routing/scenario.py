@@ -32,6 +32,7 @@ from tandem.routing.errors import ConfigError, format_validation_errors
 from tandem.routing.new_token_ratio import NewTokenRatioConfig
 from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard
 from tandem.routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
+from tandem.routing.replication import ReplicationConfig
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Scenario:
     prefix_affinity: PrefixAffinityConfig | None = None
     recompute_weight: float = 2.0
     inflight_prefixes: bool = True
+    replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
@@ -159,6 +161,14 @@ class _PrefixAffinityModel(BaseModel):
     load_factor: float = Field(1.25, ge=1)
 
 
+class _ReplicationModel(BaseModel):
+    model_config = _STRICT
+    future_factor: float = Field(2.0, gt=0)
+    pressure_window: int = Field(256, ge=0)
+    num_prefix_blocks: int = Field(8, ge=1)
+    max_prefixes: int = Field(4096, ge=1)
+
+
 class _NewTokenRatioModel(BaseModel):
     model_config = _STRICT
     init_ratio: float = Field(0.7, gt=0, le=1)
@@ -185,6 +195,7 @@ class _RouterModel(BaseModel):
     prefix_affinity: _PrefixAffinityModel | None = None
     recompute_weight: float = Field(2.0, ge=0)  # 0: the design's plain score
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
+    replication: _ReplicationModel | None = Field(default_factory=_ReplicationModel)  # null: off
 
 
 class _ScenarioModel(BaseModel):
@@ -290,6 +301,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         prefix_affinity=PrefixAffinityConfig(**affinity.model_dump()) if affinity else None,
         recompute_weight=model.router.recompute_weight,
         inflight_prefixes=model.router.inflight_prefixes,
+        replication=ReplicationConfig(**model.router.replication.model_dump()) if model.router.replication else None,
         block_size=model.block_size if model.tenants is not None else None,
     )
 

@@ -1,6 +1,7 @@
 """In-flight prefixes and the recompute term: a burst of one tenant's requests stays on one
 backend while that pays, queued requests keep the discount they were routed with, marks expire
-with their request."""
+with their request. Replication (a copy as an investment, tests/routing/test_replication.py) is
+off here, so each piece is seen alone."""
 
 import pytest
 
@@ -17,6 +18,7 @@ def tenant_request(n: int, cached: dict[str, int] | None = None) -> RouteRequest
 
 
 def two_gpus(**options) -> Router:
+    options.setdefault("replication", None)
     return Router([BackendSpec("cuda0", "cuda", RATES), BackendSpec("cuda1", "cuda", RATES)], **options)
 
 
