@@ -12,7 +12,9 @@ holder is less loaded.
 
 So for a backend that lacks part of the largest reusable prefix among the routable backends
 (`missing_s`: the missing tokens over its prefill rate), the router replaces the recompute term
-by the replication term when the backend is not under cache pressure and has a free slot:
+by the replication term when the backend is of the same device kind as a backend holding that
+prefix (a CPU copy of a GPU's prefix is a long prefill for a backend that only takes overflow),
+is not under cache pressure and has a free slot:
 
     replication_term_s = missing_s x (1 + n_b) / (future_factor x n_seen) - missing_s
 

@@ -180,12 +180,14 @@ class Router:
         """Charge each backend that lacks part of a prefix a routable backend holds: the
         recompute term (routing/policies.py says why), or, where a copy is an investment, the
         replication term (routing/replication.py)."""
-        top = max((s.num_cached_tokens for s in scores if not self._backends[s.backend_id].cordoned), default=0)
+        routable = [s for s in scores if not self._backends[s.backend_id].cordoned]
+        top = max((s.num_cached_tokens for s in routable), default=0)
+        holder_kinds = {s.device_kind for s in routable if s.num_cached_tokens == top}
         for s in scores:
             if s.num_cached_tokens >= top:
                 continue
             missing_s = (top - s.num_cached_tokens) / s.prefill_tok_s
-            if self._invests(s, num_seen):
+            if s.device_kind in holder_kinds and self._invests(s, num_seen):
                 config = self._prefix_stats.config
                 num_waiting = 1 + s.num_active + s.num_queued
                 s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
