@@ -4,8 +4,9 @@ All policies see the same `BackendScore`s (routing/cost_model.py), listed in pre
 (accelerators first, then lower backend_id). Every policy picks the *first* best candidate in
 that order, which is how ties go to the accelerator and then to the lower id.
 
-- `cost` (default): lowest rank (the score plus the recompute term, below), the design's router,
-  optionally behind a spill guard (below).
+- `cost` (default): lowest rank (the score plus the recompute term, below, or where a copy of
+  the prefix is an investment the replication term, routing/replication.py), the design's
+  router, optionally behind a spill guard (below).
 - `accelerator-only` / `cpu-only`: lowest rank among non-CPU / CPU backends (with a single
   backend of that kind, simply that backend). The design's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.
