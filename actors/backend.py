@@ -21,10 +21,13 @@ Two ways to stream:
   per-item cost is then paid per step, not per request per step; the serving path
   (cluster/dispatch.py) uses this.
 
-Pacing (`generate` streams only): the first output goes at once; later ones are merged and
-sent at most every `stream_interval_s`, and never held longer than `max_stream_delay_s`. A
-channel batch goes out every step: its consumer merges what it has not read yet, so a caller
-that falls behind reads fewer, larger messages without any cap here.
+Pacing: a request's first output goes at once, and so does its last; in between, outputs are
+merged and sent at most every interval. For `generate` streams that is `stream_interval_s`;
+for a channel's requests it grows with the channel's open requests (0.25 ms each, at most
+20 ms), because what a caller pays per message (a wake-up, an SSE chunk, a socket write) is
+what limits a caller with many streams, while a caller with few gets every step. A channel's
+batch goes out every step that has something due, and its consumer also merges what it has not
+read yet, so a caller that falls behind reads fewer, larger messages.
 
 Progress goes to the router in batches: at most every `report_interval_s` (and when the engine
 goes idle) as one fire-and-forget `router.report.remote(...)` carrying the latest state of each
@@ -58,6 +61,9 @@ STREAM_INTERVAL_S = 0.01
 # past this: a stream always receives its tokens within 20 ms.
 MAX_STREAM_DELAY_S = 0.02
 MAX_STREAM_MESSAGES_PER_S = 0.0
+# A channel request's pacing: after its first output, one hand-over per this many seconds per
+# request of its channel (64 streams in one caller: 16 ms), at most MAX_STREAM_DELAY_S.
+CHANNEL_PACE_PER_STREAM_S = 0.00025
 CORE_START_TIMEOUT_S = 600.0
 
 
@@ -82,6 +88,33 @@ class _Channel:
     closed: bool = False
     early: list = field(default_factory=list)  # outputs that came before `subscribe` did
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Reader-thread side: each request's packed outputs not handed over yet, and when its next
+    # hand-over is due (time.monotonic; absent: its first output goes at once).
+    held: dict = field(default_factory=dict)
+    next_send: dict = field(default_factory=dict)
+
+    def take_due(self, now: float) -> list:
+        """The held outputs due now, merged per request: finished ones, and the rest once their
+        interval has passed. The interval grows with this caller's streams, so a caller with
+        many pays per message for several steps' tokens, while a stream never waits longer
+        than MAX_STREAM_DELAY_S (or a step, when steps are slower)."""
+        interval = min(MAX_STREAM_DELAY_S, len(self.req_ids) * CHANNEL_PACE_PER_STREAM_S)
+        due = []
+        for req_id, pending in list(self.held.items()):
+            finished = pending[-1][3]
+            if finished or now >= self.next_send.get(req_id, 0.0):
+                self.held.pop(req_id, None)  # pop: the event loop may have dropped it meanwhile
+                if finished:
+                    self.next_send.pop(req_id, None)
+                else:
+                    self.next_send[req_id] = now + interval
+                due.extend(core.merge_packed(pending))
+        return due
+
+    def drop(self, req_id: str) -> None:
+        self.req_ids.discard(req_id)
+        self.held.pop(req_id, None)
+        self.next_send.pop(req_id, None)
 
 
 class BackendActor:
@@ -119,6 +152,7 @@ class BackendActor:
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
         self._channels: dict[str, _Channel] = {}
         self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
+        self._holding: dict[int, _Channel] = {}  # channels with held outputs (reader thread)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
@@ -279,9 +313,10 @@ class BackendActor:
             raise BackendError(f"backend {self.backend_id} is shutting down")
 
     def _forget(self, req_id: str) -> None:
+        """Drop a channel request and whatever it has not been sent (aborted, or failed)."""
         channel = self._channel_of.pop(req_id, None)
         if channel is not None:
-            channel.req_ids.discard(req_id)
+            channel.drop(req_id)
 
     async def abort(self, req_id: str) -> bool:
         return await self._call("abort", req_id)
@@ -375,25 +410,35 @@ class BackendActor:
 
     def _deliver(self, outputs: list) -> None:
         """Hand a step's outputs (the core's packed tuples) to their streams and channels with
-        one wake-up of the event loop, not one per request. `generate` streams are paced here (a
-        stream's coroutine wakes only to send); channels get every step's outputs in one batch,
-        still packed: a list of plain tuples crosses Ray as msgpack, where `RequestOutput`s
-        would be pickled here and unpickled at the caller (the largest cost of both loops under
-        streaming load), so the channel's reader unpacks them."""
+        one wake-up of the event loop, not one per request. Both are paced here: `generate`
+        streams by `stream_interval_s` (a stream's coroutine wakes only to send), channel
+        requests by their channel's size (`_Channel.take_due`), so a caller with many streams
+        gets several steps' tokens per message. A channel's batch stays packed: a list of plain
+        tuples crosses Ray as msgpack, where `RequestOutput`s would be pickled here and
+        unpickled at the caller (the largest cost of both loops under streaming load), so the
+        channel's reader unpacks them."""
         now = time.monotonic()
-        batches: dict[int, tuple[_Channel, list]] = {}
         for packed in outputs:
             req_id = packed[0]
             channel = self._channel_of.get(req_id)
             if channel is not None:
-                batches.setdefault(id(channel), (channel, []))[1].append(packed)
-                if packed[3]:  # finished
-                    self._forget(req_id)
+                channel.held.setdefault(req_id, []).append(packed)
+                self._holding[id(channel)] = channel
+                if packed[3]:  # finished: it leaves the channel's count, its outputs stay held
+                    del self._channel_of[req_id]
+                    channel.req_ids.discard(req_id)
                 continue
             stream = self._streams.get(req_id)
             if stream is not None:
                 stream.pending.append(core.unpack_output(packed))
                 self._held[req_id] = stream
+        batches = []
+        for key, channel in list(self._holding.items()):
+            due = channel.take_due(now)
+            if due:
+                batches.append((channel, due))
+            if not channel.held:
+                del self._holding[key]
         deliveries = []
         if self._held:
             interval = self._stream_interval()
@@ -402,7 +447,7 @@ class BackendActor:
                     del self._held[req_id]
                     deliveries.extend((stream, out) for out in merge_outputs(stream.pending))
                     stream.pending, stream.next_send = [], now + interval
-        _dispatch(deliveries, list(batches.values()))
+        _dispatch(deliveries, batches)
 
     def _stream_interval(self) -> float:
         """Seconds until a `generate` stream's next message: the configured interval, stretched

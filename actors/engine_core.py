@@ -54,6 +54,21 @@ def unpack_output(t: tuple) -> Any:
                          t[12], t[13])
 
 
+def merge_packed(outputs: list[tuple]) -> list[tuple]:
+    """`merge_outputs` on packed outputs (consecutive ones of one request): one delta per choice,
+    in the order of each choice's latest output, without building a `RequestOutput` each."""
+    if len(outputs) == 1:
+        return outputs
+    by_index: dict[int, tuple] = {}
+    for t in outputs:
+        earlier = by_index.pop(t[12], None)
+        if earlier is not None:
+            logprobs = earlier[13] if t[13] is None else t[13] if earlier[13] is None else earlier[13] + t[13]
+            t = (t[0], earlier[1] + t[1], earlier[2] + t[2], *t[3:13], logprobs)
+        by_index[t[12]] = t
+    return list(by_index.values())
+
+
 def pack_progress(p: Any) -> tuple:
     return (p.req_id, p.status, p.num_prompt_tokens, p.num_cached_tokens, p.num_computed_prompt_tokens,
             p.num_output_tokens, p.max_tokens)
