@@ -156,6 +156,46 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
     return results
 
 
+async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, num: int) -> dict[str, float]:
+    """Where a lone request's TTFT goes outside the engine, median ms of `num` requests, from
+    this process (no HTTP): Ray's round trip to the backend actor (`ping`) and on through the
+    pipe to its engine core (`stats`), the router's `place`, then one request's route, admission
+    (which returns with its prefill step) and first output over the backend's channel."""
+    from tandem.actors.channel import open_stream
+    from tandem.engine.sampling_params import SamplingParams
+
+    def median_ms(xs: list[float]) -> float:
+        return round(1e3 * sorted(xs)[len(xs) // 2], 3)
+
+    parts: dict[str, list[float]] = {k: [] for k in ("ping", "core_call", "place", "route", "admit", "first_output")}
+    for _ in range(num + 2):
+        for key, call in (("ping", backend.ping), ("core_call", backend.stats)):
+            t0 = time.perf_counter()
+            await call.remote()
+            parts[key].append(time.perf_counter() - t0)
+    for i in range(num + 2):
+        ids = [VOCAB_LOW + (t + i + 104729) % (vocab - VOCAB_LOW) for t in prompt]
+        req_id = f"ttft-parts-{i}"
+        t0 = time.perf_counter()
+        await router.place.remote(req_id, ids, 16, 1)
+        t1 = time.perf_counter()
+        stream = open_stream(backend, req_id, ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                             time.time())
+        await stream.next()
+        t2 = time.perf_counter()
+        out = await stream.next()
+        t3 = time.perf_counter()
+        while not out.finished:
+            out = await stream.next()
+        router.forget.remote(req_id)
+        if i >= 2:
+            for key, value in (("route", t1 - t0), ("admit", t2 - t1), ("first_output", t3 - t2)):
+                parts[key].append(value)
+    parts["place"] = parts["route"]
+    del parts["route"]
+    return {k: median_ms(v[2:] if k in ("ping", "core_call") else v) for k, v in parts.items()}
+
+
 def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
                      seed: int, queue: Any) -> None:
     """One client process: requests at `rate`/s (evenly spaced) for `duration_s`; latencies out."""
@@ -267,6 +307,7 @@ def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
         url = f"{tandem.url}/v1/completions"
         model = ray.get(handle.info.remote()).model_name
         results = asyncio.run(_http_rows(args, url, model, loads, ttft_prompt, vocab, set_max_active))
+        results["ttft_parts"] = asyncio.run(ttft_parts(tandem.router, handle, ttft_prompt, vocab, args.ttft_requests))
         curve = []
         if args.capacity_rates:
             ray.get(handle.set_max_active.remote(max(w.max_active for w in loads)))
@@ -292,13 +333,15 @@ def run(args: Any) -> dict[str, Any]:
              "ratio": round(http[w.name] / engine[w.name], 3)} for w in loads]
     ttft = {"workload": f"1 at a time ({len(ttft_prompt)} -> 16), median TTFT",
             "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
-            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2)}
+            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2), "parts_ms": http["ttft_parts"]}
     print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; {setup}")
     print(f"{'workload':<58} {'engine tok/s':>12} {'HTTP tok/s':>11} {'ratio':>6}")
     for r in rows:
         print(f"{r['workload']:<58} {r['in_process_tok_s']:>12.0f} {r['http_tok_s']:>11.0f} {r['ratio']:>6.2f}")
     print(f"{ttft['workload']:<58} {ttft['in_process_ms']:>9.2f} ms {ttft['http_ms']:>8.2f} ms "
           f"{ttft['difference_ms']:>+6.2f} ms")
+    print("  TTFT parts outside the engine, median ms (Python driver, no HTTP): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in ttft["parts_ms"].items()))
     if curve:
         print(f"capacity (prompt 32, max_tokens 1, {args.capacity_clients} client processes, "
               f"{args.capacity_seconds:g} s per rate):")
