@@ -22,7 +22,9 @@ Ray's export has two gaps that would leave panels empty, and `Recorder` closes b
 Inside Ray, counters and gauges are buffered and flushed every `FLUSH_S`: each Ray metric call
 costs ~10-20 us of the caller's CPU, and the router and the ingress would otherwise pay several
 per request on their serial loops (a decision sets a gauge per backend), where a scrape every
-few seconds only ever sees the latest value and the sum. Histograms are observed at once.
+few seconds only ever sees the latest value and the sum. Histogram observations are queued
+and recorded by the same flush (one Ray call each still, but on the recorder's thread, not on
+the backend's step path or the router's decision path).
 Ray has no way to export a histogram before its first observation; Tandem's scrape page adds
 those at zero (cluster/metrics_route.py).
 
@@ -33,6 +35,7 @@ finished). Router metrics are per backend and policy.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -144,7 +147,7 @@ class Recorder:
     declares counters and re-sets gauges every `refresh_s` (see the module docstring); it holds
     the recorder weakly, so it ends when the recorder is gone. The same thread flushes the
     buffered counters and gauges every `flush_s`; outside Ray (`buffered=False`) they are
-    recorded at once. Thread-safe.
+    recorded at once. Histogram observations are queued and recorded by the flush too. Thread-safe.
     """
 
     def __init__(self, specs: tuple[MetricSpec, ...], default_tags: dict[str, str] | None = None,
@@ -162,6 +165,7 @@ class Recorder:
         self._dirty_gauges: set[tuple[str, Tags]] = set()
         self._counts: dict[tuple[str, Tags], float] = {}
         self._declared: set[tuple[str, Tags]] = set()
+        self._observations: collections.deque[tuple[tuple[str, Tags], float]] = collections.deque()
         ray_running = _ray_running()
         self.buffered = ray_running if buffered is None else buffered
         if ray_running:
@@ -198,9 +202,16 @@ class Recorder:
                 self._metric(name).set(self._gauges[(name, tags)], tags=dict(tags))
         for (name, tags), value in counts.items():
             self._metric(name).inc(value, tags=dict(tags))
+        for _ in range(len(self._observations)):  # deque: appends from other threads are never lost
+            (name, tags), value = self._observations.popleft()
+            self._metric(name).observe(value, tags=dict(tags))
 
     def observe(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        self._metric(name).observe(value, tags=dict(self._tags(name, tags)))
+        key = (name, self._tags(name, tags))
+        if self.buffered:
+            self._observations.append((key, value))  # deque.append: atomic, no lock on the hot path
+        else:
+            self._metric(name).observe(value, tags=dict(key[1]))
 
     # -- keeping series alive ----------------------------------------------------------------
     def declare(self, tags: dict[str, str]) -> None:

@@ -99,3 +99,14 @@ def test_inside_ray_counters_and_gauges_wait_for_the_flush(fakes):
     assert calls("tandem_router_pending_seconds", "set") == [("set", 2.5, {"backend": "cuda0"})]
     recorder.flush()  # nothing new: nothing recorded again
     assert len(calls("tandem_router_decisions", "inc")) == 1
+
+
+def test_inside_ray_histogram_observations_wait_for_the_flush_and_all_arrive(fakes):
+    recorder = Recorder(ROUTER_METRICS, buffered=True)
+    name = "tandem_router_estimated_completion_seconds"
+    for value in (0.1, 0.2, 0.3):
+        recorder.observe(name, value, tags={"backend": "cuda0"})
+    assert not [c for c in getattr(fakes.get(name), "calls", []) if c[0] == "observe"]
+    recorder.flush()
+    assert [c for c in fakes[name].calls if c[0] == "observe"] == [
+        ("observe", v, {"backend": "cuda0"}) for v in (0.1, 0.2, 0.3)]
