@@ -153,6 +153,7 @@ class BackendActor:
         self._channels: dict[str, _Channel] = {}
         self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
         self._holding: dict[int, _Channel] = {}  # channels with held outputs (reader thread)
+        self._admitting: dict[int, str] = {}  # call id of a channel add -> its request
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
@@ -272,9 +273,12 @@ class BackendActor:
         self._channel_of[req_id] = channel
         admitted = False
         try:
-            num_prompt_tokens = await self._add(req_id, prompt_token_ids, params, arrival_time)
+            call_id, future = self._new_call()
+            self._admitting[call_id] = req_id
+            self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
+            num_prompt_tokens, outputs = await future
             admitted = True
-            return Admitted(req_id, self.backend_id, num_prompt_tokens)
+            return Admitted(req_id, self.backend_id, num_prompt_tokens, outputs)
         finally:
             if not admitted:
                 self._forget(req_id)
@@ -352,6 +356,7 @@ class BackendActor:
         except (OSError, ValueError):  # the core is gone; the reader thread fails the streams
             if len(message) > 1 and isinstance(message[1], int):
                 self._calls.pop(message[1], None)
+                self._admitting.pop(message[1], None)
             raise BackendError(f"backend {self.backend_id}: its engine core is not running") from None
 
     def _abort_quietly(self, req_id: str) -> None:
@@ -378,10 +383,13 @@ class BackendActor:
 
     def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
                  stats: Any) -> None:
+        to_deliver = outputs
         if replies:
+            if self._admitting:
+                replies, to_deliver = self._with_first_outputs(replies, outputs)
             self._answer(replies)
-        if outputs:
-            self._deliver(outputs)
+        if to_deliver:
+            self._deliver(to_deliver)
         if step is not None:
             self.metrics.observe("tandem_backend_step_time_seconds", step[3])
             self.metrics.inc("tandem_backend_steps")
@@ -398,6 +406,33 @@ class BackendActor:
             self._report(now)
         if stats is not None:
             self._record_stats(stats)
+
+    def _with_first_outputs(self, replies: list, outputs: list) -> tuple[list, list]:
+        """A channel add's answer carries the outputs its request got in the same step (see
+        `Admitted`); those leave the channel's path. Returns the replies and what is left."""
+        firsts: dict[str, list] = {}
+        answered = []
+        for reply in replies:
+            req_id = self._admitting.pop(reply[0], None)
+            if req_id is not None and reply[1]:
+                firsts[req_id] = []
+                answered.append((reply, req_id))
+        if not firsts:
+            return replies, outputs
+        rest = []
+        for packed in outputs:
+            mine = firsts.get(packed[0])
+            if mine is None:
+                rest.append(packed)
+                continue
+            mine.append(packed)
+            if packed[3]:  # finished in its first step: nothing more will come on the channel
+                channel = self._channel_of.pop(packed[0], None)
+                if channel is not None:
+                    channel.req_ids.discard(packed[0])
+        by_call = {reply[0]: (reply[0], True, (reply[2], core.merge_packed(firsts[req_id]) if firsts[req_id] else []))
+                   for reply, req_id in answered}
+        return [by_call.get(reply[0], reply) for reply in replies], rest
 
     def _answer(self, replies: list) -> None:
         by_loop: dict[Any, list] = {}
@@ -490,6 +525,7 @@ class BackendActor:
 
     def _fail_calls(self, error: BaseException) -> None:
         calls, self._calls = self._calls, {}
+        self._admitting.clear()
         by_loop: dict[Any, list] = {}
         for loop, future in calls.values():
             by_loop.setdefault(loop, []).append((future, False, error))

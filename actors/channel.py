@@ -92,6 +92,7 @@ class ChannelStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending_error: BaseException | None = None
         self._ready: list = []  # merged outputs of other choices, returned before reading more
+        self._first: list = []  # outputs that came with the admission (`Admitted.outputs`)
         self._admitted = False
 
     async def next(self) -> Any:
@@ -101,11 +102,14 @@ class ChannelStream:
             return self._ready.pop(0)
         if self._pending_error is not None:
             raise self._pending_error
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        items = [item]
+        if self._first:  # came with the admission: before anything the channel brought since
+            items, self._first = self._first, []
+        else:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            items = [item]
         while not items[-1].finished and not self._queue.empty():  # catch up in one delta per choice
             following = self._queue.get_nowait()
             if isinstance(following, BaseException):
@@ -129,6 +133,9 @@ class ChannelStream:
             self.close()
             raise
         self._admitted = True
+        self._first = [unpack_output(t) for t in admitted.outputs]
+        if self._first and self._first[-1].finished:
+            self.close()
         return admitted
 
     def close(self) -> None:

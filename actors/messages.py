@@ -14,12 +14,17 @@ class Admitted:
     """First item of every `BackendActor.generate` stream: the engine accepted the request.
 
     Callers wait for it before answering HTTP, so a request the engine rejects still gets a
-    proper 4xx status instead of an error inside a 200 stream.
+    proper 4xx status instead of an error inside a 200 stream. `BackendActor.add` also returns
+    it, carrying the request's outputs of the step that admitted it (packed, see
+    actors/engine_core.py): the engine answers an add after the step that first schedules the
+    request, which usually produced its first token, and that token then reaches the caller
+    with the answer instead of a channel message later.
     """
 
     req_id: str
     backend_id: str
     num_prompt_tokens: int
+    outputs: list = field(default_factory=list)
 
 
 @dataclass

@@ -217,3 +217,36 @@ def test_pacing_sends_the_first_token_at_once_then_one_message_per_interval():
         assert capped._stream_interval() == 0.01
     finally:
         run(actor.shutdown())
+
+
+async def _channel_run(actor, channel_id, requests):
+    """Add `requests` ((req_id, ids, params)) on one channel; returns each one's Admitted and
+    the packed outputs the channel brought for it."""
+    batches: list = []
+
+    async def read() -> None:
+        async for batch in actor.subscribe(channel_id):
+            batches.extend(batch)
+
+    reader = asyncio.get_running_loop().create_task(read())
+    admitted = [await actor.add(req_id, ids, params, None, channel_id) for req_id, ids, params in requests]
+    pending = {a.req_id for a in admitted if not (a.outputs and a.outputs[-1][3])}
+    while pending:
+        await asyncio.sleep(0.01)
+        pending -= {t[0] for t in batches if t[3]}
+    reader.cancel()
+    return admitted, {a.req_id: [t for t in batches if t[0] == a.req_id] for a in admitted}
+
+
+def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
+    """The add's answer carries the outputs of the step that admitted the request (its first
+    token, here all of a one-token request); the channel brings the rest, none twice."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = list(range(40, 60))
+    solo = [t for o in run(collect(backend, "solo", ids, greedy)) for t in o.new_token_ids]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    admitted, by_req = run(_channel_run(backend, "ch-test", [("c6", ids, greedy), ("c1", ids, one)]))
+    six, single = admitted
+    assert six.outputs and not six.outputs[-1][3]  # the first token came with the answer
+    assert [t for o in six.outputs + by_req["c6"] for t in o[1]] == solo
+    assert single.outputs[-1][3] and single.outputs[-1][1] == solo[:1] and by_req["c1"] == []
