@@ -287,7 +287,7 @@ def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
     overrides = dict(model=args.model, backends=[{"device": kind, "dtype": args.dtype}],
                      max_active=max(w.max_active for w in loads), serve_http=True, port=port,
                      metrics_port=_free_port(), rates=str(tmp / "rates.json"), rates_cache=str(tmp / "rc.json"),
-                     profile="never", routing_log=str(tmp / "routing.jsonl"), warmup_tokens=0,
+                     profile="never", warmup_tokens=0,  # no routing log: `tandem serve`'s default
                      max_pending_requests=args.max_pending, access_log=False, log=lambda line: None)
     if kind == "cpu":
         overrides["cpu_threads"] = args.threads
