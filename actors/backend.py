@@ -154,6 +154,7 @@ class BackendActor:
         self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
         self._holding: dict[int, _Channel] = {}  # channels with held outputs (reader thread)
         self._admitting: dict[int, str] = {}  # call id of a channel add -> its request
+        self._awaiting_first: dict[str, tuple[int, int]] = {}  # admitted, answer held: (call id, prompt tokens)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
@@ -262,9 +263,11 @@ class BackendActor:
     # -- requests: one multiplexed stream per caller process ---------------------------------
     async def add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None,
                   channel_id: str) -> Admitted:
-        """Admit a request whose outputs go to `channel_id`'s `subscribe` stream. Raises
-        InvalidRequestError if the engine rejects it. A caller cancelled while this runs leaves
-        nothing behind: the request is aborted."""
+        """Admit a request whose outputs go to `channel_id`'s `subscribe` stream; answers with
+        its first outputs (`Admitted.outputs`), the rest come on the channel. Raises
+        InvalidRequestError at once if the engine rejects it, BackendError if the engine fails
+        before its first output. A caller cancelled while this runs leaves nothing behind: the
+        request is aborted."""
         self._check_new(req_id)
         channel = self._channels.setdefault(channel_id, _Channel())
         if channel.closed:
@@ -316,11 +319,17 @@ class BackendActor:
         if self._stopping:
             raise BackendError(f"backend {self.backend_id} is shutting down")
 
-    def _forget(self, req_id: str) -> None:
-        """Drop a channel request and whatever it has not been sent (aborted, or failed)."""
+    def _forget(self, req_id: str, error: BaseException | None = None) -> None:
+        """Drop a channel request and whatever it has not been sent (aborted, or failed); an
+        add still waiting for its first output raises `error` (a cancelled one stays so)."""
         channel = self._channel_of.pop(req_id, None)
         if channel is not None:
             channel.drop(req_id)
+        waiting = self._awaiting_first.pop(req_id, None)
+        entry = self._calls.pop(waiting[0], None) if waiting is not None else None
+        if entry is not None:
+            error = error or BackendError(f"backend {self.backend_id}: request {req_id} ended before its first output")
+            entry[0].call_soon_threadsafe(_resolve_all, [(entry[1], False, error)])
 
     async def abort(self, req_id: str) -> bool:
         return await self._call("abort", req_id)
@@ -384,9 +393,9 @@ class BackendActor:
     def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
                  stats: Any) -> None:
         to_deliver = outputs
+        if self._admitting or self._awaiting_first:
+            replies, to_deliver = self._with_first_outputs(replies, outputs)
         if replies:
-            if self._admitting:
-                replies, to_deliver = self._with_first_outputs(replies, outputs)
             self._answer(replies)
         if to_deliver:
             self._deliver(to_deliver)
@@ -408,31 +417,37 @@ class BackendActor:
             self._record_stats(stats)
 
     def _with_first_outputs(self, replies: list, outputs: list) -> tuple[list, list]:
-        """A channel add's answer carries the outputs its request got in the same step (see
-        `Admitted`); those leave the channel's path. Returns the replies and what is left."""
-        firsts: dict[str, list] = {}
-        answered = []
+        """A channel add is answered with its request's first outputs (see `Admitted`): a
+        successful reply waits here until they come, in this step's message (a synchronous
+        engine) or a later one (asynchronous scheduling returns a step's tokens with the next),
+        and those outputs leave the channel's path. Failures are answered at once. Returns the
+        replies to answer now and the outputs left for `_deliver`."""
+        held_back = set()
         for reply in replies:
             req_id = self._admitting.pop(reply[0], None)
             if req_id is not None and reply[1]:
-                firsts[req_id] = []
-                answered.append((reply, req_id))
-        if not firsts:
+                self._awaiting_first[req_id] = (reply[0], reply[2])
+                held_back.add(reply[0])
+        if held_back:
+            replies = [reply for reply in replies if reply[0] not in held_back]
+        if not self._awaiting_first:
             return replies, outputs
+        firsts: dict[str, list] = {}
         rest = []
         for packed in outputs:
-            mine = firsts.get(packed[0])
-            if mine is None:
+            if packed[0] not in self._awaiting_first:
                 rest.append(packed)
                 continue
-            mine.append(packed)
+            firsts.setdefault(packed[0], []).append(packed)
             if packed[3]:  # finished in its first step: nothing more will come on the channel
                 channel = self._channel_of.pop(packed[0], None)
                 if channel is not None:
                     channel.req_ids.discard(packed[0])
-        by_call = {reply[0]: (reply[0], True, (reply[2], core.merge_packed(firsts[req_id]) if firsts[req_id] else []))
-                   for reply, req_id in answered}
-        return [by_call.get(reply[0], reply) for reply in replies], rest
+        for req_id, packed in firsts.items():
+            waiting = self._awaiting_first.pop(req_id, None)
+            if waiting is not None:
+                replies = [*replies, (waiting[0], True, (waiting[1], core.merge_packed(packed)))]
+        return replies, rest
 
     def _answer(self, replies: list) -> None:
         by_loop: dict[Any, list] = {}
@@ -508,7 +523,7 @@ class BackendActor:
         batches: dict[int, tuple[_Channel, list]] = {}
         for req_id, channel in channel_reqs:
             batches.setdefault(id(channel), (channel, []))[1].append((req_id, error))
-            self._forget(req_id)
+            self._forget(req_id, error)
         _dispatch(deliveries, list(batches.values()))
         return [r for r, _ in streams] + [r for r, _ in channel_reqs]
 
@@ -526,6 +541,7 @@ class BackendActor:
     def _fail_calls(self, error: BaseException) -> None:
         calls, self._calls = self._calls, {}
         self._admitting.clear()
+        self._awaiting_first.clear()
         by_loop: dict[Any, list] = {}
         for loop, future in calls.values():
             by_loop.setdefault(loop, []).append((future, False, error))

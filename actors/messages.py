@@ -14,11 +14,10 @@ class Admitted:
     """First item of every `BackendActor.generate` stream: the engine accepted the request.
 
     Callers wait for it before answering HTTP, so a request the engine rejects still gets a
-    proper 4xx status instead of an error inside a 200 stream. `BackendActor.add` also returns
-    it, carrying the request's outputs of the step that admitted it (packed, see
-    actors/engine_core.py): the engine answers an add after the step that first schedules the
-    request, which usually produced its first token, and that token then reaches the caller
-    with the answer instead of a channel message later.
+    proper 4xx status instead of an error inside a 200 stream. `BackendActor.add` returns it
+    once the request has its first outputs, and carries them (packed, see actors/engine_core.py;
+    all of a one-token request), so the first token reaches the caller with the answer instead
+    of a channel message later; a rejection is answered at once.
     """
 
     req_id: str

@@ -140,6 +140,11 @@ class RequestStream:
                 last_error = f"backend {self.decision.backend_id} failed: {type(exc).__name__}"
                 await self._backend_failed(last_error)
                 continue
+            except BackendError as exc:  # its engine failed before the request's first token
+                self.finished = True
+                self.router.forget.remote(self.req_id)
+                raise BackendUnavailable(f"backend {self.backend_id} failed while starting the request; retry it",
+                                         detail=_cause_message(exc)) from None
             if not isinstance(first, Admitted):
                 raise RequestFailed(f"backend {self.decision.backend_id} could not start the request",
                                     detail=f"it sent {type(first).__name__} before admitting it")

@@ -250,3 +250,23 @@ def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
     assert six.outputs and not six.outputs[-1][3]  # the first token came with the answer
     assert [t for o in six.outputs + by_req["c6"] for t in o[1]] == solo
     assert single.outputs[-1][3] and single.outputs[-1][1] == solo[:1] and by_req["c1"] == []
+
+
+def test_an_add_answer_waits_for_first_outputs_that_come_a_step_later():
+    """With asynchronous scheduling a step's tokens come with the next step's message: the add's
+    answer is held until they come, and a rejection is not held at all."""
+    from tandem.actors import engine_core as core
+    from tandem.actors.backend import _Channel
+    from tandem.engine.outputs import RequestOutput, Usage
+
+    actor = BackendActor.__new__(BackendActor)  # the bookkeeping only: no engine core
+    channel = _Channel()
+    channel.req_ids.update({"r", "s"})
+    actor._admitting, actor._awaiting_first, actor._channel_of = {7: "r", 8: "s"}, {}, {"r": channel, "s": channel}
+    rejected = (8, False, InvalidRequestError("too long"))
+    assert actor._with_first_outputs([(7, True, 20), rejected], []) == ([rejected], [])
+    first = core.pack_output(RequestOutput("r", [5], "x", False, None, Usage(20, 1, 0)))
+    other = core.pack_output(RequestOutput("q", [6], "y", False, None, Usage(3, 1, 0)))
+    replies, rest = actor._with_first_outputs([], [first, other])
+    assert replies == [(7, True, (20, [first]))] and rest == [other]
+    assert actor._with_first_outputs([], [first]) == ([], [first])  # answered: later ones take the channel
