@@ -264,7 +264,8 @@ class BackendActor:
     async def add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None,
                   channel_id: str) -> Admitted:
         """Admit a request whose outputs go to `channel_id`'s `subscribe` stream; answers with
-        its first outputs (`Admitted.outputs`), the rest come on the channel. Raises
+        its first outputs (`Admitted.outputs`) if they come within a step, the rest come on the
+        channel. Raises
         InvalidRequestError at once if the engine rejects it, BackendError if the engine fails
         before its first output. A caller cancelled while this runs leaves nothing behind: the
         request is aborted."""
@@ -286,6 +287,11 @@ class BackendActor:
             if not admitted:
                 self._forget(req_id)
                 self._abort_quietly(req_id)
+
+    async def add_many(self, channel_id: str, requests: list[tuple]) -> list[Any]:
+        """`add` for several requests of one channel in one call (actors/batching.py): each item
+        is its `Admitted` or the exception `add` would have raised."""
+        return await asyncio.gather(*(self.add(*request, channel_id) for request in requests), return_exceptions=True)
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[list]:
         """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
@@ -332,6 +338,9 @@ class BackendActor:
             entry[0].call_soon_threadsafe(_resolve_all, [(entry[1], False, error)])
 
     async def abort(self, req_id: str) -> bool:
+        """Abort a request: its stream ends with an output whose reason is "abort", which also
+        takes a channel request out of its channel (a batched add's caller that gave up sends
+        this, since cancelling it does not reach the add)."""
         return await self._call("abort", req_id)
 
     async def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
@@ -417,12 +426,15 @@ class BackendActor:
             self._record_stats(stats)
 
     def _with_first_outputs(self, replies: list, outputs: list) -> tuple[list, list]:
-        """A channel add is answered with its request's first outputs (see `Admitted`): a
-        successful reply waits here until they come, in this step's message (a synchronous
-        engine) or a later one (asynchronous scheduling returns a step's tokens with the next),
-        and those outputs leave the channel's path. Failures are answered at once. Returns the
-        replies to answer now and the outputs left for `_deliver`."""
+        """A channel add is answered with its request's first outputs (see `Admitted`) when
+        they come in the same step's message (a synchronous engine) or the next one
+        (asynchronous scheduling returns a step's tokens with the next step); those outputs
+        leave the channel's path. A request still without outputs then (queued behind others,
+        or a prompt prefilled in chunks) is answered without them, so its caller's response
+        starts as before; failures are answered at once. Returns the replies to answer now and
+        the outputs left for `_deliver`."""
         held_back = set()
+        late = [(req_id, waiting) for req_id, waiting in self._awaiting_first.items()]
         for reply in replies:
             req_id = self._admitting.pop(reply[0], None)
             if req_id is not None and reply[1]:
@@ -447,6 +459,9 @@ class BackendActor:
             waiting = self._awaiting_first.pop(req_id, None)
             if waiting is not None:
                 replies = [*replies, (waiting[0], True, (waiting[1], core.merge_packed(packed)))]
+        for req_id, waiting in late:  # held over one message already: no outputs with the answer
+            if self._awaiting_first.pop(req_id, None) is not None:
+                replies = [*replies, (waiting[0], True, (waiting[1], []))]
         return replies, rest
 
     def _answer(self, replies: list) -> None:

@@ -4,8 +4,9 @@ ingress, the Python driver): one multiplexed stream per backend per event loop.
 A Ray streaming generator per request costs an item (an object, a task event, a wake-up on
 both sides) per request per message; at 64 streams and a message per stream every few
 milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
-one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add`; every
-engine step then comes back as one batch holding all of this caller's outputs, which a reader
+one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add_many`
+(the adds of one event-loop turn in one call, actors/batching.py), each answered with its first
+outputs; every engine step then comes back as one batch holding this caller's outputs, which a reader
 task sorts into per-request queues. A request's reader merges whatever has piled up since its
 last read into one output, so a caller that falls behind reads fewer, larger deltas instead of
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
@@ -25,6 +26,7 @@ import os
 import uuid
 from typing import Any
 
+from tandem.actors.batching import CallBatcher
 from tandem.actors.engine_core import unpack_output
 from tandem.actors.messages import Admitted, BackendError
 from tandem.engine.outputs import merge_outputs
@@ -58,6 +60,7 @@ class BackendChannel:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
+        self.adds = CallBatcher(handle.add_many, self.channel_id)
         self.queues: dict[str, asyncio.Queue] = {}
         self.error: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._read())
@@ -88,7 +91,7 @@ class ChannelStream:
                  arrival_time: float | None) -> None:
         self.channel = channel
         self.req_id = req_id
-        self._add_args = (req_id, prompt_token_ids, params, arrival_time, channel.channel_id)
+        self._add_args = (req_id, prompt_token_ids, params, arrival_time)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending_error: BaseException | None = None
         self._ready: list = []  # merged outputs of other choices, returned before reading more
@@ -128,7 +131,7 @@ class ChannelStream:
             self.close()
             raise channel.error
         try:
-            admitted = await channel.handle.add.remote(*self._add_args)
+            admitted = await channel.adds.call(*self._add_args)
         except BaseException:
             self.close()
             raise

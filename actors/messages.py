@@ -15,9 +15,10 @@ class Admitted:
 
     Callers wait for it before answering HTTP, so a request the engine rejects still gets a
     proper 4xx status instead of an error inside a 200 stream. `BackendActor.add` returns it
-    once the request has its first outputs, and carries them (packed, see actors/engine_core.py;
-    all of a one-token request), so the first token reaches the caller with the answer instead
-    of a channel message later; a rejection is answered at once.
+    with the request's first outputs when the engine's next step or the one after brings them
+    (packed, see actors/engine_core.py; all of a one-token request), so the first token reaches
+    the caller with the answer instead of a channel message later; a request still queued then
+    is answered without them, and a rejection at once.
     """
 
     req_id: str

@@ -12,7 +12,9 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
 - `close()` aborts the request on its backend unless it finished, which is what frees the
   blocks of a client that disconnected mid-stream.
 
-The router answers `place` with a backend id, not a handle: an actor handle in a reply is
+Routing calls go out coalesced: the `place` calls of one event-loop turn share one
+`RouterActor.place_many` call (actors/batching.py), so the router's cost per call is shared
+by however many requests arrived together. The router answers with a backend id, not a handle: an actor handle in a reply is
 serialized by the router and rebuilt (and reference-counted with its owner) by the receiver, on
 every request, which measured as the largest single cost of a short request in both processes.
 Each process keeps the backends' handles instead (`BackendHandles`), fetched from the router
@@ -25,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.messages import Admitted, BackendError, Decision
 
@@ -118,7 +121,7 @@ class RequestStream:
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                backend_id, instance_id, estimated_s = await self.router.place.remote(
+                backend_id, instance_id, estimated_s = await _placer(self.router).call(
                     self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n, self.attempts)
                 handle = await self._handles.get(backend_id)
             except NoBackendAvailable as exc:
@@ -205,6 +208,20 @@ class RequestStream:
             await self.router.forget.remote(self.req_id)
         except Exception:  # the router itself is gone: the next route() call reports that
             logger.warning("could not report failure of backend %s", decision.backend_id, exc_info=True)
+
+
+_placers: dict[tuple[int, Any], CallBatcher] = {}
+
+
+def _placer(router: Any) -> CallBatcher:
+    """This event loop's coalescer of `place` calls to `router` (`RouterActor.place_many`)."""
+    import asyncio
+
+    key = (id(asyncio.get_running_loop()), getattr(router, "_actor_id", None) or id(router))
+    placer = _placers.get(key)
+    if placer is None:
+        placer = _placers[key] = CallBatcher(router.place_many)
+    return placer
 
 
 def _cause_message(exc: BaseException) -> str:

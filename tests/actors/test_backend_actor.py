@@ -254,7 +254,7 @@ def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
 
 def test_an_add_answer_waits_for_first_outputs_that_come_a_step_later():
     """With asynchronous scheduling a step's tokens come with the next step's message: the add's
-    answer is held until they come, and a rejection is not held at all."""
+    answer is held for them one message, no longer, and a rejection is not held at all."""
     from tandem.actors import engine_core as core
     from tandem.actors.backend import _Channel
     from tandem.engine.outputs import RequestOutput, Usage
@@ -270,3 +270,8 @@ def test_an_add_answer_waits_for_first_outputs_that_come_a_step_later():
     replies, rest = actor._with_first_outputs([], [first, other])
     assert replies == [(7, True, (20, [first]))] and rest == [other]
     assert actor._with_first_outputs([], [first]) == ([], [first])  # answered: later ones take the channel
+    # A request with no output in the next message either (queued) is answered without outputs.
+    actor._admitting[9] = "s"
+    assert actor._with_first_outputs([(9, True, 5)], []) == ([], [])
+    assert actor._with_first_outputs([], [other]) == ([(9, True, (5, []))], [other])
+    assert not actor._awaiting_first
