@@ -18,6 +18,7 @@ Decisions cost O(number of backends), independent of how many requests are pendi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
@@ -182,22 +183,29 @@ class Router:
         replication term (routing/replication.py)."""
         routable = [s for s in scores if not self._backends[s.backend_id].cordoned]
         top = max((s.num_cached_tokens for s in routable), default=0)
-        holder_kinds = {s.device_kind for s in routable if s.num_cached_tokens == top}
+        holders = [s for s in routable if s.num_cached_tokens == top]
+        holder_kinds = {s.device_kind for s in holders}
+        holder_wait_s = min((s.prefill_term_s for s in holders if _has_free_slot(s)), default=math.inf)
         for s in scores:
             if s.num_cached_tokens >= top:
                 continue
             missing_s = (top - s.num_cached_tokens) / s.prefill_tok_s
-            if s.device_kind in holder_kinds and self._invests(s, num_seen):
+            if s.device_kind in holder_kinds and self._invests(s, num_seen, holder_wait_s):
                 config = self._prefix_stats.config
                 num_waiting = 1 + s.num_active + s.num_queued
                 s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
             else:
                 s.recompute_term_s = self._recompute_weight * missing_s
 
-    def _invests(self, s: BackendScore, num_seen: int) -> bool:
-        """Whether copying the prefix to this backend counts as an investment."""
-        return (num_seen > 0 and s.num_active + s.num_queued < s.max_active
-                and not self._prefix_stats.under_pressure(s.backend_id))
+    def _invests(self, s: BackendScore, num_seen: int, holder_wait_s: float) -> bool:
+        """Whether copying the prefix to this backend counts as an investment. A copy whose
+        prefill outlasts the request's wait on the best holder (`holder_wait_s`: that holder's
+        prefill ahead of it, its own included; infinite if no holder has a free slot) puts one
+        more slow request in the TTFT tail, so it waits `copy_interval` decisions after the last
+        copy (routing/replication.py says why)."""
+        stats = self._prefix_stats
+        return (num_seen > 0 and _has_free_slot(s) and not stats.under_pressure(s.backend_id)
+                and (s.prefill_term_s <= holder_wait_s or stats.may_copy_slowly()))
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued."""
@@ -212,6 +220,8 @@ class Router:
         if key is not None:
             self._prefix_stats.observe(key, request.block_hashes, request.block_size,
                                        {b: s.num_cached_tokens for b, s in scores.items()})
+            if scores[backend_id].num_cached_tokens < max(s.num_cached_tokens for s in routable):
+                self._prefix_stats.note_copy()
         entry = LedgerEntry(
             req_id=request.req_id,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -308,3 +318,7 @@ class Router:
     def _reset_ratio_if_idle(state: _BackendState) -> None:
         if len(state.ledger) == 0:
             state.ratio.reset()
+
+
+def _has_free_slot(s: BackendScore) -> bool:
+    return s.num_active + s.num_queued < s.max_active

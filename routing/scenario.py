@@ -165,6 +165,7 @@ class _ReplicationModel(BaseModel):
     model_config = _STRICT
     future_factor: float = Field(2.0, gt=0)
     pressure_window: int = Field(256, ge=0)
+    copy_interval: int = Field(200, ge=0)
     num_prefix_blocks: int = Field(8, ge=1)
     max_prefixes: int = Field(4096, ge=1)
 
