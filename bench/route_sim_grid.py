@@ -205,6 +205,7 @@ def plot_ttft_p95(rows: Sequence[dict[str, Any]], arms: Sequence[str], path: Pat
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter, NullLocator
 
     panels = sorted({(r["tenants"], r["prefix_tokens"]) for r in rows})
     ncols = min(2, len(panels))
@@ -216,14 +217,17 @@ def plot_ttft_p95(rows: Sequence[dict[str, Any]], arms: Sequence[str], path: Pat
         for i, arm in enumerate(arms):
             stats = [r["arms"][arm]["ttft_p95_s"] for r in group]
             mean = [1000 * s["mean"] for s in stats]
-            err = [[1000 * (s["mean"] - s["min"]) for s in stats], [1000 * (s["max"] - s["mean"]) for s in stats]]
+            err = [[1000 * max(0.0, s["mean"] - s["min"]) for s in stats],  # a mean can round past its bounds
+                   [1000 * max(0.0, s["max"] - s["mean"]) for s in stats]]
             ax.errorbar([x * (1 + 0.03 * (i - 1.5)) for x in rates], mean, yerr=err, marker="o", capsize=3,
                         label=arm, color=f"C{i}", linewidth=2.2 if arm == HYBRID_ARM else 1.2)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(rates)
         ax.set_xticklabels([f"{r:g}" for r in rates])
-        ax.minorticks_off()
+        ax.xaxis.set_minor_locator(NullLocator())  # y keeps its minor labels: a panel may span less than a decade
+        ax.yaxis.set_major_formatter(LogFormatter())  # plain numbers, not powers of ten
+        ax.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(2, 0.5)))
         ax.set_title(f"{t} tenants, {p}-token prefixes", fontsize=10)
         ax.set_xlabel("arrival rate, requests/s")
         ax.set_ylabel("TTFT p95, ms")
