@@ -20,7 +20,9 @@ rows are skipped with a message. Its F32 and Q8_0 files are made from the shippe
 
     python -m bench.cpu_vs_llamacpp --threads 2 --rounds 3 --out docs/benchmarks/cpu-vs-llamacpp-2core.json
 
-`--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
+`--tandem-modes int4-compiled ...` adds modes whose decode steps run torch.compile'd graphs
+(`--cpu-compile`; the first run compiles them, later ones load inductor's on-disk cache; the
+JSON records the seconds under `compile_s`). `--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
 weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`.
 """
 
@@ -46,9 +48,11 @@ from pathlib import Path
 
 from bench._machine import machine_info
 
-TANDEM_MODES = ("float32", "bfloat16", "int8", "int4")
+# A "-compiled" mode decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
+TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "int8-compiled", "int4-compiled")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
-MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1", "int8-compiled": "Q8_0",
+           "int4-compiled": "Q4_1"}
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
 PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128
@@ -74,10 +78,13 @@ class TandemRunner:
         from tandem.engine.config import EngineConfig
         from tandem.engine.llm_engine import LLMEngine
 
+        dtype, _, compiled = mode.partition("-")
         t0 = time.perf_counter()
-        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=mode, max_active=CONC_REQUESTS,
-                                             num_threads=threads))
+        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_active=CONC_REQUESTS,
+                                             num_threads=threads, cpu_compile=bool(compiled)))
         self.load_s = time.perf_counter() - t0
+        decode = self.engine.model_runner.cpu_decode
+        self.compile_s = decode.compile_s if decode is not None else None
         self.vocab = self.engine.model_config.vocab_size
         self._n = 0
 
@@ -250,7 +257,9 @@ def collect(args) -> dict:
     return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "llama_skipped": skipped,
-            "load_s": {m: r.load_s for m, r in runners.items()}, "rounds": rounds,
+            "load_s": {m: r.load_s for m, r in runners.items()},
+            "compile_s": {m: r.compile_s for m, r in runners.items() if r.compile_s is not None},
+            "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "rounds": rounds,
             "median": medians(rounds)}
 
 

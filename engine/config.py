@@ -53,12 +53,17 @@ class EngineConfig:
     enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
+    cpu_compile: bool = False  # cpu: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.dtype in QUANTIZED_DTYPES and self.device_type != "cpu":
             raise ValueError(f"dtype {self.dtype} (weight-only quantization) runs on the cpu only, not {self.device!r}")
+        if self.cpu_compile and (self.device_type != "cpu" or self.dtype not in QUANTIZED_DTYPES
+                                 or not self.pack_cpu_weights):
+            raise ValueError("cpu_compile is for cpu engines with int8/int4 weights (oneDNN-packed float weights "
+                             f"cannot be traced); got device {self.device!r}, dtype {self.dtype!r}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:

@@ -82,7 +82,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, attention_backend: str = "torch",
                  max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False,
-                 pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0) -> None:
+                 pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0, cpu_compile: bool = False) -> None:
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.device = device
@@ -94,6 +94,7 @@ class ModelRunner:
         self.graph_runner = None
         self.mixed_graph_runner = None
         self.block_table = None  # the graphs' device-resident block tables
+        self.cpu_decode = None  # the compiled CPU decode graphs (engine/model/cpu_compile.py)
         self.num_packed_linears = 0
         # The last launched step's sampled ids (device) and each sampling request's row in them.
         self._last_sampled: torch.Tensor | None = None
@@ -106,6 +107,11 @@ class ModelRunner:
 
             self.num_packed_linears = pack_model(self.model)
             fuse_cpu_model(self.model)  # few-call layers (engine/model/cpu_layers.py)
+            if cpu_compile:
+                from tandem.engine.model.cpu_compile import CompiledCPUDecode
+
+                self.cpu_decode = CompiledCPUDecode(self.model, self.kv_caches, block_size)
+                self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
                           max_num_batched_tokens: int) -> None:
@@ -221,8 +227,9 @@ class ModelRunner:
         """Enqueue the forward and the sampling; the handle's ids are in the order of the
         scheduled requests that complete their prompt."""
         sample_reqs = [s.request.req_id for s in sched.scheduled if s.completes_prefill]
-        if self._replays_decode_graph(sched):
-            logits = self._execute_decode_graph(sched, kv_manager)
+        if self._replays_decode_graph(sched) or self._runs_cpu_decode(sched):
+            logits = (self._execute_decode_graph(sched, kv_manager) if self.graph_runner is not None
+                      else self._execute_cpu_decode(sched, kv_manager))
             if len(sample_reqs) < len(sched.scheduled):  # a 1-token prefill chunk samples nothing
                 keep = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
                 logits = logits[keep]
@@ -255,6 +262,26 @@ class ModelRunner:
     def _replays_decode_graph(self, sched: SchedulerOutput) -> bool:
         return (self.graph_runner is not None and len(sched.scheduled) <= self.graph_runner.max_batch_size
                 and all(s.num_scheduled_tokens == 1 for s in sched.scheduled))
+
+    def _runs_cpu_decode(self, sched: SchedulerOutput) -> bool:
+        return self.cpu_decode is not None and all(s.num_scheduled_tokens == 1 for s in sched.scheduled)
+
+    def _execute_cpu_decode(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor:
+        """One token per request through the compiled CPU decode graph; logits for every row."""
+        ids, positions, tables, pending = [], [], [], []
+        req_to_block_ids = kv_manager.req_to_block_ids
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            p = req.num_computed_tokens
+            token = req.all_token_ids[p]
+            if token == PLACEHOLDER_TOKEN:
+                pending.append((i, req.req_id))
+            ids.append(token)
+            positions.append(p)
+            tables.append(req_to_block_ids[req.req_id])
+        inputs = self.cpu_decode.inputs(ids, positions, tables)
+        self.fill_pending(inputs[0], pending)
+        return self.cpu_decode(*inputs)
 
     def _replays_mixed_graph(self, sched: SchedulerOutput) -> bool:
         graphs = self.mixed_graph_runner

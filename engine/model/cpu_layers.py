@@ -17,6 +17,8 @@ than in separate casts, a bf16 ulp or so apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +66,13 @@ class CPUDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.run(x, cos, sin, lambda q, k, v: self.attn.forward(q, k, v, kv_cache, meta, self.scale))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer with attention left to `attend(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D] or
+        [T, Hq * D]` (which also writes the K/V): the attention backend here, the compiled decode's
+        paged reductions in engine/model/cpu_compile.py."""
         num_tokens = x.shape[0]
         norm = self.input_layernorm
         qkv = self.qkv_proj(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps))
@@ -71,7 +80,7 @@ class CPUDecoderLayer(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, 2, self.head_dim // 2)
         qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads:], v, kv_cache, meta, self.scale)
+        out = attend(qk[:, : self.num_heads], qk[:, self.num_heads:], v)
         x = _linear_plus(x, out.reshape(num_tokens, self.q_size), self.o_proj)
         norm = self.post_attention_layernorm
         gate_up = self.gate_up_proj(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps))

@@ -67,6 +67,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         scale_and_zero = torch.stack((scales.float(), zeros.float()), dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scale_and_zero", scale_and_zero.to(dtype))
+        # The group size as a tensor, for the op inductor lowers this kernel to (`forward`).
+        self.register_buffer("group_size_tensor", torch.tensor(group_size), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     @classmethod
@@ -87,7 +89,15 @@ class Int4Linear(nn.Module):
                                                           self.scale_and_zero).float().t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size, self.scale_and_zero)
+        if torch.compiler.is_compiling():
+            # What inductor lowers the aten op to, with the group size as an input rather than a
+            # constant it creates: constants of a subgraph compiled once for every layer
+            # (engine/model/cpu_compile.py) come out unset in torch 2.13.
+            out = torch.ops.quantized.int4mm_packed_weight_cpu(x, self.packed_weight, self.group_size_tensor,
+                                                               self.scale_and_zero)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed_weight, self.group_size,
+                                                             self.scale_and_zero)
         return out if self.bias is None else out.add_(self.bias)
 
 
