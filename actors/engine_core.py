@@ -36,6 +36,10 @@ READY, FAILED, STEP = "ready", "failed", "step"
 ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
 IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
+# Progress (each changed request's absolute counts) goes out at most this often, and whenever
+# the engine goes idle: the front reports it to the router every ~20 ms, and a step's message
+# would otherwise carry every running request's progress, built and pickled on the step loop.
+PROGRESS_INTERVAL_S = 0.01
 MAX_CONSECUTIVE_FAILURES = 3
 
 
@@ -126,6 +130,7 @@ class EngineCore:
         self.replies: list[tuple] = []
         self.running = True
         self.last_stats = 0.0
+        self.last_progress = 0.0
         engine, cfg = self.engine, self.engine.config
         conn.send((READY, dict(
             device=str(engine.device), device_kind=engine.device.type,
@@ -197,10 +202,13 @@ class EngineCore:
             st = engine.get_stats()
             # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
             step = (st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or len(outputs), elapsed)
-        progress = [pack_progress(p) for p in engine.drain_progress()]
+        now = time.monotonic()
+        progress = []
+        if elapsed is None or now - self.last_progress >= PROGRESS_INTERVAL_S:
+            self.last_progress = now
+            progress = [pack_progress(p) for p in engine.drain_progress()]
         cache_changes = engine.drain_cache_changes()
         stats = None
-        now = time.monotonic()
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
             stats = stats_totals(engine.get_stats())
