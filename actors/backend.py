@@ -265,10 +265,9 @@ class BackendActor:
                   channel_id: str) -> Admitted:
         """Admit a request whose outputs go to `channel_id`'s `subscribe` stream; answers with
         its first outputs (`Admitted.outputs`) if they come within a step, the rest come on the
-        channel. Raises
-        InvalidRequestError at once if the engine rejects it, BackendError if the engine fails
-        before its first output. A caller cancelled while this runs leaves nothing behind: the
-        request is aborted."""
+        channel. Raises InvalidRequestError at once if the engine rejects it, BackendError if the
+        engine fails before its first output. A caller cancelled while this runs leaves nothing
+        behind: the request is aborted."""
         self._check_new(req_id)
         channel = self._channels.setdefault(channel_id, _Channel())
         if channel.closed:
@@ -336,6 +335,12 @@ class BackendActor:
         if entry is not None:
             error = error or BackendError(f"backend {self.backend_id}: request {req_id} ended before its first output")
             entry[0].call_soon_threadsafe(_resolve_all, [(entry[1], False, error)])
+
+    def _leave_channel(self, req_id: str) -> None:
+        """A finished request leaves its channel's count; its held outputs still go out."""
+        channel = self._channel_of.pop(req_id, None)  # pop: the event loop may have dropped it
+        if channel is not None:
+            channel.req_ids.discard(req_id)
 
     async def abort(self, req_id: str) -> bool:
         """Abort a request: its stream ends with an output whose reason is "abort", which also
@@ -452,9 +457,7 @@ class BackendActor:
                 continue
             firsts.setdefault(packed[0], []).append(packed)
             if packed[3]:  # finished in its first step: nothing more will come on the channel
-                channel = self._channel_of.pop(packed[0], None)
-                if channel is not None:
-                    channel.req_ids.discard(packed[0])
+                self._leave_channel(packed[0])
         for req_id, packed in firsts.items():
             waiting = self._awaiting_first.pop(req_id, None)
             if waiting is not None:
@@ -490,8 +493,7 @@ class BackendActor:
                 channel.held.setdefault(req_id, []).append(packed)
                 self._holding[id(channel)] = channel
                 if packed[3]:  # finished: it leaves the channel's count, its outputs stay held
-                    del self._channel_of[req_id]
-                    channel.req_ids.discard(req_id)
+                    self._leave_channel(req_id)
                 continue
             stream = self._streams.get(req_id)
             if stream is not None:
