@@ -167,20 +167,23 @@ class RouterActor:
         """`route` for the serving path: (backend id, instance id, estimated seconds) and nothing
         else, since every caller pays to receive the reply (callers keep the handles from
         `list_backends`)."""
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
-        return record.backend_id, backend.info.instance_id, record.chosen.score_s
+        return self._placement(req_id, prompt_token_ids, max_tokens, attempt)
 
     async def place_many(self, requests: list[tuple]) -> list[Any]:
         """`place` for several requests in one call (actors/batching.py), in order; each item is
         its answer or the exception `place` would have raised."""
         answers: list[Any] = []
-        for req_id, prompt_token_ids, max_tokens, attempt in requests:
+        for request in requests:
             try:
-                record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
-                answers.append((record.backend_id, backend.info.instance_id, record.chosen.score_s))
+                answers.append(self._placement(*request))
             except Exception as exc:
                 answers.append(exc)
         return answers
+
+    def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                   attempt: int) -> tuple[str, str, float]:
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
+        return record.backend_id, backend.info.instance_id, record.chosen.score_s
 
     def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
         from tandem.routing import NoBackendError, RouteRequest
