@@ -54,10 +54,17 @@ def compiler_available() -> bool:
 
 
 def inductor_cache_dir() -> str:
-    """Inductor's cache: `$TORCHINDUCTOR_CACHE_DIR`, else `inductor/` in Tandem's cache directory."""
+    """Inductor's cache: `$TORCHINDUCTOR_CACHE_DIR` as the user set it, else `inductor/` in Tandem's
+    cache directory. Inductor writes its own default (a folder in /tmp, lost at reboot) into the
+    variable the first time it looks, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from tandem.engine.config import cache_root
 
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
+    explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if explicit and os.path.abspath(explicit) != os.path.abspath(default_cache_dir()):
+        return explicit
+    return str(cache_root() / "inductor")
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -116,7 +123,7 @@ class CompiledCPUDecode:
             raise ValueError("the compiled CPU decode runs the few-op layers: call fuse_cpu_model first")
         if not compiler_available():
             raise RuntimeError("cpu_compile needs a C++ compiler for torch.compile's CPU backend (g++ or $CXX)")
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()  # read by inductor at each lookup
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
