@@ -263,6 +263,42 @@ def collect(args) -> dict:
             "median": medians(rounds)}
 
 
+def collect_rates(args) -> dict:
+    """The router's rate profile of each Tandem mode (what `tandem profile` measures and caches:
+    prefill tok/s and decode tok/s by batch size, engine/profiler.py), one engine at a time."""
+    import gc
+
+    import torch
+
+    from tandem.cluster.profile import rate_fields
+    from tandem.engine.profiler import measure_rates
+
+    torch.set_num_threads(args.threads)
+    rates = {}
+    for mode in args.tandem_modes:
+        runner = TandemRunner(args.model, mode, args.threads)
+        entry = measure_rates(runner.engine, args.rates_max_active)
+        rates[mode] = dict(rate_fields(entry), spread=entry["spread"], load_avg=load_avg(),
+                           compile_s=runner.compile_s)
+        print(f"rates {mode}: {rates[mode]}", flush=True)
+        del runner
+        gc.collect()
+    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "max_active": args.rates_max_active,
+            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "rates": rates}
+
+
+def render_rates(result: dict) -> str:
+    batches = range(1, result["max_active"] + 1)
+    lines = [f"| mode | prefill tok/s | {' | '.join(f'decode tok/s, batch {b}' for b in batches)} |",
+             "|---|---|" + "---|" * len(batches)]
+    for mode, r in result["rates"].items():
+        by_batch = r["decode_tok_s_by_batch"]
+        decode = " | ".join(f"{by_batch.get(b, by_batch.get(str(b))):.1f}" for b in batches)
+        lines.append(f"| {mode} | {r['prefill_tok_s']:.0f} | {decode} |")
+    return "\n".join(lines)
+
+
 def _brief(d: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in d.items() if k.endswith("tok_s"))
 
@@ -312,14 +348,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-cache", default=str(REPO / ".cache-llamacpp" / "gguf"))
     p.add_argument("--port", type=int, default=18377)
     p.add_argument("--no-server", action="store_true", help="skip llama-server's concurrent rows")
+    p.add_argument("--rates", action="store_true", help="instead of the comparison: the router's rate profile "
+                   "(tandem profile's measurement) of each --tandem-modes mode")
+    p.add_argument("--rates-max-active", type=int, default=4, help="with --rates: decode batch sizes 1..N (default 4)")
     p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = collect(args)
-    table = render(result)
+    result = collect_rates(args) if args.rates else collect(args)
+    table = render_rates(result) if args.rates else render(result)
     print(table)
     if args.out:
         out = Path(args.out)
