@@ -49,10 +49,11 @@ from pathlib import Path
 from bench._machine import machine_info
 
 # A "-compiled" mode decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
-TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "int8-compiled", "int4-compiled")
+TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
+                "int4-compiled")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
-MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1", "int8-compiled": "Q8_0",
-           "int4-compiled": "Q4_1"}
+MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
+MATCHED.update({f"{mode}-compiled": kind for mode, kind in MATCHED.items()})
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
 PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128

@@ -60,10 +60,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.dtype in QUANTIZED_DTYPES and self.device_type != "cpu":
             raise ValueError(f"dtype {self.dtype} (weight-only quantization) runs on the cpu only, not {self.device!r}")
-        if self.cpu_compile and (self.device_type != "cpu" or self.dtype not in QUANTIZED_DTYPES
-                                 or not self.pack_cpu_weights):
-            raise ValueError("cpu_compile is for cpu engines with int8/int4 weights (oneDNN-packed float weights "
-                             f"cannot be traced); got device {self.device!r}, dtype {self.dtype!r}")
+        if self.cpu_compile and (self.device_type != "cpu" or not self.pack_cpu_weights):
+            raise ValueError("cpu_compile is for cpu engines with pack_cpu_weights (it compiles the few-op layers); "
+                             f"got device {self.device!r}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:

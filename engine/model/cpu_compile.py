@@ -4,9 +4,10 @@ A small model's decode step on a CPU is mostly not arithmetic: SmolLM2-135M int4
 spends ~6 ms of a ~20 ms eager step in its linears, and the rest in ~1,100 small aten ops
 dispatched one by one from Python (norms, RoPE, the KV write, the attention's gather, masks,
 SiLU, adds). Compiling the whole decode forward (embedding to logits) turns each layer's small
-ops into a few generated C++ loops, while the weight-only quantized and oneDNN linears
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, packed `mkldnn._linear_pointwise`) stay
-library calls inside the graph.
+ops into a few generated C++ loops, while the linears stay library calls inside the graph: the
+weight-only quantized ones (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) as they are,
+the oneDNN-packed float32/bfloat16 ones through one opaque custom op (`packed_linear` in
+engine/model/cpu_layers.py), since Dynamo cannot trace a packed MKLDNN weight.
 
 Three choices make the graph compile once and stay valid:
 
@@ -39,7 +40,8 @@ import time
 import torch
 from torch import nn
 
-from tandem.engine.model.cpu_layers import CPUDecoderLayer
+from tandem.engine.model.cpu_layers import CPUDecoderLayer, packed_handle, packed_linear
+from tandem.engine.model.cpu_linear import PackedLinear
 
 logger = logging.getLogger(__name__)
 MIN_TABLE_BLOCKS = 2  # a dynamic dimension must not be 1 (a size-1 dimension is specialised)
@@ -88,8 +90,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
     return out.to(q.dtype).reshape(num_reqs, num_heads * head_dim)
 
 
-def decode_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   seq_lens: torch.Tensor, tables: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+def decode_forward(model: nn.Module, head_handle: torch.Tensor | None, input_ids: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+                   kv_caches: list[torch.Tensor]) -> torch.Tensor:
     """One token per request through a `fuse_cpu_model` model: float32 logits [B, vocab]."""
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
@@ -100,7 +103,10 @@ def decode_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
     mask = torch.where(valid, 0.0, float("-inf"))
     for layer, kv_cache in zip(inner.layers, kv_caches, strict=True):
         hidden = decode_layer(layer, hidden, cos, sin, kv_cache, slots, tables, mask)
-    return model.compute_logits(inner.norm(hidden))
+    hidden = inner.norm(hidden)
+    if head_handle is not None:  # a packed output projection (engine/model/cpu_layers.py, packed_linear)
+        return packed_linear(hidden, None, head_handle, model.logits_proj.out_features).float()
+    return model.compute_logits(hidden)
 
 
 @torch.compiler.nested_compile_region
@@ -128,7 +134,10 @@ class CompiledCPUDecode:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.compile_s = 0.0  # wall time of the calls that compiled (or loaded) a graph
-        self._compiled = torch.compile(functools.partial(decode_forward, model), fullgraph=True, dynamic=False)
+        head = model.logits_proj
+        head_handle = packed_handle(head) if isinstance(head, PackedLinear) else None
+        self._compiled = torch.compile(functools.partial(decode_forward, model, head_handle), fullgraph=True,
+                                       dynamic=False)
         self._seen_batch: set[bool] = set()  # compiled graphs: single row, several rows
 
     def inputs(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],

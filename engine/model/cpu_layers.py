@@ -17,6 +17,7 @@ than in separate casts, a bf16 ulp or so apart.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -46,11 +47,46 @@ class SignedRotaryEmbedding(nn.Module):
         return self.cos_cached[positions].view(shape), self.sin_cached[positions].view(shape)
 
 
-def _linear_plus(residual: torch.Tensor, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """residual + linear(x): one oneDNN call with an add post-op where the weight is packed."""
+_PACKED_BY_HANDLE: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("tandem::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, residual: torch.Tensor | None, handle: torch.Tensor,
+                  out_features: int) -> torch.Tensor:
+    """A oneDNN-packed linear (plus `residual`) as one opaque op, for compiled graphs: Dynamo
+    cannot trace the packed MKLDNN weight, so the graph names the layer by `handle` (a 0-d tensor
+    input, so that one layer's compiled code serves every layer; `packed_handle`)."""
+    linear = _PACKED_BY_HANDLE[int(handle)]
+    if residual is None:
+        return linear(x)
+    return torch.ops.mkldnn._linear_pointwise(x, residual, linear.packed_weight, linear.bias, "add")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, residual, handle, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+def packed_handle(linear: PackedLinear) -> torch.Tensor:
+    """The 0-d tensor `packed_linear` finds `linear` by (as long as `linear` lives)."""
+    _PACKED_BY_HANDLE[id(linear)] = linear
+    return torch.tensor(id(linear))
+
+
+def _linear(x: torch.Tensor, linear: nn.Module, handle: torch.Tensor | None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(x) (+ residual): one oneDNN call with an add post-op where the weight is packed,
+    through `packed_linear` inside a compiled graph."""
+    if handle is not None and torch.compiler.is_compiling():
+        return packed_linear(x, residual, handle, linear.out_features)
+    if residual is None:
+        return linear(x)
     if isinstance(linear, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise(x, residual, linear.packed_weight, linear.bias, "add")
     return linear(x).add_(residual)
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class CPUDecoderLayer(nn.Module):
@@ -63,6 +99,10 @@ class CPUDecoderLayer(nn.Module):
         adopt_layer_parts(self, layer)
         self.hidden_shape = (attn.o_proj.out_features,)
         self.intermediate_size = mlp.down_proj.in_features
+        for name in _PROJECTIONS:
+            linear = getattr(self, name)
+            handle = packed_handle(linear) if isinstance(linear, PackedLinear) else None
+            self.register_buffer(f"{name}_handle", handle, persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -75,17 +115,18 @@ class CPUDecoderLayer(nn.Module):
         paged reductions in engine/model/cpu_compile.py."""
         num_tokens = x.shape[0]
         norm = self.input_layernorm
-        qkv = self.qkv_proj(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps))
+        qkv = _linear(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps), self.qkv_proj, self.qkv_proj_handle)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, 2, self.head_dim // 2)
         qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(num_tokens, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(qk[:, : self.num_heads], qk[:, self.num_heads:], v)
-        x = _linear_plus(x, out.reshape(num_tokens, self.q_size), self.o_proj)
+        x = _linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_proj_handle, x)
         norm = self.post_attention_layernorm
-        gate_up = self.gate_up_proj(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps))
+        gate_up = _linear(F.rms_norm(x, self.hidden_shape, norm.weight, norm.eps), self.gate_up_proj,
+                          self.gate_up_proj_handle)
         act = F.silu(gate_up[:, : self.intermediate_size]).mul_(gate_up[:, self.intermediate_size:])
-        return _linear_plus(x, act, self.down_proj)
+        return _linear(act, self.down_proj, self.down_proj_handle, x)
 
 
 class CPUFinalNorm(nn.Module):

@@ -29,9 +29,9 @@ def _config(dtype, compile_decode, max_active=4):
     return EngineConfig(model="tiny-qwen2-random", dtype=dtype, max_active=max_active, cpu_compile=compile_decode)
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", ["int4", "int8", "bfloat16"])
 def test_compiled_decode_matches_eager_greedy_tokens(dtype, inductor_cache):
-    if not available(dtype):
+    if dtype in ("int4", "int8") and not available(dtype):
         pytest.skip(f"this torch build has no {dtype} CPU kernel")
     engine, compiled = greedy_tokens(_config(dtype, True), PROMPTS, max_tokens=16)
     runner = engine.model_runner
@@ -67,6 +67,10 @@ def test_compiled_decode_logits_match_the_eager_forward(inductor_cache):
     torch.testing.assert_close(compiled, eager, atol=0.05, rtol=0.02)
 
 
-def test_cpu_compile_is_for_quantized_cpu_engines():
+def test_cpu_compile_is_for_cpu_engines_with_the_few_op_layers():
+    from tandem.engine.config import EngineConfig
+
     with pytest.raises(ValueError, match="cpu_compile"):
-        _config("float32", True)
+        EngineConfig(model="tiny-qwen2-random", device="cuda", cpu_compile=True)
+    with pytest.raises(ValueError, match="cpu_compile"):
+        EngineConfig(model="tiny-qwen2-random", pack_cpu_weights=False, cpu_compile=True)
