@@ -300,6 +300,64 @@ def render_rates(result: dict) -> str:
     return "\n".join(lines)
 
 
+def collect_steps(args) -> dict:
+    """Decode step time, eager against compiled (`cpu_compile`), for each --tandem-modes dtype at
+    batch 1, 2, 4 and 8: two engines in this process, their steps interleaved in blocks of 8 so
+    that drift hits both; medians over 32 steps each, contexts of ~100-160 tokens."""
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    out: dict = {}
+    for mode in args.tandem_modes:
+        dtype = mode.partition("-")[0]
+        engines = {compiled: LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dtype,
+                                                    max_active=CONC_REQUESTS, num_threads=args.threads,
+                                                    cpu_compile=compiled)) for compiled in (False, True)}
+        for batch in (1, 2, 4, 8):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for compiled, engine in engines.items():
+                for i in range(batch):
+                    engine.add_request(f"s{batch}-{i}", prompt_ids(rng, 100, engine.model_config.vocab_size), params)
+                while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                      for r in engine.scheduler.running):
+                    engine.step()
+                for _ in range(3):
+                    engine.step()
+            for _ in range(4):
+                for compiled, engine in engines.items():
+                    for _ in range(8):
+                        t0 = time.perf_counter()
+                        engine.step()
+                        times[compiled].append(time.perf_counter() - t0)
+            for engine in engines.values():
+                while engine.has_unfinished_requests():
+                    engine.step()
+            row = {"eager_ms": 1e3 * statistics.median(times[False]),
+                   "compiled_ms": 1e3 * statistics.median(times[True]), "load_avg": load_avg()}
+            out.setdefault(dtype, {})[batch] = row
+            print(f"steps {dtype} batch {batch}: eager {row['eager_ms']:.2f} ms, compiled {row['compiled_ms']:.2f} ms",
+                  flush=True)
+        del engines
+    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "steps": out}
+
+
+def render_steps(result: dict) -> str:
+    lines = ["| dtype | batch | eager step ms | compiled step ms | speed-up |", "|---|---|---|---|---|"]
+    for dtype, rows in result["steps"].items():
+        for batch, r in rows.items():
+            lines.append(f"| {dtype} | {batch} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
+                         f"{r['eager_ms'] / r['compiled_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
 def _brief(d: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in d.items() if k.endswith("tok_s"))
 
@@ -351,6 +409,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-server", action="store_true", help="skip llama-server's concurrent rows")
     p.add_argument("--rates", action="store_true", help="instead of the comparison: the router's rate profile "
                    "(tandem profile's measurement) of each --tandem-modes mode")
+    p.add_argument("--steps", action="store_true", help="instead of the comparison: decode step time, eager "
+                   "against compiled, of each --tandem-modes dtype at batch 1, 2, 4 and 8")
     p.add_argument("--rates-max-active", type=int, default=4, help="with --rates: decode batch sizes 1..N (default 4)")
     p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
     return p.parse_args(argv)
@@ -358,8 +418,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = collect_rates(args) if args.rates else collect(args)
-    table = render_rates(result) if args.rates else render(result)
+    if args.steps:
+        result, render_fn = collect_steps(args), render_steps
+    elif args.rates:
+        result, render_fn = collect_rates(args), render_rates
+    else:
+        result, render_fn = collect(args), render
+    table = render_fn(result)
     print(table)
     if args.out:
         out = Path(args.out)
