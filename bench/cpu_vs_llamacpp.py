@@ -20,9 +20,13 @@ rows are skipped with a message. Its F32 and Q8_0 files are made from the shippe
 
     python -m bench.cpu_vs_llamacpp --threads 2 --rounds 3 --out docs/benchmarks/cpu-vs-llamacpp-2core.json
 
-`--tandem-modes int4-compiled ...` adds modes whose decode steps run torch.compile'd graphs
-(`--cpu-compile`; the first run compiles them, later ones load inductor's on-disk cache; the
-JSON records the seconds under `compile_s`). `--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
+The `-compiled` modes (int4-compiled, ...) decode through torch.compile'd graphs
+(`EngineConfig.cpu_compile`; the first run compiles them, later ones load inductor's on-disk
+cache; the JSON records the seconds under `compile_s`). Two other uses: `--rates` measures the
+router's rate profile of each mode (what `tandem profile` caches), `--steps` the decode step
+time of eager against compiled at batch 1-8, interleaved in one process.
+
+`--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
 weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`.
 """
 
