@@ -62,7 +62,8 @@ class _Server(uvicorn.Server):
 
 
 class ReplicaHTTPServer:
-    """Serves `app` (an ASGI callable) on a socket bound now, on the running event loop."""
+    """Serves `app` (an ASGI callable) on a socket bound now, on the running event loop, for
+    the life of the replica's process (its socket closes with it)."""
 
     def __init__(self, app: Any, host: str, port: int) -> None:
         self.sock = bind_shared(host, port)  # now: a port someone else holds fails the replica at once
@@ -77,12 +78,6 @@ class ReplicaHTTPServer:
         except Exception:
             logger.exception("the HTTP server of this ingress replica stopped")
             raise
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self.task), timeout=5.0)
-        self.sock.close()
 
 
 def _is_ipv6(host: str) -> bool:
