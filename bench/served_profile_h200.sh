@@ -6,14 +6,7 @@
 #      stacks, with --ingress direct and --ingress proxy
 #   3. bench.served_profile, streamed bursts (48 x 516 -> 128, max_active 64), default ingress
 # Set SKIP_SERVED=1 / SKIP_PROFILE=1 to leave parts out.
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-.} RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONUNBUFFERED=1
-[ -x .device-ray/bin/py-spy ] && export PATH="$PWD/.device-ray/bin:$PATH"
-M="--model qwen2.5-0.5b-random --device cuda --dtype bfloat16"
-quiet() { grep -v "pid=\|Warning\|warn(\|INFO\|^\s*$" || true; }
-cores() { ps -eo pid,args | grep "[s]pawn_main" | grep -v grep || true; }
+source bench/h200_common.sh
 if [ "${SKIP_SERVED:-0}" != 1 ]; then
     timeout "${SERVED_TIMEOUT:-200}" python3 -m bench.served_path --http $M --threads 4 --repeats 1 \
         --capacity-rates "${RATES:-500,1000,2000}" --out "$OUT/served-path.json" >"$OUT/served.log" 2>&1

@@ -5,14 +5,7 @@
 #   2. the same with one replica, for the difference the replicas make
 #   3. bench.served_profile under streamed bursts: CPU per process with the default replicas
 # Results in $OUT; see docs/benchmarks/served-path-h200.md. SKIP_ONE=1 leaves part 2 out.
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-.} RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONUNBUFFERED=1
-[ -x .device-ray/bin/py-spy ] && export PATH="$PWD/.device-ray/bin:$PATH"
-M="--model qwen2.5-0.5b-random --device cuda --dtype bfloat16"
-quiet() { grep -v "pid=\|Warning\|warn(\|INFO\|^\s*$" || true; }
-cores() { ps -eo pid,args | grep "[s]pawn_main" | grep -v grep || true; }
+source bench/h200_common.sh
 timeout "${SERVED_TIMEOUT:-230}" python3 -m bench.served_path --http $M --threads 4 --repeats 1 \
     --capacity-rates "${RATES:-500,1000,1500,2000}" --capacity-clients 8 --ttft-requests 10 \
     --out "$OUT/served-path.json" >"$OUT/served.log" 2>&1
