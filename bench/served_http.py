@@ -170,12 +170,13 @@ async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, n
     def median_ms(xs: list[float]) -> float:
         return round(1e3 * sorted(xs)[len(xs) // 2], 3)
 
-    parts: dict[str, list[float]] = {k: [] for k in ("ping", "core_call", "place", "route", "admit", "first_output")}
-    for _ in range(num + 2):
+    parts: dict[str, list[float]] = {k: [] for k in ("ping", "core_call", "place", "admit", "first_output")}
+    for i in range(num + 2):  # the first two of each are warm-ups, left out
         for key, call in (("ping", backend.ping), ("core_call", backend.stats)):
             t0 = time.perf_counter()
             await call.remote()
-            parts[key].append(time.perf_counter() - t0)
+            if i >= 2:
+                parts[key].append(time.perf_counter() - t0)
     for i in range(num + 2):
         ids = [VOCAB_LOW + (t + i + 104729) % (vocab - VOCAB_LOW) for t in prompt]
         req_id = f"ttft-parts-{i}"
@@ -192,11 +193,9 @@ async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, n
             out = await stream.next()
         router.forget.remote(req_id)
         if i >= 2:
-            for key, value in (("route", t1 - t0), ("admit", t2 - t1), ("first_output", t3 - t2)):
+            for key, value in (("place", t1 - t0), ("admit", t2 - t1), ("first_output", t3 - t2)):
                 parts[key].append(value)
-    parts["place"] = parts["route"]
-    del parts["route"]
-    return {k: median_ms(v[2:] if k in ("ping", "core_call") else v) for k, v in parts.items()}
+    return {k: median_ms(v) for k, v in parts.items()}
 
 
 def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
