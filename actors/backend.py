@@ -438,17 +438,16 @@ class BackendActor:
         or a prompt prefilled in chunks) is answered without them, so its caller's response
         starts as before; failures are answered at once. Returns the replies to answer now and
         the outputs left for `_deliver`."""
-        held_back = set()
-        late = [(req_id, waiting) for req_id, waiting in self._awaiting_first.items()]
+        late = list(self._awaiting_first.items())  # held over one message already
+        answer_now = []
         for reply in replies:
             req_id = self._admitting.pop(reply[0], None)
             if req_id is not None and reply[1]:
                 self._awaiting_first[req_id] = (reply[0], reply[2])
-                held_back.add(reply[0])
-        if held_back:
-            replies = [reply for reply in replies if reply[0] not in held_back]
+            else:
+                answer_now.append(reply)
         if not self._awaiting_first:
-            return replies, outputs
+            return answer_now, outputs
         firsts: dict[str, list] = {}
         rest = []
         for packed in outputs:
@@ -461,11 +460,11 @@ class BackendActor:
         for req_id, packed in firsts.items():
             waiting = self._awaiting_first.pop(req_id, None)
             if waiting is not None:
-                replies = [*replies, (waiting[0], True, (waiting[1], core.merge_packed(packed)))]
-        for req_id, waiting in late:  # held over one message already: no outputs with the answer
+                answer_now.append((waiting[0], True, (waiting[1], core.merge_packed(packed))))
+        for req_id, waiting in late:  # no outputs in this message either: answered without them
             if self._awaiting_first.pop(req_id, None) is not None:
-                replies = [*replies, (waiting[0], True, (waiting[1], []))]
-        return replies, rest
+                answer_now.append((waiting[0], True, (waiting[1], [])))
+        return answer_now, rest
 
     def _answer(self, replies: list) -> None:
         by_loop: dict[Any, list] = {}
