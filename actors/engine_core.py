@@ -162,6 +162,11 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self.engine.step()
         self.send_step(outputs, time.perf_counter() - start)
+        if not self.engine.has_unfinished_requests():
+            # Idle now: the finished requests' progress goes out at once, and the idle message
+            # makes the front report it at once, so the router does not count them as load
+            # when the caller's next request comes (a sequential client would see it spill).
+            self.send_step([], None, force=True)
 
     def take_commands(self, block: bool) -> None:
         conn = self.conn
@@ -195,7 +200,9 @@ class EngineCore:
         except Exception as exc:
             self.replies.append((call_id, False, exc))
 
-    def send_step(self, outputs: list, elapsed: float | None) -> None:
+    def send_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
+        """One message with the step's outputs (`elapsed` None: an idle message, which also
+        carries any held progress); nothing when there is nothing to say, unless `force`."""
         engine = self.engine
         step = None
         if elapsed is not None:
@@ -212,7 +219,7 @@ class EngineCore:
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
             stats = stats_totals(engine.get_stats())
-        if not (outputs or progress or cache_changes or self.replies or step or stats):
+        if not (force or outputs or progress or cache_changes or self.replies or step or stats):
             return
         replies, self.replies = self.replies, []
         self.conn.send((STEP, replies, [pack_output(o) for o in outputs], progress, step, cache_changes, stats))

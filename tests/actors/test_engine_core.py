@@ -196,3 +196,32 @@ def test_a_restarted_actor_starts_a_fresh_core_and_serves(ray_local):
 
     assert run(serve())[-1].finished
     ray_local.kill(actor, no_restart=True)
+
+
+def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_its_progress():
+    """The front reports to the router at once on an idle message; without it a finished request's
+    progress waited for the next step, and a sequential caller's next request was placed while
+    the router still counted the last one as load."""
+    import multiprocessing
+
+    from tandem.actors import engine_core as core
+
+    front, child = multiprocessing.Pipe()
+    engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
+    assert front.recv()[0] == core.READY
+    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time()))
+    messages = []
+    for _ in range(50):
+        engine_core.loop_once()
+        while front.poll(0):
+            messages.append(front.recv())
+        if messages and messages[-1][4] is None and any(o[3] for m in messages for o in m[2]):
+            break
+    last_step = max(i for i, m in enumerate(messages) if m[4] is not None)
+    assert any(o[3] for o in messages[last_step][2]), "the last step finished the request"
+    idle = messages[last_step + 1]
+    assert idle[0] == core.STEP and idle[4] is None  # sent right after it, not after an idle poll
+    statuses = [p[1] for m in messages[:last_step + 2] for p in m[3] if p[0] == "r0"]
+    assert statuses[-1] == "finished"
+    child.close()
+    front.close()
