@@ -167,7 +167,7 @@ def run_stream(url: str, model: str, args: argparse.Namespace, vocab: int) -> An
                            for _ in range(args.burst)]
                 t0 = time.perf_counter()
                 done = await asyncio.gather(*(_stream_one(session, url, model, ids, args.max_tokens) for ids in prompts))
-                tokens += sum(t for t, _ in done)
+                tokens += sum(t for t, _, _ in done)
                 bursts += 1
                 result.setdefault("burst_s", []).append(round(time.perf_counter() - t0, 3))
         result.update(tokens=tokens, bursts=bursts)

@@ -19,3 +19,23 @@ def test_served_path_bench_writes_a_row_per_system(tmp_path):
                                            "through actors, a generator per request, stream_interval_s=0",
                                            "through actors, a generator per request, stream_interval_s=0.01"]
     assert all(r["output_tok_s"] > 0 for r in rows)
+
+
+def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
+    """The GPU mode's code path on the CPU (tiny model, a twentieth of the sizes): the rows, the
+    burst TTFT spreads and the TTFT parts come out, so it does not rot between GPU runs."""
+    out = tmp_path / "served-http.json"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
+                           "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
+                           "--repeats", "1", "--ttft-requests", "2", "--capacity-rates", "", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 3
+    for row in result["rows"]:
+        assert row["in_process_tok_s"] > 0 and row["http_tok_s"] > 0
+        for p50, worst in row["ttft_p50_max_ms"].values():
+            assert 0 < p50 <= worst
+    assert result["ttft"]["http_ms"] > 0
+    assert set(result["ttft"]["parts_ms"]) == {"ping", "core_call", "place", "admit", "first_output"}
