@@ -157,8 +157,14 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int,
                         help="torch threads per cpu backend (default: the cores left after one for serving and "
                              "one per accelerator backend, shared by the cpu backends)")
-    parser.add_argument("--cpu-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="cpu backends' dtype (default auto: float32)")
+    parser.add_argument("--cpu-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                        help="cpu backends' dtype, `auto` resolved to a cpu included: int8/int4 are weight-only "
+                             "quantized linears with bfloat16 activations (default auto: float32)")
+    parser.add_argument("--cpu-compile", action="store_true",
+                        help="opt-in: cpu backends decode through torch.compile'd graphs (tandem serve "
+                             "--cpu-compile); the first cluster start compiles for a while, later ones load the "
+                             "cache, and the profile step measures the compiled rates. It lost to eager decode on "
+                             "a 14-thread Xeon in our measurements")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
     parser.add_argument("--temperature", type=float,
@@ -212,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     items, settings = plan(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
-                          args.time_budget_s, args.verbose, command)
+                          args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms, warmup_tokens=args.warmup_tokens,
                     reuse_cluster=args.bench_command == "sweep" and not args.fresh_clusters,
@@ -238,7 +244,7 @@ def _run_tenants(args: argparse.Namespace) -> int:
     cells = tenants.build_cells(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
-                          _command(args), num_kv_blocks=args.num_kv_blocks)
+                          _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
                     warmup_tokens=args.warmup_tokens, reuse_cluster=True)

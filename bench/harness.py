@@ -108,9 +108,10 @@ def init_ray(log_to_driver: bool = False) -> None:
 
 
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
-                   num_kv_blocks: int | None = None) -> Layout:
+                   num_kv_blocks: int | None = None, cpu_compile: bool = False) -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
-    device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default)."""
+    device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default). Every
+    backend that resolved to the cpu, `auto` included, gets `cpu_dtype` and `cpu_compile`."""
     import ray
 
     import torch
@@ -125,6 +126,7 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     auto = [p for p in plans if p.requested == "auto"] or [p for p in plans if p.device != "cpu"] or plans[-1:]
     backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
                  "dtype": cpu_dtype if p.device == "cpu" else "auto",
+                 **({"cpu_compile": True} if cpu_compile and p.device == "cpu" else {}),
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
     return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
 
@@ -208,8 +210,10 @@ class BenchCluster:
         wait_until_dead(handles)
 
     def describe(self) -> dict[str, Any]:
+        compiled = {b["id"]: b.get("cpu_compile", False) for b in self.layout.backends}
         return {"arm": self.arm, "policy": self.layout.arm_policy(self.arm), "note": self.layout.arm_note(self.arm),
-                "backends": [{"backend_id": bid, "device": i.device, "device_kind": i.device_kind, "dtype": i.dtype,
+                "backends": [{"backend_id": bid, "device": i.device, "device_kind": i.device_kind,
+                              "dtype": i.dtype + ("-compiled" if compiled.get(bid) else ""),
                               "threads": i.threads, "max_active": i.max_active} for bid, i in self.infos.items()],
                 "rates": json.loads(self.rates_path.read_text()), "router": self.router_settings}
 
@@ -352,12 +356,12 @@ class BenchContext:
 def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, cpu_dtype: str,
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
             time_budget_s: float | None, verbose: bool, command: str,
-            num_kv_blocks: int | None = None) -> BenchContext:
+            num_kv_blocks: int | None = None, cpu_compile: bool = False) -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
-    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks)
+    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0

@@ -13,6 +13,7 @@ Example file::
     backends:
       - device: cpu
         threads: 1
+        cpu_compile: false  # cpu: decode through torch.compile'd graphs (opt-in; measure first)
       - device: auto        # cuda, else mps, else a second cpu backend
         count: all          # one per free GPU (cuda: 2 is two cuda backends)
     port: 8000
@@ -57,6 +58,9 @@ class BackendConfig(BaseModel):
     max_active: int | None = Field(default=None, ge=1)  # None: the cluster's max_active
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
+    # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
+    # Opt-in: faster per step on the 2-core development VM, 8x slower on a 14-thread Xeon.
+    cpu_compile: bool = False
 
     @model_validator(mode="after")
     def _count_fits_device(self) -> BackendConfig:
@@ -65,6 +69,9 @@ class BackendConfig(BaseModel):
                              f"{' and '.join(EVERY_GPU_DEVICES)}, not {self.device}")
         if self.dtype in ("int8", "int4") and self.device != "cpu":
             raise ValueError(f"dtype {self.dtype} (quantized weights) is for cpu backends, not {self.device}")
+        if self.cpu_compile and self.device != "cpu":
+            raise ValueError(f"cpu_compile (torch.compile'd CPU decode) is for cpu backends, not {self.device}; "
+                             "set it on a backend with device: cpu")
         if self.count != 1 and self.id is not None:
             raise ValueError("an id names one backend: drop the id or the count (ids are then cuda0, cuda1, ...)")
         return self

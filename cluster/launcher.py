@@ -288,7 +288,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
-        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads")
+        compiled = ", compiled decode (the first start compiles it)" if plan.cpu_compile else ""
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads{compiled}")
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
         scheduling_strategy=_this_node(),
@@ -332,7 +333,8 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
     engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
                          block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
                          kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
-                         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)
+                         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+                         cpu_compile=plan.cpu_compile)
     options: dict[str, Any] = dict(
         name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
         max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
@@ -361,7 +363,7 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
             rates[plan.backend_id] = from_file[entry]
             log(f"rates for {plan.backend_id} from {config.rates} (entry {entry!r}): {describe_rates(from_file[entry])}")
         else:
-            wanted.append((plan.backend_id, _profile_key(info, device_names)))
+            wanted.append((plan.backend_id, _profile_key(info, plan, device_names)))
     max_active = {plan.backend_id: plan.max_active for plan in plans}
     cache = load_cache(config.rates_cache)
     profiled = resolve_profiles(
@@ -372,11 +374,12 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     return {plan.backend_id: rates[plan.backend_id] for plan in plans}
 
 
-def _profile_key(info: Any, device_names: dict[str, str]) -> str:
+def _profile_key(info: Any, plan: BackendPlan, device_names: dict[str, str]) -> str:
     from tandem.cluster.profile import profile_key
 
     name = device_names.get(info.node_id, "") if info.device_kind == "cuda" else ""
-    return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name)
+    return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name,
+                       cpu_compile=plan.cpu_compile)
 
 
 def _gpu_models() -> dict[str, str]:

@@ -39,6 +39,7 @@ class BackendPlan:
     max_active: int
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    cpu_compile: bool = False  # cpu: decode through torch.compile'd graphs (EngineConfig.cpu_compile)
 
     @property
     def num_gpus(self) -> float:
@@ -70,7 +71,8 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             backend_id=backend_id, device=device, requested=backend.device, reason=reason,
             dtype=backend.dtype, threads=threads,
             max_active=backend.max_active or config.max_active,
-            num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb))
+            num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
+            cpu_compile=backend.cpu_compile))
     return plans
 
 

@@ -74,7 +74,8 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
         import torch
 
         name = gpu_model(torch.cuda.get_device_name(cuda_index))
-    return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name)
+    return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name,
+                       cpu_compile=plan.cpu_compile)
 
 
 def _load_engine(config, plan, cuda_index: int):
@@ -85,7 +86,8 @@ def _load_engine(config, plan, cuda_index: int):
     return LLMEngine(EngineConfig(
         model=config.model, device=device, dtype=plan.dtype, max_active=plan.max_active,
         block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, num_threads=plan.threads, seed=config.seed))
+        max_num_batched_tokens=config.max_num_batched_tokens, num_threads=plan.threads, seed=config.seed,
+        cpu_compile=plan.cpu_compile))
 
 
 def _local_accelerators() -> tuple[int, bool]:
