@@ -58,6 +58,7 @@ FLUSH_S = 0.5
 GAUGE_REFRESH_S = 5.0
 
 FINISH_REASONS = ("stop", "length", "abort")
+MAX_MEMOISED_LABEL_SETS = 4096  # tag values are ids of backends, policies, reasons: a few dozen
 HTTP_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -161,6 +162,7 @@ class Recorder:
         for spec in specs:
             for key, values in spec.known_values:
                 self._known.setdefault(key, set()).update(values)
+        self._label_sets: dict[Any, Tags] = {}  # `_tags`'s memo
         self._gauges: dict[tuple[str, Tags], float] = {}
         self._dirty_gauges: set[tuple[str, Tags]] = set()
         self._counts: dict[tuple[str, Tags], float] = {}
@@ -240,10 +242,19 @@ class Recorder:
         return metric
 
     def _tags(self, name: str, tags: dict[str, str] | None) -> Tags:
+        """The metric's label set for these tags. Memoised: the router and the ingress record
+        several series per request on their serial loops, with a handful of distinct tag sets."""
+        memo_key = (name, tuple(tags.items())) if tags else name
+        label_set = self._label_sets.get(memo_key)
+        if label_set is not None:
+            return label_set
         merged = {**self._default_tags, **(tags or {})}
         label_set = tuple((k, str(merged[k])) for k in self._specs[name].tag_keys)
         if tags and self._learn(dict(label_set)):
             self._declare_new()
+        if len(self._label_sets) >= MAX_MEMOISED_LABEL_SETS:
+            self._label_sets.clear()
+        self._label_sets[memo_key] = label_set
         return label_set
 
     def _learn(self, tags: dict[str, str]) -> bool:

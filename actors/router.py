@@ -33,6 +33,8 @@ from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.messages import BackendInfo, Decision
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 
+PENDING_EXPORT_S = 0.05
+
 logger = logging.getLogger("tandem.router")
 
 
@@ -81,6 +83,7 @@ class RouterActor:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
         self._health_task: asyncio.Task | None = None
+        self._pending_export: asyncio.TimerHandle | None = None
 
     # -- membership --------------------------------------------------------------------------
     async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
@@ -236,6 +239,20 @@ class RouterActor:
         self._export_pending()
 
     def _export_pending(self) -> None:
+        """Bring the pending gauges up to the ledger within `PENDING_EXPORT_S`: one update for
+        all the decisions and reports of that time, not one per request on the decision path
+        (a scrape every few seconds sees only the latest value anyway)."""
+        if self._pending_export is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the actor's loop (a plain call): at once
+            self._set_pending_gauges()
+            return
+        self._pending_export = loop.call_later(PENDING_EXPORT_S, self._set_pending_gauges)
+
+    def _set_pending_gauges(self) -> None:
+        self._pending_export = None
         for backend_id, summary in self.router.pending_summary().items():
             self.metrics.set("tandem_router_pending_seconds", summary.pending_s, tags={"backend": backend_id})
             self.metrics.set("tandem_router_pending_requests", summary.num_active + summary.num_queued,

@@ -163,18 +163,26 @@ def pending_gauges(router: RouterActor) -> dict[str, float]:
 
 
 def test_forget_and_a_dropped_backend_leave_the_pending_gauges_truthful(tmp_path):
-    """A request its caller gave up on leaves the gauge at once, not at the next report (an idle
-    backend sends none), and a dropped backend's gauges read 0, not their last value."""
+    """A request its caller gave up on leaves the gauge within the export interval, not at the
+    next report (an idle backend sends none), and a dropped backend's gauges read 0, not their
+    last value."""
+    from tandem.actors.router import PENDING_EXPORT_S
+
+    async def settled() -> None:  # the gauges follow the ledger within PENDING_EXPORT_S
+        await asyncio.sleep(2 * PENDING_EXPORT_S)
 
     async def scenario():
         router, gpu, cpu = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
         decision = await router.route("r1", list(range(64)), 16)
+        await settled()
         routed = pending_gauges(router)[decision.backend_id]
         assert await router.forget("r1") and not await router.forget("r1")
+        await settled()
         forgotten = pending_gauges(router)[decision.backend_id]
         victim = (await router.route("r2", list(range(100, 164)), 16)).backend_id
+        await settled()
         busy = dict(pending_gauges(router))
         await router.backend_failed(victim, "i1", "test")
         return routed, forgotten, victim, busy, pending_gauges(router), await router.pending_summary()
