@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -89,12 +90,21 @@ def test_a_killed_replica_leaves_the_port_answering(cluster):
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == "serve" and "TandemIngress" in a["name"]]
     assert len(names) == REPLICAS, names
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    victim = ray.get_actor(names[0], namespace="serve")
+    pid = ray.get(victim.__ray_call__.remote(lambda replica: os.getpid()))
+    ray.kill(victim, no_restart=True)
 
-    def gone() -> bool:  # its process exited, so the kernel closed its listening socket
-        return names[0] not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    def gone() -> bool:
+        # Its process exited, so the kernel closed its listening socket. (The actor's name goes
+        # first, before the process is gone: a connection the kernel put in the dying socket's
+        # queue in between is reset, which is what clients of any SO_REUSEPORT server see.)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
 
-    wait_for(gone, timeout_s=30, interval_s=0.2, what="the killed replica to exit")
+    wait_for(gone, timeout_s=30, interval_s=0.2, what="the killed replica's process to exit")
     body = {"model": MODEL, "prompt": "Still here?", "max_tokens": 4}
     for _ in range(CONNECTIONS):  # every fresh connection is answered, none refused or reset
         with httpx.Client(timeout=30.0) as client:
