@@ -127,4 +127,5 @@ def test_a_compiled_backend_started_through_the_cluster_api_generates_what_eager
     _, eager = greedy_tokens(EngineConfig(model="tiny-llama-random", max_active=1), [list(range(10, 40))],
                              max_tokens=8)
     assert result["tokens"] == eager[0]
+    assert any((tmp_path / "inductor").rglob("*.py")), "the backend compiled nothing"
     assert result["keys"] == [profile_key("tiny-llama-random", "cpu", "float32", 1, 1, cpu_compile=True)]
