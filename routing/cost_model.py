@@ -21,6 +21,25 @@ on a GPU whose aggregate rate grows almost linearly with the batch, the plain su
 backend look faster than an idle one and piled requests onto it (route-sim showed one GPU
 taking 3 of every 4 requests of a light multi-tenant load, with a worse E2E p95). Without a
 table the plain formula is kept, so the design's worked example is unchanged.
+
+The queue term. The score is the new request's own completion time; it does not see what the
+new request costs the requests queued on a backend (routed there, not yet admitted by its
+engine). The engine admits waiting requests at a step boundary and prefills everything it
+admitted in one step, so each of them waits for the new request's prefill before its first
+token: a hit of 64 tokens is 1.7 ms on an H200, about what separates the arms' TTFT p95 at light
+load. The router adds `queue_weight x the new request's uncached prefill / prefill rate x
+num_queued` to the rank (`BackendScore.queue_term_s`, not to the score), so of two backends
+with about the same score the one that delays nobody wins: two requests arriving within one
+decode step go to different backends instead of sharing a prefill step. On a backend with no
+free slot the queued requests are admitted before the new one and the term is a stand-in for
+the queue the new request itself waits behind. The weight is 1 (the seconds of delay summed
+over the queued requests); 0 restores the rank without it. In the design's worked example it
+does not change a decision (request 7: GPU 3.043 s against the CPU's 3.118). On route-sim's
+tenants grid (docs/routing.md) it raised the cell-seeds where `cost` is at least as good as
+every other arm from 25 to 28 of 36 at 200 requests and kept 30 of 36 at 600 (seeds 0-2), and
+from 27 to 31 and 27 to 30 on seeds 3-5. Weight 2 met 59 and 61 of 72 (seeds 0-5, 200 and 600
+requests) against weight 1's 59 and 60, 0.5 met 56 and 57, 4 met 60 and 58; counting queued
+requests only on a backend with a free slot, the case the delay is exact for, met 56 and 59.
 """
 
 from __future__ import annotations
@@ -79,6 +98,12 @@ def score_backend(
         decode_tok_s=decode_rate,
         num_inflight_cached_tokens=num_inflight_cached_tokens,
     )
+
+
+def queue_term_s(num_uncached_tokens: int, prefill_tok_s: float, num_queued: int, weight: float) -> float:
+    """The queue term (see the module doc): `weight x` the new request's prefill on this backend,
+    once for every request queued there."""
+    return weight * num_queued * num_uncached_tokens / prefill_tok_s
 
 
 def pending_seconds(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_token_ratio: float) -> float:

@@ -33,12 +33,13 @@ class BackendScore:
     num_inflight_cached_tokens: int = 0  # the prefix that requests in flight here will have cached
     recompute_term_s: float = 0.0  # weighted prefill of a prefix another routable backend holds
     replication_term_s: float = 0.0  # instead, where a copy of that prefix is an investment (< 0 once it pays)
+    queue_term_s: float = 0.0  # the new request's prefill x the requests queued here, which it delays
 
     @property
     def rank_s(self) -> float:
         """What the score-based policies minimise: the score plus the recompute or the
-        replication term."""
-        return self.score_s + self.recompute_term_s + self.replication_term_s
+        replication term, plus the queue term."""
+        return self.score_s + self.recompute_term_s + self.replication_term_s + self.queue_term_s
 
 
 @dataclass

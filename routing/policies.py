@@ -5,8 +5,8 @@ All policies see the same `BackendScore`s (routing/cost_model.py), listed in pre
 that order, which is how ties go to the accelerator and then to the lower id.
 
 - `cost` (default): lowest rank (the score plus the recompute term, below, or where a copy of
-  the prefix is an investment the replication term, routing/replication.py), the design's
-  router, optionally behind a spill guard (below).
+  the prefix is an investment the replication term, routing/replication.py, plus the queue
+  term, routing/cost_model.py), the design's router, optionally behind a spill guard (below).
 - `accelerator-only` / `cpu-only`: lowest rank among non-CPU / CPU backends (with a single
   backend of that kind, simply that backend). The design's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
-from tandem.routing.cost_model import pending_seconds, score_backend
+from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backend
 from tandem.routing.decision import BackendScore, DecisionRecord
 from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
@@ -79,10 +79,14 @@ class Router:
         recompute_weight: float = 2.0,
         inflight_prefixes: bool = True,
         replication: ReplicationConfig | None = ReplicationConfig(),
+        queue_weight: float = 1.0,
     ) -> None:
         if recompute_weight < 0:
             raise ValueError(f"recompute_weight must be >= 0 (got {recompute_weight!r})")
+        if queue_weight < 0:
+            raise ValueError(f"queue_weight must be >= 0 (got {queue_weight!r})")
         self._recompute_weight = recompute_weight
+        self._queue_weight = queue_weight  # routing/cost_model.py: the queue term
         self._prefix_stats = None if replication is None else PrefixStats(replication)
         self._inflight_prefixes = inflight_prefixes  # False: only what backends reported counts
         self._spill_guard = spill_guard
@@ -153,6 +157,9 @@ class Router:
         """Every backend's score for `request`, in preference order, without routing it (nor
         counting its prefix). The recompute and replication terms are relative to the routable
         (not cordoned) backends."""
+        return self._score(request, self._prefix_key(request))
+
+    def _score(self, request: RouteRequest, key: int | None) -> list[BackendScore]:
         scores = []
         for backend_id, state in self._backends.items():
             num_cached = request.num_cached_tokens.get(backend_id, 0)
@@ -161,21 +168,21 @@ class Router:
                 num_inflight = state.inflight.num_cached_tokens(
                     request.block_hashes, request.num_prompt_tokens, request.block_size)
                 num_cached = max(num_cached, num_inflight)
-            scores.append(score_backend(
+            s = score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
-            ))
-        self._add_prefix_terms(scores, self._num_seen(request))
+            )
+            s.queue_term_s = queue_term_s(request.num_prompt_tokens - s.num_cached_tokens, s.prefill_tok_s,
+                                          s.num_queued, self._queue_weight)
+            scores.append(s)
+        self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
 
     def _prefix_key(self, request: RouteRequest) -> int | None:
+        """The request's prefix key as replication counts it (None without replication)."""
         if self._prefix_stats is None:
             return None
         return prefix_key(request, self._prefix_stats.config.num_prefix_blocks)
-
-    def _num_seen(self, request: RouteRequest) -> int:
-        key = self._prefix_key(request)
-        return 0 if key is None else self._prefix_stats.num_seen(key)
 
     def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
         """Charge each backend that lacks part of a prefix a routable backend holds: the
@@ -213,10 +220,10 @@ class Router:
             raise ValueError(
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
             )
-        scores = {s.backend_id: s for s in self.score(request)}
+        key = self._prefix_key(request)
+        scores = {s.backend_id: s for s in self._score(request, key)}
         routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
         backend_id = self._policy.choose(routable, request)
-        key = self._prefix_key(request)
         if key is not None:
             self._prefix_stats.observe(key, request.block_hashes, request.block_size,
                                        {b: s.num_cached_tokens for b, s in scores.items()})

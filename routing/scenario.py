@@ -67,6 +67,7 @@ class Scenario:
     recompute_weight: float = 2.0
     inflight_prefixes: bool = True
     replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)
+    queue_weight: float = 1.0
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
@@ -197,6 +198,7 @@ class _RouterModel(BaseModel):
     recompute_weight: float = Field(2.0, ge=0)  # 0: the design's plain score
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
     replication: _ReplicationModel | None = Field(default_factory=_ReplicationModel)  # null: off
+    queue_weight: float = Field(1.0, ge=0)  # 0: rank without the queue term
 
 
 class _ScenarioModel(BaseModel):
@@ -303,6 +305,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         recompute_weight=model.router.recompute_weight,
         inflight_prefixes=model.router.inflight_prefixes,
         replication=ReplicationConfig(**model.router.replication.model_dump()) if model.router.replication else None,
+        queue_weight=model.router.queue_weight,
         block_size=model.block_size if model.tenants is not None else None,
     )
 

@@ -129,7 +129,8 @@ def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
     """Run the scenario under `policy` (default: the scenario's)."""
     router = Router(scenario.backend_specs, policy or scenario.policy, scenario.new_token_ratio,
                     scenario.calibration, scenario.spill_guard, scenario.prefix_affinity,
-                    scenario.recompute_weight, scenario.inflight_prefixes, scenario.replication)
+                    scenario.recompute_weight, scenario.inflight_prefixes, scenario.replication,
+                    scenario.queue_weight)
     reporter = _RouterReporter(router, [b.spec.backend_id for b in scenario.backends])
     backends = {b.spec.backend_id: make_backend(scenario, b, reporter) for b in scenario.backends}
     decisions = []

@@ -1,7 +1,7 @@
 """In-flight prefixes and the recompute term: a burst of one tenant's requests stays on one
 backend while that pays, queued requests keep the discount they were routed with, marks expire
-with their request. Replication (a copy as an investment, tests/routing/test_replication.py) is
-off here, so each piece is seen alone."""
+with their request. Replication (a copy as an investment, tests/routing/test_replication.py) and
+the queue term (tests/routing/test_queue_term.py) are off here, so each piece is seen alone."""
 
 import pytest
 
@@ -19,6 +19,7 @@ def tenant_request(n: int, cached: dict[str, int] | None = None) -> RouteRequest
 
 def two_gpus(**options) -> Router:
     options.setdefault("replication", None)
+    options.setdefault("queue_weight", 0)
     return Router([BackendSpec("cuda0", "cuda", RATES), BackendSpec("cuda1", "cuda", RATES)], **options)
 
 

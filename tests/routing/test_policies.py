@@ -88,6 +88,7 @@ def test_spill_guard_needs_an_accelerator_to_act():
     guard = SpillGuard(margin=0.5, allow_queue=False)
     router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cpu1", "cpu", SAME)], spill_guard=guard)
     assert [router.route(req(n)).backend_id for n in range(4)] == ["cpu0", "cpu1", "cpu0", "cpu1"]
-    gpu_router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", SAME)], spill_guard=guard)
+    gpu_router = Router([BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", SAME)], spill_guard=guard,
+                        queue_weight=0)  # the guard alone: the queue term would add 0.1 s per queued request
     # Each request is 1.1 s of work on either; the CPU needs a score below half the GPU's.
     assert [gpu_router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cuda0", "cpu0", "cuda0"]

@@ -104,22 +104,29 @@ def test_cost_beats_round_robin_and_matches_prefix_affinity_hit_rate():
         assert s["cost"].ttft_p95_s < s[baseline].ttft_p95_s
         assert s["cost"].cache_hit_rate > s[baseline].cache_hit_rate + 0.05
     assert s["cost"].cache_hit_rate >= s["prefix-affinity"].cache_hit_rate - 0.05
-    # Measured: cost 81.8% hits, prefix-affinity 79.1%, round-robin 71.6%.
+    # Measured: cost 82.1% hits (81.8% before the queue term), prefix-affinity 79.1%, round-robin 71.6%.
     assert [round(100 * s[p].cache_hit_rate, 1) for p in ("cost", "prefix-affinity", "round-robin")] == \
-        [81.8, 79.1, 71.6]
+        [82.1, 79.1, 71.6]
 
 
 def test_inflight_and_recompute_each_matter_at_saturation():
-    """At 100 requests/s the GPUs are prefill-bound: every avoidable miss is queueing for all."""
+    """At 100 requests/s the GPUs are prefill-bound: every avoidable miss is queueing for all.
+    Seeds 0-2: without in-flight accounting `cost` loses 5-11 points of hits and its median TTFT
+    is 3-4x; without the recompute term it loses 1-2 points of hits in each, and its median TTFT
+    rises at seeds 1 and 2 (428 against 339 ms, 277 against 239) and ties at seed 0 (417 against
+    419; the queue term, routing/cost_model.py, keeps some of those hits by itself: before it the
+    plain score's median there was 651 ms)."""
     ids = ["cuda0", "cuda1"]
 
-    def cost(**router):
-        scenario = small_tenants(**{"tenants.rate_per_s": 100, **{f"router.{k}": v for k, v in router.items()}})
-        return summarize("cost", simulate(scenario, "cost").outcomes, ids)
+    def cost(seed, **router):
+        overrides = {"tenants.rate_per_s": 100, "tenants.seed": seed, **{f"router.{k}": v for k, v in router.items()}}
+        return summarize("cost", simulate(small_tenants(**overrides), "cost").outcomes, ids)
 
-    full, no_inflight, plain = cost(), cost(inflight_prefixes="false"), cost(recompute_weight=0)
-    assert full.cache_hit_rate > no_inflight.cache_hit_rate and full.ttft_p50_s < no_inflight.ttft_p50_s
-    assert full.cache_hit_rate > plain.cache_hit_rate and full.ttft_p50_s < plain.ttft_p50_s
+    runs = [(cost(seed), cost(seed, inflight_prefixes="false"), cost(seed, recompute_weight=0)) for seed in range(3)]
+    for full, no_inflight, plain in runs:
+        assert full.cache_hit_rate > no_inflight.cache_hit_rate and full.ttft_p50_s < no_inflight.ttft_p50_s
+        assert full.cache_hit_rate > plain.cache_hit_rate
+    assert sum(full.ttft_p50_s for full, _, _ in runs) < sum(plain.ttft_p50_s for _, _, plain in runs)
 
 
 def test_router_driven_run_and_fixed_assignment_replay_agree_with_caches():

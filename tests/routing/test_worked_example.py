@@ -52,6 +52,9 @@ def test_request_7_goes_to_gpu_with_score_3_027():
     assert round(gpu.score_s, 3) == 3.027
     assert round(cpu.score_s, 3) == 3.118
     assert rec.backend_id == "mps0" and rec.policy == "cost"
+    # The queue term (routing/cost_model.py) ranks the GPU 2 x 20 / 2551 s higher for the two
+    # requests queued there; the decision stands: 3.043 < 3.118.
+    assert gpu.queue_term_s == pytest.approx(2 * 20 / 2551, rel=1e-12) and round(gpu.rank_s, 3) == 3.043
 
 
 def test_request_8_goes_to_cpu_with_gpu_score_3_444():
