@@ -50,6 +50,7 @@ RAY_PREFIX = "ray_"
 logger = logging.getLogger("tandem.metrics")
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -124,6 +125,8 @@ INGRESS_METRICS = (
     MetricSpec("tandem_http_requests", COUNTER, "HTTP API requests, by endpoint and status code.", ("endpoint", "status"),
                known_values=(("endpoint", HTTP_ENDPOINTS), ("status", ("200",)))),
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
+    MetricSpec("tandem_http_stage_seconds", HISTOGRAM, "A request's time from arrival to admission, per stage "
+               "(route, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S),
 )
 
 REGISTRY: dict[str, MetricSpec] = {

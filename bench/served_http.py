@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -143,8 +144,41 @@ async def _stream_one(session: Any, url: str, model: str, ids: list[int],
     return tokens, first or 0.0, start
 
 
+STAGE_LINE = re.compile(r'^ray_tandem_http_stage_seconds_(sum|count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
+STAGE_WAIT_S = 15.0  # for the ingress replicas' last observations to reach the scrape
+
+
+def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
+    """stage -> [sum of seconds, count] of `tandem_http_stage_seconds`, over every replica."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    stages: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        match = STAGE_LINE.match(line)
+        if match:
+            kind, stage, value = match.groups()
+            stages.setdefault(stage, [0.0, 0.0])[kind == "count"] += float(value)
+    return stages
+
+
+async def stage_means(metrics_url: str, before: dict[str, list[float]], num_requests: int) -> dict[str, float]:
+    """Mean ms per admission stage over the requests since `before` (cluster/dispatch.py's
+    `admission_stages`), waiting for the scrape to hold all of them; {} if it never does."""
+    deadline = time.monotonic() + STAGE_WAIT_S
+    while True:
+        now = await asyncio.to_thread(scrape_stages, metrics_url)
+        delta = {k: [v[0] - before.get(k, [0.0, 0.0])[0], v[1] - before.get(k, [0.0, 0.0])[1]] for k, v in now.items()}
+        if delta.get("route", [0, 0])[1] >= num_requests:
+            return {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
+        if time.monotonic() > deadline:
+            return {}
+        await asyncio.sleep(0.5)
+
+
 async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttft_prompt: list[int],
-                     vocab: int, set_max_active: Any) -> dict[str, Any]:
+                     vocab: int, set_max_active: Any, metrics_url: str) -> dict[str, Any]:
     import aiohttp
 
     results: dict[str, Any] = {}
@@ -155,6 +189,7 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
             await set_max_active(w.max_active)
             best = 0.0
             for _ in range(args.repeats + 1):
+                before = await asyncio.to_thread(scrape_stages, metrics_url)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 done = await asyncio.gather(*(_stream_one(session, url, model, ids, m)
                                               for ids, m in zip(w.prompts, w.max_tokens)))
@@ -163,6 +198,7 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
                 if rate > best:  # the client's own CPU: near 100% means the client sets the pace
                     best, results["client_cpu"][w.name] = rate, round((time.process_time() - cpu_start) / elapsed, 2)
                     results[("ttft", w.name)] = ttft_spread([sent - start + first for _, first, sent in done])
+                    results[("stages", w.name)] = await stage_means(metrics_url, before, len(w.prompts))
             results[w.name] = best
         await set_max_active(4)
         ttfts = []
@@ -298,6 +334,9 @@ def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
 
     from tandem import cluster
 
+    # The admission stages are read from the metrics page after each row: Ray's agent exports
+    # every 10 s by default, which would be a 10 s wait per row.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     tmp = Path(tempfile.mkdtemp(prefix="tandem-served-http-"))
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     (tmp / "rates.json").write_text(json.dumps({kind: {"prefill_tok_s": 20000.0, "decode_tok_s": 500.0}}))
@@ -324,7 +363,8 @@ def through_http(args: Any, loads: list[Workload], ttft_prompt: list[int],
     try:
         url = f"{tandem.url}/v1/completions"
         model = ray.get(handle.info.remote()).model_name
-        results = asyncio.run(_http_rows(args, url, model, loads, ttft_prompt, vocab, set_max_active))
+        results = asyncio.run(_http_rows(args, url, model, loads, ttft_prompt, vocab, set_max_active,
+                                         f"{tandem.url}/metrics"))
         results["ttft_parts"] = asyncio.run(ttft_parts(tandem.router, handle, ttft_prompt, vocab, args.ttft_requests))
         curve = []
         if args.capacity_rates:
@@ -349,7 +389,8 @@ def run(args: Any) -> dict[str, Any]:
     http, curve, setup = through_http(args, loads, ttft_prompt, vocab)
     rows = [{"workload": w.name, "in_process_tok_s": round(engine[w.name], 1), "http_tok_s": round(http[w.name], 1),
              "ratio": round(http[w.name] / engine[w.name], 3), "client_cpu": http["client_cpu"].get(w.name),
-             "ttft_p50_max_ms": {"in_process": engine[("ttft", w.name)], "http": http[("ttft", w.name)]}}
+             "ttft_p50_max_ms": {"in_process": engine[("ttft", w.name)], "http": http[("ttft", w.name)]},
+             "admission_stages_mean_ms": http.get(("stages", w.name), {})}
             for w in loads]
     ttft = {"workload": f"1 at a time ({len(ttft_prompt)} -> 16), median TTFT",
             "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
@@ -362,6 +403,10 @@ def run(args: Any) -> dict[str, Any]:
         print(f"{r['workload']:<58} {r['in_process_tok_s']:>12.0f} {r['http_tok_s']:>11.0f} {r['ratio']:>6.2f} "
               f"{r['client_cpu'] or 0:>9.0%} {'/'.join(map(str, spread['in_process'])):>24} "
               f"{'/'.join(map(str, spread['http'])):>11}")
+    print("  HTTP arrival to admission, mean ms per stage (tandem_http_stage_seconds):")
+    for r in rows:
+        stages = r["admission_stages_mean_ms"]
+        print(f"    {r['workload']:<56} " + (", ".join(f"{k} {v:.1f}" for k, v in stages.items()) or "not scraped"))
     print(f"{ttft['workload']:<58} {ttft['in_process_ms']:>9.2f} ms {ttft['http_ms']:>8.2f} ms "
           f"{ttft['difference_ms']:>+6.2f} ms")
     print("  TTFT parts outside the engine, median ms (Python driver, no HTTP): "

@@ -428,6 +428,7 @@ class TandemIngress:
             stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
                                    self.settings.max_route_attempts)
             await stream.open()
+            self._observe_stages(stream)
             if body.stream:
                 response = self._streaming_response(stream, body, chat, plan)
                 handed_over = True
@@ -538,6 +539,10 @@ class TandemIngress:
         except (ValueError, TypeError) as exc:
             raise InvalidRequest("the messages could not be rendered with the model's chat template",
                                  param="messages", detail=f"{type(exc).__name__}: {exc}") from None
+
+    def _observe_stages(self, stream: RequestStream) -> None:
+        for stage, seconds in stream.admission_stages().items():
+            self.metrics.observe("tandem_http_stage_seconds", seconds, tags={"stage": stage})
 
     def _release(self) -> None:
         self.num_pending -= 1

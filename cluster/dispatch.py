@@ -20,11 +20,17 @@ reference-counted with its owner) by the receiver, on every request, which measu
 largest single cost of a short request in both processes.
 Each process keeps the backends' handles instead (`BackendHandles`), fetched from the router
 when it first meets a backend id.
+
+`open()` notes when the router answered and when the backend admitted the request, and
+`admission_stages` splits a request's time to admission into its stages (the ingress exports
+them as `tandem_http_stage_seconds`): where a burst's first tokens wait is a question of which
+serial loop holds them, and only a per-stage split answers it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -104,6 +110,8 @@ class RequestStream:
         self.num_output_tokens = 0
         self.finished = False
         self.attempts = 0
+        self.placed_time: float | None = None  # time.time() when the router answered (the last attempt)
+        self.admitted_time: float | None = None  # ... and when the backend admitted it
         self._gen: Any = None
         self._handles = BackendHandles.of(router)
 
@@ -125,6 +133,7 @@ class RequestStream:
                 backend_id, instance_id, estimated_s = await _placer(self.router).call(
                     self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n, self.attempts)
                 handle = await self._handles.get(backend_id)
+                self.placed_time = time.time()
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
             except ray.exceptions.RayActorError as exc:  # the router itself is gone; nothing restarts it
@@ -152,10 +161,16 @@ class RequestStream:
             if not isinstance(first, Admitted):
                 raise RequestFailed(f"backend {self.decision.backend_id} could not start the request",
                                     detail=f"it sent {type(first).__name__} before admitting it")
-            self.admitted = first
+            self.admitted, self.admitted_time = first, time.time()
             return first
         raise BackendUnavailable(f"the request could not be placed after {self.attempts} attempts; "
                                  "retry it", detail=f"last error: {last_error}")
+
+    def admission_stages(self) -> dict[str, float]:
+        """See `admission_stages`; empty before the request was admitted."""
+        if self.admitted is None or self.arrival_time is None:
+            return {}
+        return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, self.admitted.outputs)
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""
@@ -229,3 +244,28 @@ def _cause_message(exc: BaseException) -> str:
     """The original message of an exception Ray re-raised from an actor."""
     cause = getattr(exc, "cause", None)
     return str(cause if cause is not None else exc).strip().splitlines()[-1]
+
+
+def admission_stages(arrival: float, placed: float, admitted: float, first_outputs: list) -> dict[str, float]:
+    """Seconds per stage from a request's arrival to its admission (wall clock: stages that
+    cross processes compare clocks, which one node shares):
+
+    - `route`: arrival to the router's answer (reading and checking the request, tokenizing,
+      the router's round trip);
+    - with the first outputs in the admission (`Admitted.outputs`, packed, see
+      actors/engine_core.py): `to_engine` placed to first scheduled (the add's trip to the
+      engine core and its wait there), `prefill` first scheduled to first token, and `back`
+      first token to the admission's arrival here;
+    - without them (the request queued behind others): `admit`, placed to admitted.
+    A negative difference (clocks of two nodes) counts as 0.
+    """
+    stages = {"route": placed - arrival}
+    if first_outputs:
+        first = first_outputs[0]
+        first_scheduled, first_token = first[9], first[10]
+        if first_scheduled is not None and first_token is not None:
+            stages.update(to_engine=first_scheduled - placed, prefill=first_token - first_scheduled,
+                          back=admitted - first_token)
+            return {k: max(0.0, v) for k, v in stages.items()}
+    stages["admit"] = admitted - placed
+    return {k: max(0.0, v) for k, v in stages.items()}

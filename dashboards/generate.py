@@ -70,6 +70,7 @@ ROUTING = [
     ("HTTP requests/s by status", "short", [(
         f"sum by (endpoint, status) (rate(ray_tandem_http_requests_total{RATE}))", "{{endpoint}} {{status}}")]),
     ("HTTP requests in flight", "short", [("sum(ray_tandem_http_pending_requests)", "pending")]),
+    ("Arrival to admission, by stage", "s", quantiles("ray_tandem_http_stage_seconds", by="stage")),
 ]
 
 

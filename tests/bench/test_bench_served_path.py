@@ -23,7 +23,8 @@ def test_served_path_bench_writes_a_row_per_system(tmp_path):
 
 def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
     """The GPU mode's code path on the CPU (tiny model, a twentieth of the sizes): the rows, the
-    burst TTFT spreads and the TTFT parts come out, so it does not rot between GPU runs."""
+    burst TTFT spreads, the admission stages and the TTFT parts come out, so it does not rot
+    between GPU runs."""
     out = tmp_path / "served-http.json"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
@@ -37,5 +38,7 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
         assert row["in_process_tok_s"] > 0 and row["http_tok_s"] > 0
         for p50, worst in row["ttft_p50_max_ms"].values():
             assert 0 < p50 <= worst
+        stages = row["admission_stages_mean_ms"]  # read back from the server's own metrics
+        assert "route" in stages and ({"to_engine", "prefill", "back"} <= set(stages) or "admit" in stages), stages
     assert result["ttft"]["http_ms"] > 0
     assert set(result["ttft"]["parts_ms"]) == {"ping", "core_call", "place", "admit", "first_output"}

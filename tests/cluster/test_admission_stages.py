@@ -1,0 +1,31 @@
+"""`admission_stages`: a request's arrival-to-admission time split per stage, from the times the
+dispatch notes and the first outputs' engine timestamps (packed, as the backend sends them)."""
+
+import pytest
+
+from tandem.actors.engine_core import pack_output
+from tandem.cluster.dispatch import admission_stages
+from tandem.engine.outputs import RequestOutput, Usage
+
+
+def first_output(first_scheduled: float | None, first_token: float | None) -> tuple:
+    return pack_output(RequestOutput("r", [7], "a", False, None, Usage(16, 1, 0), 100.0, first_scheduled,
+                                     first_token, None))
+
+
+def test_with_first_outputs_the_admission_splits_into_engine_and_transport():
+    stages = admission_stages(100.0, 100.003, 100.020, [first_output(100.005, 100.015)])
+    assert stages == pytest.approx({"route": 0.003, "to_engine": 0.002, "prefill": 0.010, "back": 0.005})
+    assert sum(stages.values()) == pytest.approx(0.020)  # the stages add up to arrival -> admitted
+
+
+def test_a_queued_request_has_one_admit_stage():
+    assert admission_stages(100.0, 100.004, 100.050, []) == pytest.approx({"route": 0.004, "admit": 0.046})
+    # outputs without engine timestamps say nothing about the engine's share
+    assert admission_stages(100.0, 100.004, 100.050, [first_output(None, None)]) == pytest.approx(
+        {"route": 0.004, "admit": 0.046})
+
+
+def test_clock_differences_between_processes_never_give_negative_stages():
+    stages = admission_stages(100.0, 100.003, 100.020, [first_output(100.002, 100.021)])
+    assert min(stages.values()) == 0.0 and stages["to_engine"] == 0.0 and stages["back"] == 0.0
