@@ -97,3 +97,55 @@ def test_each_answer_is_its_own_callers(n):
         return await asyncio.gather(*(batcher.call(x) for x in range(n)))
 
     assert asyncio.run(main()) == [f"r{x}" for x in range(n)]
+
+
+class FakeGeneratorMethod:
+    """An actor generator method handle: `.options(num_returns="streaming").remote(*args)` is an
+    async iterator of awaitables, each a list of (index, answer) pairs, in `order`'s groups."""
+
+    def __init__(self, order, answer) -> None:
+        self.order, self.answer = order, answer
+        self.calls: list[tuple] = []
+
+    def options(self, **kwargs):
+        assert kwargs == {"num_returns": "streaming"}
+        return self
+
+    def remote(self, *args):
+        self.calls.append(args)
+        items = args[-1]
+
+        async def gen():
+            for group in self.order:
+                await asyncio.sleep(0.01)
+
+                async def ref(group=group):
+                    return [(i, self.answer(items[i])) for i in group]
+                yield ref()
+        return gen()
+
+
+def test_streaming_answers_reach_each_caller_as_they_come_not_with_the_slowest():
+    method = FakeGeneratorMethod([[2], [0, 1]], lambda item: ValueError("bad") if item[0] < 0 else item[0] * 10)
+    batcher = CallBatcher(method, "ch-1", streaming=True)
+    done_first = []
+
+    async def main():
+        futures = [asyncio.ensure_future(batcher.call(x)) for x in (1, -2, 3)]
+        futures[2].add_done_callback(lambda f: done_first.append([g.done() for g in futures]))
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert method.calls == [("ch-1", [(1,), (-2,), (3,)])]
+    assert results[0] == 10 and results[2] == 30 and isinstance(results[1], ValueError)
+    assert done_first == [[False, False, True]]  # the third answered before the other two came
+
+
+def test_a_stream_that_ends_early_fails_the_callers_it_did_not_answer():
+    batcher = CallBatcher(FakeGeneratorMethod([[0]], lambda item: item[0]), streaming=True)
+
+    async def main():
+        return await asyncio.gather(batcher.call(5), batcher.call(6), return_exceptions=True)
+
+    first, second = asyncio.run(main())
+    assert first == 5 and isinstance(second, RuntimeError)
