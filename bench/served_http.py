@@ -213,18 +213,20 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
 
 async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, num: int) -> dict[str, float]:
     """Where a lone request's TTFT goes outside the engine, median ms of `num` requests, from
-    this process (no HTTP): Ray's round trip to the backend actor (`ping`) and on through the
-    pipe to its engine core (`stats`), the router's `place`, then one request's route, admission
-    (which returns with its prefill step) and first output over the backend's channel."""
+    this process (no HTTP): Ray's round trip to the backend actor (`ping`), to the router
+    (`router_ping`) and on through the pipe to the backend's engine core (`stats`), then one
+    request's route (`place`), admission (which returns with its prefill step) and first output
+    over the backend's channel."""
     from tandem.actors.channel import open_stream
     from tandem.engine.sampling_params import SamplingParams
 
     def median_ms(xs: list[float]) -> float:
         return round(1e3 * sorted(xs)[len(xs) // 2], 3)
 
-    parts: dict[str, list[float]] = {k: [] for k in ("ping", "core_call", "place", "admit", "first_output")}
+    parts: dict[str, list[float]] = {k: [] for k in ("ping", "router_ping", "core_call", "place", "admit",
+                                                      "first_output")}
     for i in range(num + 2):  # the first two of each are warm-ups, left out
-        for key, call in (("ping", backend.ping), ("core_call", backend.stats)):
+        for key, call in (("ping", backend.ping), ("router_ping", router.ping), ("core_call", backend.stats)):
             t0 = time.perf_counter()
             await call.remote()
             if i >= 2:

@@ -41,4 +41,5 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
         stages = row["admission_stages_mean_ms"]  # read back from the server's own metrics
         assert "route" in stages and ({"to_engine", "prefill", "back"} <= set(stages) or "admit" in stages), stages
     assert result["ttft"]["http_ms"] > 0
-    assert set(result["ttft"]["parts_ms"]) == {"ping", "core_call", "place", "admit", "first_output"}
+    assert set(result["ttft"]["parts_ms"]) == {"ping", "router_ping", "core_call", "place", "admit",
+                                                     "first_output"}
