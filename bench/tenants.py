@@ -163,7 +163,7 @@ def measure_cell(ctx: Any, cluster: Any, workload: Workload, bar: Any,
 def compact_decision(decision: dict[str, Any]) -> dict[str, Any]:
     """What the report needs of a routing-log line (the full line stays in OUT/logs/)."""
     keep = ("num_cached_tokens", "num_inflight_cached_tokens", "num_active", "num_queued", "score_s",
-            "recompute_term_s", "replication_term_s")
+            "recompute_term_s", "replication_term_s", "queue_term_s")
     return {"index": decision["index"], "ts": decision["ts"], "backend_id": decision["backend_id"],
             "per_backend": {b: {k: s.get(k) for k in keep} for b, s in decision["per_backend"].items()}}
 
