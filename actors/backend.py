@@ -287,21 +287,10 @@ class BackendActor:
                 self._forget(req_id)
                 self._abort_quietly(req_id)
 
-    async def add_many(self, channel_id: str, requests: list[tuple]) -> AsyncIterator[list[tuple[int, Any]]]:
-        """`add` for several requests of one channel in one call (actors/batching.py, streaming):
-        yields `(index, Admitted or the exception add would have raised)` pairs as the answers
-        come, those answered together in one item, so a request admitted at once is not held
-        back by one queued behind others. Closing it early aborts the adds not answered yet."""
-        tasks = [asyncio.ensure_future(self.add(*request, channel_id)) for request in requests]
-        index = {task: i for i, task in enumerate(tasks)}
-        pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                yield [(index[t], _outcome(t)) for t in done]
-        finally:
-            for task in pending:
-                task.cancel()
+    async def add_many(self, channel_id: str, requests: list[tuple]) -> list[Any]:
+        """`add` for several requests of one channel in one call (actors/batching.py): each item
+        is its `Admitted` or the exception `add` would have raised."""
+        return await asyncio.gather(*(self.add(*request, channel_id) for request in requests), return_exceptions=True)
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[list]:
         """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
@@ -615,13 +604,6 @@ class BackendActor:
         for name, new, old in zip(names, totals, self._stats_totals):
             m.inc(name, new - old)
         self._stats_totals = totals
-
-
-def _outcome(task: asyncio.Task) -> Any:
-    """A finished add's answer as `add_many` returns it: its result or its exception."""
-    if task.cancelled():
-        return BackendError("the request's admission was cancelled")
-    return task.exception() or task.result()
 
 
 def _resolve_all(answers: list[tuple[asyncio.Future, bool, Any]]) -> None:

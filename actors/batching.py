@@ -12,11 +12,6 @@ The actor method takes a list of argument tuples and returns a list of the same 
 items are results or exceptions (returned, not raised, so one request's error is its own). A
 caller cancelled before the flush leaves its call out; one cancelled after it leaves the result
 unread, and cleaning up after it (an abort) is the caller's business, as with any Ray call.
-
-With `streaming=True` the method is an actor generator instead, yielding lists of
-`(index, result_or_exception)` as answers become ready, so an early answer is not held back by
-the batch's slowest one: a backend's `add_many` answers each request when the engine admits it,
-and in a burst some are admitted steps before others.
 """
 
 from __future__ import annotations
@@ -28,10 +23,9 @@ from typing import Any
 class CallBatcher:
     """Coalesces calls of `method` (an actor method handle) made on the running event loop."""
 
-    def __init__(self, method: Any, *leading: Any, streaming: bool = False) -> None:
+    def __init__(self, method: Any, *leading: Any) -> None:
         self._method = method
         self._leading = leading  # arguments of every call, before the list
-        self._streaming = streaming
         self._pending: list[tuple[tuple, asyncio.Future]] = []
 
     async def call(self, *args: Any) -> Any:
@@ -49,34 +43,21 @@ class CallBatcher:
             loop.create_task(self._send(batch))
 
     async def _send(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
-        futures = [future for _, future in batch]
-        items = [args for args, _ in batch]
         try:
-            if self._streaming:
-                gen = self._method.options(num_returns="streaming").remote(*self._leading, items)
-                async for ref in gen:
-                    for index, result in await ref:
-                        _answer(futures[index], result)
-                error: Exception = RuntimeError("the batched call ended without answering")
-            else:
-                for future, result in zip(futures, await self._method.remote(*self._leading, items)):
-                    _answer(future, result)
-                return
+            results = await self._method.remote(*self._leading, [args for args, _ in batch])
         except asyncio.CancelledError:  # this loop is closing
-            for future in futures:
+            for _, future in batch:
                 future.cancel()
             raise
-        except Exception as exc:  # the actor is gone: every caller still waiting hears it
-            error = exc
-        for future in futures:
-            if not future.done():
-                future.set_exception(error)
-
-
-def _answer(future: asyncio.Future, result: Any) -> None:
-    if future.done():  # its caller was cancelled meanwhile
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+        except Exception as exc:  # the actor is gone: every caller of the batch hears it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

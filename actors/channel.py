@@ -5,8 +5,8 @@ A Ray streaming generator per request costs an item (an object, a task event, a 
 both sides) per request per message; at 64 streams and a message per stream every few
 milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
 one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add_many`
-(the adds of one event-loop turn in one call, actors/batching.py, each answered as soon as the
-engine admits it, with its first outputs); every engine step then comes back as one batch holding this caller's outputs, which a reader
+(the adds of one event-loop turn in one call, actors/batching.py), each answered with its first
+outputs; every engine step then comes back as one batch holding this caller's outputs, which a reader
 task sorts into per-request queues. A request's reader merges whatever has piled up since its
 last read into one output, so a caller that falls behind reads fewer, larger deltas instead of
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
@@ -60,7 +60,7 @@ class BackendChannel:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
-        self.adds = CallBatcher(handle.add_many, self.channel_id, streaming=True)
+        self.adds = CallBatcher(handle.add_many, self.channel_id)
         self.queues: dict[str, asyncio.Queue] = {}
         self.error: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._read())

@@ -96,34 +96,6 @@ def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
         assert a[-1].finish_reason == "length" and all(o.new_token_ids for o in a[1:])
 
 
-def test_a_batch_of_adds_answers_each_request_when_it_is_admitted(backend):
-    """Six adds of one turn share one `add_many` call; with four slots, four are admitted (and
-    answered with their first token) a step before the two queued ones are answered, and those
-    four answers do not wait for the other two."""
-    from tandem.actors.channel import open_stream
-
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    async def burst():
-        streams = [open_stream(backend, f"burst-{i}", list(range(30 + 7 * i, 50 + 7 * i)), params, time.time())
-                   for i in range(6)]
-        firsts = [asyncio.ensure_future(s.next()) for s in streams]
-        seen_when_first_done: list[int] = []
-        for f in firsts:
-            f.add_done_callback(lambda _: seen_when_first_done.append(sum(g.done() for g in firsts))
-                                if not seen_when_first_done else None)
-        admitted = await asyncio.gather(*firsts)
-        for s in streams:  # drain, so the requests leave nothing behind
-            while not (await s.next()).finished:
-                pass
-        return admitted, seen_when_first_done[0]
-
-    admitted, done_at_first = run(burst())
-    assert all(isinstance(a, Admitted) for a in admitted)
-    assert sum(bool(a.outputs) for a in admitted) == 4  # the four that got a slot came with a token
-    assert done_at_first < 6  # the first answer came before the last: not all at once
-
-
 def test_a_rejected_request_fails_its_add_and_the_channel_keeps_serving(backend):
     from tandem.actors.channel import open_stream
 
