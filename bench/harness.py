@@ -179,7 +179,10 @@ class BenchCluster:
             "backends": self.layout.arm_backends(self.arm, self.accel_max_active, self.cpu_max_active),
             "rates": str(self.rates_path), "profile": "never", "port": self.port,
             "routing_log": str(self.routing_log), "namespace": namespace,
-            "max_pending_requests": self.max_pending_requests, "warmup_tokens": self.warmup_tokens},
+            "max_pending_requests": self.max_pending_requests, "warmup_tokens": self.warmup_tokens,
+            # Ray is already up (init_ray, its own metrics port): no metrics page to bind, so no port
+            # check either; a test holding the default 8080 had stopped a bench half way.
+            "metrics_port": 0},
             source="bench cluster")
         self.tandem = start(config, log=lambda line: logger.info("%s", line))
         self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
