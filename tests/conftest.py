@@ -73,3 +73,12 @@ def greedy_tokens(config, prompts: list[list[int]], max_tokens: int = 12):
         for o in engine.step():
             out.setdefault(o.req_id, []).extend(o.new_token_ids)
     return engine, [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited (a zombie has too: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.actors.messages import Admitted
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
+from tests.conftest import is_gone
 
 ENGINE = dict(model="tiny-llama-random", device="cpu", max_active=4, block_size=16)
 
@@ -50,14 +51,6 @@ def backend(ray_local):
     actor = make_backend(ray_local, "core-test")
     yield actor
     ray_local.kill(actor, no_restart=True)
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
-    except FileNotFoundError:
-        return True
 
 
 def wait_until(predicate, what: str, timeout_s: float = 60.0):

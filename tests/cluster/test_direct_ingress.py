@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.cluster.conftest import free_port, wait_for
+from tests.conftest import is_gone
 
 pytestmark = [pytest.mark.slow,  # starts Ray (CI runs the slow tests too)
               pytest.mark.skipif(not __import__("sys").platform.startswith("linux"),
@@ -94,17 +95,10 @@ def test_a_killed_replica_leaves_the_port_answering(cluster):
     pid = ray.get(victim.__ray_call__.remote(lambda replica: os.getpid()))
     ray.kill(victim, no_restart=True)
 
-    def gone() -> bool:
-        # Its process exited, so the kernel closed its listening socket. (The actor's name goes
-        # first, before the process is gone: a connection the kernel put in the dying socket's
-        # queue in between is reset, which is what clients of any SO_REUSEPORT server see.)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except FileNotFoundError:
-            return True
-
-    wait_for(gone, timeout_s=30, interval_s=0.2, what="the killed replica's process to exit")
+    # Its process exited, so the kernel closed its listening socket. (The actor's name goes
+    # first, before the process is gone: a connection the kernel put in the dying socket's
+    # queue in between is reset, which is what clients of any SO_REUSEPORT server see.)
+    wait_for(lambda: is_gone(pid), timeout_s=30, interval_s=0.2, what="the killed replica's process to exit")
     body = {"model": MODEL, "prompt": "Still here?", "max_tokens": 4}
     for _ in range(CONNECTIONS):  # every fresh connection is answered, none refused or reset
         with httpx.Client(timeout=30.0) as client:
