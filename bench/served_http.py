@@ -169,7 +169,7 @@ async def stage_means(metrics_url: str, before: dict[str, list[float]], num_requ
     deadline = time.monotonic() + STAGE_WAIT_S
     while True:
         now = await asyncio.to_thread(scrape_stages, metrics_url)
-        delta = {k: [v[0] - before.get(k, [0.0, 0.0])[0], v[1] - before.get(k, [0.0, 0.0])[1]] for k, v in now.items()}
+        delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in now.items()}
         if delta.get("route", [0, 0])[1] >= num_requests:
             return {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
         if time.monotonic() > deadline:
