@@ -154,7 +154,7 @@ class BackendActor:
         self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
         self._holding: dict[int, _Channel] = {}  # channels with held outputs (reader thread)
         self._admitting: dict[int, str] = {}  # call id of a channel add -> its request
-        self._awaiting_first: dict[str, tuple[int, int]] = {}  # admitted, answer held: (call id, prompt tokens)
+        self._awaiting_first: dict[str, tuple[int, int]] = {}  # admitted, answer held: (call id, (prompt tokens, time queued))
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
@@ -275,13 +275,14 @@ class BackendActor:
         channel.req_ids.add(req_id)
         self._channel_of[req_id] = channel
         admitted = False
+        received = time.time()
         try:
             call_id, future = self._new_call()
             self._admitting[call_id] = req_id
             self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
-            num_prompt_tokens, outputs = await future
+            (num_prompt_tokens, queued), outputs = await future
             admitted = True
-            return Admitted(req_id, self.backend_id, num_prompt_tokens, outputs)
+            return Admitted(req_id, self.backend_id, num_prompt_tokens, outputs, received, queued)
         finally:
             if not admitted:
                 self._forget(req_id)
@@ -359,7 +360,8 @@ class BackendActor:
     async def _add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None) -> int:
         call_id, future = self._new_call()
         self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
-        return await future
+        num_prompt_tokens, _ = await future
+        return num_prompt_tokens
 
     async def _call(self, name: str, *args: Any) -> Any:
         """Run the core's `call_<name>(*args)` between two steps and return its result."""

@@ -17,7 +17,7 @@ cheaper than dataclasses; see `pack_output`):
   per engine step (or per batch of commands while idle), carrying every request's new tokens
   and text, the router's progress and step timing, and the prefix-cache changes; never one
   message per request. `replies` answers the commands applied since the last message as
-  `(call_id, ok, value_or_error)`. First of all the core sends `(READY, info)`, or
+  `(call_id, ok, value_or_error)`; an add's value is `(num_prompt_tokens, time queued)`. First of all the core sends `(READY, info)`, or
   `(FAILED, traceback)` if the engine cannot load.
 
 The core dies with its front: it exits when the pipe reaches end-of-file (the front process
@@ -185,7 +185,8 @@ class EngineCore:
             self.engine.abort_request(command[1])
         elif kind == ADD:
             _, call_id, req_id, prompt_token_ids, params, arrival_time = command
-            self.answer(call_id, lambda: self.engine.add_request(req_id, prompt_token_ids, params, arrival_time))
+            self.answer(call_id, lambda: (self.engine.add_request(req_id, prompt_token_ids, params, arrival_time),
+                                          time.time()))
         elif kind == CALL:
             _, call_id, name, args = command
             self.answer(call_id, lambda: getattr(self, "call_" + name)(*args))

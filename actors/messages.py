@@ -19,12 +19,18 @@ class Admitted:
     (packed, see actors/engine_core.py; all of a one-token request), so the first token reaches
     the caller with the answer instead of a channel message later; a request still queued then
     is answered without them, and a rejection at once.
+
+    `received_time` (the backend actor took the add) and `queued_time` (the engine core queued
+    the request) are `time.time()` stamps that split the add's trip into its hops
+    (cluster/dispatch.py `admission_stages`); None where a path does not stamp them.
     """
 
     req_id: str
     backend_id: str
     num_prompt_tokens: int
     outputs: list = field(default_factory=list)
+    received_time: float | None = None
+    queued_time: float | None = None
 
 
 @dataclass

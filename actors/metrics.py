@@ -126,7 +126,7 @@ INGRESS_METRICS = (
                known_values=(("endpoint", HTTP_ENDPOINTS), ("status", ("200",)))),
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
     MetricSpec("tandem_http_stage_seconds", HISTOGRAM, "A request's time from arrival to admission, per stage "
-               "(route, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S),
+               "(route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S),
 )
 
 REGISTRY: dict[str, MetricSpec] = {

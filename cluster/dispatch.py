@@ -170,7 +170,9 @@ class RequestStream:
         """See `admission_stages`; empty before the request was admitted."""
         if self.admitted is None or self.arrival_time is None:
             return {}
-        return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, self.admitted.outputs)
+        a = self.admitted
+        return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
+                                a.received_time, a.queued_time)
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""
@@ -246,26 +248,36 @@ def _cause_message(exc: BaseException) -> str:
     return str(cause if cause is not None else exc).strip().splitlines()[-1]
 
 
-def admission_stages(arrival: float, placed: float, admitted: float, first_outputs: list) -> dict[str, float]:
+def admission_stages(arrival: float, placed: float, admitted: float, first_outputs: list,
+                     received: float | None = None, queued: float | None = None) -> dict[str, float]:
     """Seconds per stage from a request's arrival to its admission (wall clock: stages that
     cross processes compare clocks, which one node shares):
 
     - `route`: arrival to the router's answer (reading and checking the request, tokenizing,
       the router's round trip);
+    - the add's trip, where the backend stamped it (`Admitted.received_time`/`queued_time`):
+      `to_backend` placed to the backend actor taking the add (this process's batching and the
+      Ray call), `to_core` from there to the engine core queueing it (the actor's event loop,
+      the pipe, the core finishing its step in progress); without the stamps both count in the
+      next stage;
     - with the first outputs in the admission (`Admitted.outputs`, packed, see
-      actors/engine_core.py): `to_engine` placed to first scheduled (the add's trip to the
-      engine core and its wait there), `prefill` first scheduled to first token, and `back`
-      first token to the admission's arrival here;
-    - without them (the request queued behind others): `admit`, placed to admitted.
+      actors/engine_core.py): `to_engine` queued (or placed) to first scheduled (its wait in
+      the engine), `prefill` first scheduled to first token, and `back` first token to the
+      admission's arrival here;
+    - without them (the request queued behind others): `admit`, queued (or placed) to admitted.
     A negative difference (clocks of two nodes) counts as 0.
     """
     stages = {"route": placed - arrival}
+    engine_from = placed
+    if received is not None and queued is not None:
+        stages.update(to_backend=received - placed, to_core=queued - received)
+        engine_from = queued
     if first_outputs:
         first = first_outputs[0]
         first_scheduled, first_token = first[9], first[10]
         if first_scheduled is not None and first_token is not None:
-            stages.update(to_engine=first_scheduled - placed, prefill=first_token - first_scheduled,
+            stages.update(to_engine=first_scheduled - engine_from, prefill=first_token - first_scheduled,
                           back=admitted - first_token)
             return {k: max(0.0, v) for k, v in stages.items()}
-    stages["admit"] = admitted - placed
+    stages["admit"] = admitted - engine_from
     return {k: max(0.0, v) for k, v in stages.items()}

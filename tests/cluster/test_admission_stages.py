@@ -29,3 +29,13 @@ def test_a_queued_request_has_one_admit_stage():
 def test_clock_differences_between_processes_never_give_negative_stages():
     stages = admission_stages(100.0, 100.003, 100.020, [first_output(100.002, 100.021)])
     assert min(stages.values()) == 0.0 and stages["to_engine"] == 0.0 and stages["back"] == 0.0
+
+
+def test_the_backends_stamps_split_the_adds_trip_into_its_hops():
+    stages = admission_stages(100.0, 100.003, 100.030, [first_output(100.012, 100.022)], received=100.005,
+                              queued=100.009)
+    assert stages == pytest.approx({"route": 0.003, "to_backend": 0.002, "to_core": 0.004, "to_engine": 0.003,
+                                    "prefill": 0.010, "back": 0.008})
+    assert sum(stages.values()) == pytest.approx(0.030)
+    queued = admission_stages(100.0, 100.003, 100.050, [], received=100.005, queued=100.009)
+    assert queued == pytest.approx({"route": 0.003, "to_backend": 0.002, "to_core": 0.004, "admit": 0.041})
