@@ -61,3 +61,22 @@ class CallBatcher:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+
+class NoticeBatcher:
+    """Coalesces one-way notices (`method` returns nothing anyone waits for) made on the running
+    event loop: the notices of one turn go out as one Ray call, which nobody awaits."""
+
+    def __init__(self, method: Any, *leading: Any) -> None:
+        self._method = method
+        self._leading = leading  # arguments of every call, before the list
+        self._pending: list[tuple] = []
+
+    def notify(self, *args: Any) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(args)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        self._method.remote(*self._leading, batch)

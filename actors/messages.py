@@ -61,7 +61,7 @@ class Decision:
     backend_id: str
     instance_id: str
     record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
-    estimated_s: float = 0.0
+    estimated_s: float | None = 0.0  # None: not scored (the request went to the fixed choice)
     handle: Any = None  # the chosen backend's actor handle
 
 

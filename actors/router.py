@@ -12,6 +12,14 @@ after Ray restarts it. It is dropped at once when a caller reports that a call t
 callers (see cluster/dispatch.py), which re-route them. Each registration carries a fresh
 `instance_id`, so a late failure report about the previous incarnation cannot drop the new one.
 
+Fixed choices. When every request must go to one backend (it is the only routable one), a
+caller need not wait for a decision: `watch_fixed_choice` tells callers that backend as it
+changes (a long poll, answered when membership, policy or cordons change), they send requests
+there at once and tell the router after with `note_placed_many`, which places them as `place`
+would have. A note can come after the backend reported its request finished, or after the
+caller's `forget`: the router keeps the ids of such unknown requests for a while (tombstones)
+and drops their late notes, so no ledger entry outlives its request.
+
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
 plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
 backend and policy, each backend's score, pending seconds, and estimated vs realised
@@ -34,6 +42,11 @@ from tandem.actors.messages import BackendInfo, Decision
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 
 PENDING_EXPORT_S = 0.05
+# How many finished-or-forgotten ids of requests the router never placed it remembers, so
+# their late `note_placed_many` is dropped (see the module docstring); and how long a
+# `watch_fixed_choice` call waits for a change before answering anyway.
+MAX_TOMBSTONES = 65536
+WATCH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("tandem.router")
 
@@ -64,6 +77,9 @@ class RouterActor:
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False,
                  spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
+        from tandem.actors.switch_interval import apply_switch_interval
+
+        apply_switch_interval()
         from tandem.routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(
@@ -84,6 +100,9 @@ class RouterActor:
             self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
         self._health_task: asyncio.Task | None = None
         self._pending_export: asyncio.TimerHandle | None = None
+        self._tombstones: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._choice_version = 0
+        self._choice_changed = asyncio.Event()
 
     # -- membership --------------------------------------------------------------------------
     async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
@@ -104,6 +123,7 @@ class RouterActor:
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
                        info.instance_id, "rejoined" if info.reconstructed else "joined")
         self._export_membership()
+        self._routing_changed()
         self._ensure_health_task()
 
     async def backend_failed(self, backend_id: str, instance_id: str | None = None, reason: str = "") -> bool:
@@ -122,6 +142,7 @@ class RouterActor:
             self.routed.pop(req_id, None)
         logger.warning("router: dropped backend %s (%s); %d queued and %d active requests fail over at "
                        "their callers", backend_id, reason, len(removed.queued), len(removed.active))
+        self._routing_changed()
         # Nothing is pending on a backend that is out of routing; its gauges would otherwise
         # keep their last values until it rejoins.
         self.metrics.set("tandem_router_pending_seconds", 0.0, tags={"backend": backend_id})
@@ -135,6 +156,7 @@ class RouterActor:
         self.policy = self.router.policy
         for backend_id in self.router.backend_ids():
             self.router.set_cordoned(backend_id, backend_id in cordoned)
+        self._routing_changed()
 
     async def set_max_active(self, backend_id: str, max_active: int) -> None:
         """A backend changed its max_active (BackendActor.set_max_active tells us)."""
@@ -183,6 +205,47 @@ class RouterActor:
                 answers.append(exc)
         return answers
 
+    # -- fixed choices (see the module docstring) --------------------------------------------
+    async def watch_fixed_choice(self, version: int = -1,
+                                 timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, str | None, str | None]:
+        """(version, backend id, instance id) of the backend every request goes to, or
+        (version, None, None) while requests have a choice. Answers at once if the caller's
+        `version` is not the current one, else when it changes or after `timeout_s`."""
+        if version == self._choice_version:
+            try:
+                await asyncio.wait_for(self._choice_changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        backend_id = self.router.fixed_choice()
+        backend = self.backends.get(backend_id) if backend_id is not None else None
+        if backend is None:
+            return self._choice_version, None, None
+        return self._choice_version, backend_id, backend.info.instance_id
+
+    async def note_placed_many(self, requests: list[tuple]) -> None:
+        """Requests a caller sent to the fixed choice without asking, as `place_many`'s
+        (req_id, prompt_token_ids, max_tokens, attempt): placed now, as `place` would have
+        (the ledger, the routing log, the metrics), unless the request already ended."""
+        for request in requests:
+            if request[0] in self._tombstones:  # finished or forgotten before this note came
+                del self._tombstones[request[0]]
+                continue
+            try:
+                self._place(*request)
+            except Exception:  # no backend left, or a duplicate id: nothing to account
+                logger.debug("router: note of request %s not placed", request[0], exc_info=True)
+
+    def _routing_changed(self) -> None:
+        self._choice_version += 1
+        self._choice_changed.set()
+        self._choice_changed = asyncio.Event()
+
+    def _bury(self, req_id: str) -> None:
+        """Remember a request the router never placed, which ended (see the module docstring)."""
+        self._tombstones[req_id] = None
+        if len(self._tombstones) > MAX_TOMBSTONES:
+            del self._tombstones[next(iter(self._tombstones))]
+
     def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
                    attempt: int) -> tuple[str, str, float]:
         record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
@@ -224,6 +287,8 @@ class RouterActor:
         found = self.router.forget(req_id)
         if found:
             self._export_pending()
+        else:
+            self._bury(req_id)
         return found
 
     def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
@@ -306,6 +371,7 @@ class RouterActor:
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)
         if routed is None:
+            self._bury(req_id)
             return
         realised = time.time() - routed.decided_at
         tags = {"backend": backend_id}

@@ -52,6 +52,7 @@ from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
+from tandem.actors.switch_interval import apply_switch_interval
 from tandem.cluster.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -350,6 +351,7 @@ def _with_known_paths(cls: type) -> type:
 @_with_known_paths
 class TandemIngress:
     def __init__(self, router: Any, tokenizer: Any, settings: IngressSettings) -> None:
+        apply_switch_interval()
         self.router = router
         self.tokenizer = tokenizer
         self.settings = settings
@@ -553,7 +555,8 @@ class TandemIngress:
 
     # -- responses ---------------------------------------------------------------------------
     def _info(self, stream: RequestStream) -> TandemInfo:
-        return TandemInfo(backend=stream.backend_id, estimated_s=round(stream.decision.estimated_s, 6))
+        estimated_s = stream.decision.estimated_s
+        return TandemInfo(backend=stream.backend_id, estimated_s=None if estimated_s is None else round(estimated_s, 6))
 
     async def _full_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
         choices: dict[int, Choice] = {}

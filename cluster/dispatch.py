@@ -12,7 +12,9 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
 - `close()` aborts the request on its backend unless it finished, which is what frees the
   blocks of a client that disconnected mid-stream.
 
-Routing calls go out coalesced: the `place` calls of one event-loop turn share one
+With one routable backend there is nothing to decide, and the request goes there without
+waiting for the router, which hears of it after (cluster/fixed_choice.py). Otherwise routing
+calls go out coalesced: the `place` calls of one event-loop turn share one
 `RouterActor.place_many` call (actors/batching.py), so the router's cost per call is shared
 by however many requests arrived together. The router answers with a backend id, not a
 handle: an actor handle in a reply is serialized by the router and rebuilt (and
@@ -37,6 +39,7 @@ from typing import Any
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.messages import Admitted, BackendError, Decision
+from tandem.cluster.fixed_choice import FixedChoice
 
 logger = logging.getLogger("tandem.dispatch")
 
@@ -130,8 +133,7 @@ class RequestStream:
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                backend_id, instance_id, estimated_s = await _placer(self.router).call(
-                    self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n, self.attempts)
+                backend_id, instance_id, estimated_s = await self._place()
                 handle = await self._handles.get(backend_id)
                 self.placed_time = time.time()
             except NoBackendAvailable as exc:
@@ -173,6 +175,16 @@ class RequestStream:
         a = self.admitted
         return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
                                 a.received_time, a.queued_time)
+
+    async def _place(self) -> tuple[str, str, float | None]:
+        """(backend id, instance id, the router's estimate): the fixed choice if there is one
+        (no estimate: nothing was scored), else the router's answer; a retry always asks."""
+        max_tokens = self.params.max_tokens * self.params.n
+        if self.attempts == 1:
+            fixed = FixedChoice.of(self.router).place(self.req_id, self.prompt_token_ids, max_tokens)
+            if fixed is not None:
+                return (*fixed, None)
+        return await _placer(self.router).call(self.req_id, self.prompt_token_ids, max_tokens, self.attempts)
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""
