@@ -15,10 +15,11 @@ router's progress report and record the metrics.
 Two ways to stream:
 - `generate` (one Ray streaming generator per request): `Admitted`, then `RequestOutput`s.
   Used by the warm-up and benchmarks, and simple to drive by hand.
-- `add` + `subscribe` (one multiplexed stream per caller process, see actors/channel.py): the
-  caller's process opens one `subscribe` stream per backend and every request it adds with
-  that channel id comes back on it, one batch of every request's new outputs per step. Ray's
-  per-item cost is then paid per step, not per request per step; the serving path
+- `add_many` + `subscribe` (one multiplexed stream per caller process, see actors/channel.py):
+  the caller's process opens one `subscribe` stream per backend and every request it adds with
+  that channel id comes back on it: first its admission, then its outputs, in one batch of
+  every request's news per step. `add_many` is sent one-way, so Ray's per-call and per-item
+  costs are paid per step and per batch of adds, never per request; the serving path
   (cluster/dispatch.py) uses this.
 
 Pacing: a request's first output goes at once, and so does its last; in between, outputs are
@@ -51,6 +52,7 @@ from typing import Any
 from tandem.actors import engine_core as core
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
+from tandem.actors.switch_interval import apply_switch_interval
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.backend")
@@ -130,6 +132,7 @@ class BackendActor:
         stream_interval_s: float = STREAM_INTERVAL_S,
         max_stream_messages_per_s: float = MAX_STREAM_MESSAGES_PER_S,
     ) -> None:
+        apply_switch_interval()
         self.backend_id = backend_id
         self.instance_id = uuid.uuid4().hex[:12]
         self.stream_interval_s = stream_interval_s
@@ -153,8 +156,11 @@ class BackendActor:
         self._channels: dict[str, _Channel] = {}
         self._channel_of: dict[str, _Channel] = {}  # req_id -> its channel
         self._holding: dict[int, _Channel] = {}  # channels with held outputs (reader thread)
-        self._admitting: dict[int, str] = {}  # call id of a channel add -> its request
-        self._awaiting_first: dict[str, tuple[int, int]] = {}  # admitted, answer held: (call id, (prompt tokens, time queued))
+        # A channel add's call id -> (request id, its channel, when this actor took it); once
+        # the engine queued it, its admission waits for its first outputs in `_awaiting_first`:
+        # request id -> (channel, prompt tokens, time taken, time queued).
+        self._admitting: dict[int, tuple[str, _Channel, float]] = {}
+        self._awaiting_first: dict[str, tuple[_Channel, int, float, float]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
@@ -261,37 +267,32 @@ class BackendActor:
                 self._abort_quietly(req_id)
 
     # -- requests: one multiplexed stream per caller process ---------------------------------
-    async def add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None,
-                  channel_id: str) -> Admitted:
-        """Admit a request whose outputs go to `channel_id`'s `subscribe` stream; answers with
-        its first outputs (`Admitted.outputs`) if they come within a step, the rest come on the
-        channel. Raises InvalidRequestError at once if the engine rejects it, BackendError if the
-        engine fails before its first output. A caller cancelled while this runs leaves nothing
-        behind: the request is aborted."""
-        self._check_new(req_id)
+    async def add_many(self, channel_id: str, requests: list[tuple]) -> None:
+        """Admit requests `(req_id, prompt_token_ids, params, arrival_time)` whose outputs go to
+        `channel_id`'s `subscribe` stream. Nothing is returned: each request's answer is its
+        first item on that stream, `(req_id, Admitted)` with its first outputs if they come
+        within a step (see `Admitted`), or `(req_id, exception)`: InvalidRequestError if the
+        engine rejects it, BackendError if it cannot start. Callers send this one-way
+        (actors/batching.py), so an admission costs no reply of its own: it rides the channel's
+        next batch with the step's outputs."""
         channel = self._channels.setdefault(channel_id, _Channel())
-        if channel.closed:
-            raise BackendError(f"channel {channel_id} of backend {self.backend_id} is closed")
-        channel.req_ids.add(req_id)
-        self._channel_of[req_id] = channel
-        admitted = False
         received = time.time()
-        try:
-            call_id, future = self._new_call()
-            self._admitting[call_id] = req_id
-            self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
-            (num_prompt_tokens, queued), outputs = await future
-            admitted = True
-            return Admitted(req_id, self.backend_id, num_prompt_tokens, outputs, received, queued)
-        finally:
-            if not admitted:
+        refused = []
+        for req_id, prompt_token_ids, params, arrival_time in requests:
+            try:
+                self._check_new(req_id)
+                if channel.closed:
+                    raise BackendError(f"channel {channel_id} of backend {self.backend_id} is closed")
+                channel.req_ids.add(req_id)
+                self._channel_of[req_id] = channel
+                call_id = next(self._call_ids)
+                self._admitting[call_id] = (req_id, channel, received)
+                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
+            except Exception as exc:
                 self._forget(req_id)
-                self._abort_quietly(req_id)
-
-    async def add_many(self, channel_id: str, requests: list[tuple]) -> list[Any]:
-        """`add` for several requests of one channel in one call (actors/batching.py): each item
-        is its `Admitted` or the exception `add` would have raised."""
-        return await asyncio.gather(*(self.add(*request, channel_id) for request in requests), return_exceptions=True)
+                refused.append((req_id, exc))
+        if refused:
+            _dispatch([], [(channel, refused)])
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[list]:
         """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
@@ -325,17 +326,13 @@ class BackendActor:
         if self._stopping:
             raise BackendError(f"backend {self.backend_id} is shutting down")
 
-    def _forget(self, req_id: str, error: BaseException | None = None) -> None:
-        """Drop a channel request and whatever it has not been sent (aborted, or failed); an
-        add still waiting for its first output raises `error` (a cancelled one stays so)."""
+    def _forget(self, req_id: str) -> None:
+        """Drop a channel request and whatever it has not been sent (aborted, or failed; its
+        caller hears why on the channel, or is gone)."""
         channel = self._channel_of.pop(req_id, None)
         if channel is not None:
             channel.drop(req_id)
-        waiting = self._awaiting_first.pop(req_id, None)
-        entry = self._calls.pop(waiting[0], None) if waiting is not None else None
-        if entry is not None:
-            error = error or BackendError(f"backend {self.backend_id}: request {req_id} ended before its first output")
-            entry[0].call_soon_threadsafe(_resolve_all, [(entry[1], False, error)])
+        self._awaiting_first.pop(req_id, None)
 
     def _leave_channel(self, req_id: str) -> None:
         """A finished request leaves its channel's count; its held outputs still go out."""
@@ -408,13 +405,13 @@ class BackendActor:
 
     def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
                  stats: Any) -> None:
-        to_deliver = outputs
+        to_deliver, admissions = outputs, {}
         if self._admitting or self._awaiting_first:
-            replies, to_deliver = self._with_first_outputs(replies, outputs)
+            replies, to_deliver, admissions = self._admissions(replies, outputs)
         if replies:
             self._answer(replies)
-        if to_deliver:
-            self._deliver(to_deliver)
+        if to_deliver or admissions:
+            self._deliver(to_deliver, admissions)
         if step is not None:
             self.metrics.observe("tandem_backend_step_time_seconds", step[3])
             self.metrics.inc("tandem_backend_steps")
@@ -432,24 +429,34 @@ class BackendActor:
         if stats is not None:
             self._record_stats(stats)
 
-    def _with_first_outputs(self, replies: list, outputs: list) -> tuple[list, list]:
-        """A channel add is answered with its request's first outputs (see `Admitted`) when
-        they come in the same step's message (a synchronous engine) or the next one
-        (asynchronous scheduling returns a step's tokens with the next step); those outputs
-        leave the channel's path. A request still without outputs then (queued behind others,
-        or a prompt prefilled in chunks) is answered without them, so its caller's response
-        starts as before; failures are answered at once. Returns the replies to answer now and
-        the outputs left for `_deliver`."""
+    def _admissions(self, replies: list, outputs: list) -> tuple[list, list, dict]:
+        """The channel adds' answers in this message: an add the engine queued is admitted with
+        its request's first outputs (see `Admitted`) when they come in the same step's message
+        (a synchronous engine) or the next one (asynchronous scheduling returns a step's tokens
+        with the next step); those outputs leave the channel's path. A request still without
+        outputs then (queued behind others, or a prompt prefilled in chunks) is admitted
+        without them, so its caller's response starts as before; a rejection is answered at
+        once. Returns the other replies, the outputs left for `_deliver`, and the admission
+        items per channel (id(channel) -> (channel, items)), which go out before any output."""
         late = list(self._awaiting_first.items())  # held over one message already
-        answer_now = []
+        other_replies = []
+        admissions: dict[int, tuple[_Channel, list]] = {}
+
+        def admit(channel: _Channel, req_id: str, answer: Any) -> None:
+            admissions.setdefault(id(channel), (channel, []))[1].append((req_id, answer))
+
         for reply in replies:
-            req_id = self._admitting.pop(reply[0], None)
-            if req_id is not None and reply[1]:
-                self._awaiting_first[req_id] = (reply[0], reply[2])
+            adding = self._admitting.pop(reply[0], None)
+            if adding is None:
+                other_replies.append(reply)
+            elif reply[1]:
+                (num_prompt_tokens, queued), (req_id, channel, received) = reply[2], adding
+                self._awaiting_first[req_id] = (channel, num_prompt_tokens, received, queued)
             else:
-                answer_now.append(reply)
+                self._forget(adding[0])
+                admit(adding[1], adding[0], reply[2])
         if not self._awaiting_first:
-            return answer_now, outputs
+            return other_replies, outputs, admissions
         firsts: dict[str, list] = {}
         rest = []
         for packed in outputs:
@@ -462,11 +469,14 @@ class BackendActor:
         for req_id, packed in firsts.items():
             waiting = self._awaiting_first.pop(req_id, None)
             if waiting is not None:
-                answer_now.append((waiting[0], True, (waiting[1], core.merge_packed(packed))))
-        for req_id, waiting in late:  # no outputs in this message either: answered without them
+                channel, num_prompt_tokens, received, queued = waiting
+                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, core.merge_packed(packed),
+                                                received, queued))
+        for req_id, waiting in late:  # no outputs in this message either: admitted without them
             if self._awaiting_first.pop(req_id, None) is not None:
-                answer_now.append((waiting[0], True, (waiting[1], [])))
-        return answer_now, rest
+                channel, num_prompt_tokens, received, queued = waiting
+                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, [], received, queued))
+        return other_replies, rest, admissions
 
     def _answer(self, replies: list) -> None:
         by_loop: dict[Any, list] = {}
@@ -477,7 +487,7 @@ class BackendActor:
         for loop, answers in by_loop.items():
             loop.call_soon_threadsafe(_resolve_all, answers)
 
-    def _deliver(self, outputs: list) -> None:
+    def _deliver(self, outputs: list, admissions: dict | None = None) -> None:
         """Hand a step's outputs (the core's packed tuples) to their streams and channels with
         one wake-up of the event loop, not one per request. Both are paced here: `generate`
         streams by `stream_interval_s` (a stream's coroutine wakes only to send), channel
@@ -500,11 +510,11 @@ class BackendActor:
             if stream is not None:
                 stream.pending.append(core.unpack_output(packed))
                 self._held[req_id] = stream
-        batches = []
+        batches = dict(admissions or {})  # a channel's admissions go before its outputs
         for key, channel in list(self._holding.items()):
             due = channel.take_due(now)
             if due:
-                batches.append((channel, due))
+                batches.setdefault(key, (channel, []))[1].extend(due)
             if not channel.held:
                 del self._holding[key]
         deliveries = []
@@ -515,7 +525,7 @@ class BackendActor:
                     del self._held[req_id]
                     deliveries.extend((stream, out) for out in merge_outputs(stream.pending))
                     stream.pending, stream.next_send = [], now + interval
-        _dispatch(deliveries, batches)
+        _dispatch(deliveries, list(batches.values()))
 
     def _stream_interval(self) -> float:
         """Seconds until a `generate` stream's next message: the configured interval, stretched
@@ -541,7 +551,7 @@ class BackendActor:
         batches: dict[int, tuple[_Channel, list]] = {}
         for req_id, channel in channel_reqs:
             batches.setdefault(id(channel), (channel, []))[1].append((req_id, error))
-            self._forget(req_id, error)
+            self._forget(req_id)
         _dispatch(deliveries, list(batches.values()))
         return [r for r, _ in streams] + [r for r, _ in channel_reqs]
 

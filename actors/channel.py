@@ -5,9 +5,9 @@ A Ray streaming generator per request costs an item (an object, a task event, a 
 both sides) per request per message; at 64 streams and a message per stream every few
 milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
 one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add_many`
-(the adds of one event-loop turn in one call, actors/batching.py), each answered with its first
-outputs; every engine step then comes back as one batch holding this caller's outputs, which a reader
-task sorts into per-request queues. A request's reader merges whatever has piled up since its
+(the adds of one event-loop turn in one one-way call, actors/batching.py); every engine step
+then comes back as one batch holding this caller's admissions (each with the request's first
+outputs) and outputs, which a reader task sorts into per-request queues. A request's reader merges whatever has piled up since its
 last read into one output, so a caller that falls behind reads fewer, larger deltas instead of
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
 
@@ -26,7 +26,7 @@ import os
 import uuid
 from typing import Any
 
-from tandem.actors.batching import CallBatcher
+from tandem.actors.batching import NoticeBatcher
 from tandem.actors.engine_core import unpack_output
 from tandem.actors.messages import Admitted, BackendError
 from tandem.engine.outputs import merge_outputs
@@ -60,7 +60,7 @@ class BackendChannel:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
-        self.adds = CallBatcher(handle.add_many, self.channel_id)
+        self.adds = NoticeBatcher(handle.add_many, self.channel_id)
         self.queues: dict[str, asyncio.Queue] = {}
         self.error: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._read())
@@ -69,7 +69,8 @@ class BackendChannel:
         try:
             gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
             async for ref in gen:
-                for item in await ref:  # packed outputs, or (req_id, error) for one request
+                # packed outputs, or (req_id, Admitted) or (req_id, error) for one request
+                for item in await ref:
                     queue = self.queues.get(item[0])
                     if queue is not None:
                         queue.put_nowait(item[1] if len(item) == 2 else unpack_output(item))
@@ -126,15 +127,19 @@ class ChannelStream:
 
     async def _add(self) -> Admitted:
         channel = self.channel
-        channel.queues[self.req_id] = self._queue  # before the add: its first output may come first
+        channel.queues[self.req_id] = self._queue  # before the add, which answers on this queue
         if channel.error is not None:
             self.close()
             raise channel.error
+        channel.adds.notify(*self._add_args)
         try:
-            admitted = await channel.adds.call(*self._add_args)
+            admitted = await self._queue.get()  # the admission comes first, on the channel
         except BaseException:
             self.close()
             raise
+        if isinstance(admitted, BaseException):
+            self.close()
+            raise admitted
         self._admitted = True
         self._first = [unpack_output(t) for t in admitted.outputs]
         if self._first and self._first[-1].finished:

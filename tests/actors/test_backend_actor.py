@@ -220,8 +220,10 @@ def test_pacing_sends_the_first_token_at_once_then_one_message_per_interval():
 
 
 async def _channel_run(actor, channel_id, requests):
-    """Add `requests` ((req_id, ids, params)) on one channel; returns each one's Admitted and
-    the packed outputs the channel brought for it."""
+    """Add `requests` ((req_id, ids, params)) on one channel; returns each one's Admitted (which
+    the channel brings first) and the packed outputs the channel brought for it after."""
+    from tandem.actors.messages import Admitted
+
     batches: list = []
 
     async def read() -> None:
@@ -229,17 +231,27 @@ async def _channel_run(actor, channel_id, requests):
             batches.extend(batch)
 
     reader = asyncio.get_running_loop().create_task(read())
-    admitted = [await actor.add(req_id, ids, params, None, channel_id) for req_id, ids, params in requests]
-    pending = {a.req_id for a in admitted if not (a.outputs and a.outputs[-1][3])}
+    assert await actor.add_many(channel_id, [(req_id, ids, params, None) for req_id, ids, params in requests]) is None
+    pending = {req_id for req_id, _, _ in requests}
     while pending:
         await asyncio.sleep(0.01)
-        pending -= {t[0] for t in batches if t[3]}
+        pending -= {t[0] for t in batches if len(t) > 2 and t[3]}
+        pending -= {t[0] for t in batches if len(t) == 2 and t[1].outputs and t[1].outputs[-1][3]}
     reader.cancel()
-    return admitted, {a.req_id: [t for t in batches if t[0] == a.req_id] for a in admitted}
+    admitted: dict = {}
+    for item in batches:
+        if len(item) == 2:
+            assert isinstance(item[1], Admitted) and item[0] not in admitted, item  # one admission each
+            admitted[item[0]] = item[1]
+    outputs = [t for t in batches if len(t) > 2]
+    for req_id in admitted:  # a request's admission comes before its outputs
+        places = [i for i, t in enumerate(batches) if t[0] == req_id]
+        assert len(batches[places[0]]) == 2, batches
+    return [admitted[r] for r, _, _ in requests], {r: [t for t in outputs if t[0] == r] for r, _, _ in requests}
 
 
 def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
-    """The add's answer carries the outputs of the step that admitted the request (its first
+    """The admission carries the outputs of the step that admitted the request (its first
     token, here all of a one-token request); the channel brings the rest, none twice."""
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ids = list(range(40, 60))
@@ -247,31 +259,65 @@ def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     admitted, by_req = run(_channel_run(backend, "ch-test", [("c6", ids, greedy), ("c1", ids, one)]))
     six, single = admitted
-    assert six.outputs and not six.outputs[-1][3]  # the first token came with the answer
+    assert six.outputs and not six.outputs[-1][3]  # the first token came with the admission
+    assert six.received_time <= six.queued_time  # the add's hops, stamped
     assert [t for o in six.outputs + by_req["c6"] for t in o[1]] == solo
     assert single.outputs[-1][3] and single.outputs[-1][1] == solo[:1] and by_req["c1"] == []
 
 
-def test_an_add_answer_waits_for_first_outputs_that_come_a_step_later():
-    """With asynchronous scheduling a step's tokens come with the next step's message: the add's
-    answer is held for them one message, no longer, and a rejection is not held at all."""
+def test_a_rejected_channel_add_is_answered_on_the_channel(backend):
+    from tandem.actors.messages import Admitted
+
+    async def scenario():
+        batches: list = []
+
+        async def read() -> None:
+            async for batch in backend.subscribe("ch-bad"):
+                batches.extend(batch)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        too_long = SamplingParams(max_tokens=10**6, temperature=0.0)
+        await backend.add_many("ch-bad", [("bad", [5, 6], too_long, None), ("ok", [5, 6], SamplingParams(max_tokens=1), None)])
+        await backend.add_many("ch-bad", [("ok", [5, 6], SamplingParams(max_tokens=1), None)])  # a duplicate id
+        while len([i for i in batches if len(i) == 2]) < 3:
+            await asyncio.sleep(0.01)
+        reader.cancel()
+        return [i for i in batches if len(i) == 2]
+
+    answers = run(scenario())
+    kinds = sorted((req_id, type(answer).__name__) for req_id, answer in answers)
+    assert kinds == [("bad", "InvalidRequestError"), ("ok", "Admitted"), ("ok", "InvalidRequestError")]
+    assert any(isinstance(a, Admitted) for _, a in answers)
+
+
+def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
+    """With asynchronous scheduling a step's tokens come with the next step's message: the
+    admission is held for them one message, no longer, and a rejection is not held at all."""
     from tandem.actors import engine_core as core
     from tandem.actors.backend import _Channel
+    from tandem.actors.messages import Admitted
     from tandem.engine.outputs import RequestOutput, Usage
 
     actor = BackendActor.__new__(BackendActor)  # the bookkeeping only: no engine core
+    actor.backend_id = "b"
     channel = _Channel()
     channel.req_ids.update({"r", "s"})
-    actor._admitting, actor._awaiting_first, actor._channel_of = {7: "r", 8: "s"}, {}, {"r": channel, "s": channel}
-    rejected = (8, False, InvalidRequestError("too long"))
-    assert actor._with_first_outputs([(7, True, 20), rejected], []) == ([rejected], [])
+    actor._admitting = {7: ("r", channel, 1.0), 8: ("s", channel, 1.0)}
+    actor._awaiting_first, actor._channel_of = {}, {"r": channel, "s": channel}
+    error = InvalidRequestError("too long")
+    other_reply = (3, True, None)  # not an add: answered as before
+    replies, rest, admissions = actor._admissions([(7, True, (20, 2.0)), (8, False, error), other_reply], [])
+    assert replies == [other_reply] and rest == [] and admissions[id(channel)][1] == [("s", error)]
+    assert "s" not in actor._channel_of  # a rejected request leaves its channel
     first = core.pack_output(RequestOutput("r", [5], "x", False, None, Usage(20, 1, 0)))
     other = core.pack_output(RequestOutput("q", [6], "y", False, None, Usage(3, 1, 0)))
-    replies, rest = actor._with_first_outputs([], [first, other])
-    assert replies == [(7, True, (20, [first]))] and rest == [other]
-    assert actor._with_first_outputs([], [first]) == ([], [first])  # answered: later ones take the channel
-    # A request with no output in the next message either (queued) is answered without outputs.
-    actor._admitting[9] = "s"
-    assert actor._with_first_outputs([(9, True, 5)], []) == ([], [])
-    assert actor._with_first_outputs([], [other]) == ([(9, True, (5, []))], [other])
+    replies, rest, admissions = actor._admissions([], [first, other])
+    assert replies == [] and rest == [other]
+    assert admissions[id(channel)][1] == [("r", Admitted("r", "b", 20, [first], 1.0, 2.0))]
+    assert actor._admissions([], [first]) == ([], [first], {})  # admitted: later ones take the channel
+    # A request with no output in the next message either (queued) is admitted without outputs.
+    actor._admitting[9] = ("s", channel, 1.0)
+    assert actor._admissions([(9, True, (5, 2.0))], []) == ([], [], {})
+    replies, rest, admissions = actor._admissions([], [other])
+    assert rest == [other] and admissions[id(channel)][1] == [("s", Admitted("s", "b", 5, [], 1.0, 2.0))]
     assert not actor._awaiting_first
