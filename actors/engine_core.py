@@ -37,9 +37,10 @@ ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
 IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
 # Progress (each changed request's absolute counts) goes out at most this often, and whenever
-# the engine goes idle: the front reports it to the router every ~20 ms, and a step's message
-# would otherwise carry every running request's progress, built and pickled on the step loop.
-PROGRESS_INTERVAL_S = 0.01
+# the engine goes idle: the front reports it to the router every ~20 ms, so draining it more
+# often only builds and pickles every running request's progress on the step loop for the
+# front to overwrite before its next report.
+PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
 
 

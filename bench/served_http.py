@@ -81,17 +81,20 @@ def in_process(args: Any) -> tuple[dict[str, Any], list[Workload], list[int], in
             for i, (ids, m) in enumerate(zip(w.prompts, w.max_tokens)):
                 engine.add_request(f"{rep}-{i}-{w.name}", ids, SamplingParams(max_tokens=m, temperature=0.0,
                                                                               ignore_eos=True))
-            start, tokens, firsts = time.perf_counter(), 0, {}
+            start, tokens, firsts, steps = time.perf_counter(), 0, {}, 0
             while engine.has_unfinished_requests():
                 outs = engine.step()
+                steps += 1
                 now = time.perf_counter() - start
                 for o in outs:
                     tokens += len(o.new_token_ids)
                     if o.new_token_ids:
                         firsts.setdefault(o.req_id, now)
-            rate = tokens / (time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            rate = tokens / elapsed
             if rep and rate > best:
                 best, results[("ttft", w.name)] = rate, ttft_spread(list(firsts.values()))
+                results[("steps", w.name)] = [steps, round(1e3 * elapsed / steps, 3)]
         results[w.name] = best
     ttfts = []
     engine.set_max_active(4)
@@ -145,11 +148,13 @@ async def _stream_one(session: Any, url: str, model: str, ids: list[int],
 
 
 STAGE_LINE = re.compile(r'^ray_tandem_http_stage_seconds_(sum|count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
+STEP_LINE = re.compile(r'^ray_tandem_backend_step_time_seconds_(sum|count)\{[^}]*\} (\S+)$')
 STAGE_WAIT_S = 15.0  # for the ingress replicas' last observations to reach the scrape
 
 
 def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
-    """stage -> [sum of seconds, count] of `tandem_http_stage_seconds`, over every replica."""
+    """stage -> [sum of seconds, count] of `tandem_http_stage_seconds`, over every replica, and
+    "engine_step" -> the same of the backends' `tandem_backend_step_time_seconds`."""
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
@@ -160,6 +165,9 @@ def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
         if match:
             kind, stage, value = match.groups()
             stages.setdefault(stage, [0.0, 0.0])[kind == "count"] += float(value)
+        elif (match := STEP_LINE.match(line)) is not None:
+            kind, value = match.groups()
+            stages.setdefault("engine_step", [0.0, 0.0])[kind == "count"] += float(value)
     return stages
 
 
@@ -171,7 +179,9 @@ async def stage_means(metrics_url: str, before: dict[str, list[float]], num_requ
         now = await asyncio.to_thread(scrape_stages, metrics_url)
         delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in now.items()}
         if delta.get("route", [0, 0])[1] >= num_requests:
-            return {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
+            means = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
+            means["engine_steps"] = int(delta.get("engine_step", [0, 0])[1])
+            return means
         if time.monotonic() > deadline:
             return {}
         await asyncio.sleep(0.5)
@@ -389,13 +399,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _split_steps(stages: dict[str, float]) -> tuple[dict[str, float], list | None]:
+    """The admission stages, and [engine steps, mean step ms] scraped with them."""
+    stages = dict(stages)
+    mean, count = stages.pop("engine_step", None), stages.pop("engine_steps", None)
+    return stages, ([count, mean] if count else None)
+
+
 def run(args: Any) -> dict[str, Any]:
     engine, loads, ttft_prompt, vocab = in_process(args)
     http, curve, setup = through_http(args, loads, ttft_prompt, vocab)
+    for w in loads:
+        http[("stages", w.name)], http[("steps", w.name)] = _split_steps(http.get(("stages", w.name), {}))
     rows = [{"workload": w.name, "in_process_tok_s": round(engine[w.name], 1), "http_tok_s": round(http[w.name], 1),
              "ratio": round(http[w.name] / engine[w.name], 3), "client_cpu": http["client_cpu"].get(w.name),
              "ttft_p50_max_ms": {"in_process": engine[("ttft", w.name)], "http": http[("ttft", w.name)]},
              "admission_stages_mean_ms": http.get(("stages", w.name), {}),
+             # [engine steps, mean ms per step] of the burst: more or slower steps behind HTTP
+             # than in-process are what the stream phase, not the admission, pays
+             "engine_steps_mean_ms": {"in_process": engine.get(("steps", w.name)), "http": http[("steps", w.name)]},
              "client_send_spread_ms": http.get(("sent", w.name))}
             for w in loads]
     ttft = {"workload": f"1 at a time ({len(ttft_prompt)} -> 16), median TTFT",
@@ -415,6 +437,11 @@ def run(args: Any) -> dict[str, Any]:
         stages = r["admission_stages_mean_ms"]
         print(f"    {r['workload']:<56} " + (", ".join(f"{k} {v:.1f}" for k, v in stages.items()) or "not scraped")
               + f"; sent in {r['client_send_spread_ms']} ms")
+    print("  engine steps of the burst and mean ms per step, in-process | behind HTTP:")
+    for r in rows:
+        steps = r["engine_steps_mean_ms"]
+        print(f"    {r['workload']:<56} " + " | ".join("-" if v is None else f"{v[0]} steps, {v[1]:.3f} ms"
+                                                      for v in (steps["in_process"], steps["http"])))
     print(f"{ttft['workload']:<58} {ttft['in_process_ms']:>9.2f} ms {ttft['http_ms']:>8.2f} ms "
           f"{ttft['difference_ms']:>+6.2f} ms")
     print("  TTFT parts outside the engine, median ms (Python driver, no HTTP): "

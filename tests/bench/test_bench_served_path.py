@@ -40,6 +40,9 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
             assert 0 < p50 <= worst
         stages = row["admission_stages_mean_ms"]  # read back from the server's own metrics
         assert "route" in stages and ({"to_engine", "prefill", "back"} <= set(stages) or "admit" in stages), stages
+        assert {"to_backend", "to_core"} <= set(stages), stages  # the backend stamps the add's hops
+        for steps, mean_ms in row["engine_steps_mean_ms"].values():  # in-process, and scraped behind HTTP
+            assert steps > 0 and mean_ms > 0
     assert result["ttft"]["http_ms"] > 0
     assert set(result["ttft"]["parts_ms"]) == {"ping", "router_ping", "core_call", "place", "admit",
                                                      "first_output"}
