@@ -52,7 +52,6 @@ from typing import Any
 from tandem.actors import engine_core as core
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
-from tandem.actors.switch_interval import apply_switch_interval
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.backend")
@@ -132,7 +131,6 @@ class BackendActor:
         stream_interval_s: float = STREAM_INTERVAL_S,
         max_stream_messages_per_s: float = MAX_STREAM_MESSAGES_PER_S,
     ) -> None:
-        apply_switch_interval()
         self.backend_id = backend_id
         self.instance_id = uuid.uuid4().hex[:12]
         self.stream_interval_s = stream_interval_s

@@ -77,9 +77,6 @@ class RouterActor:
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False,
                  spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
-        from tandem.actors.switch_interval import apply_switch_interval
-
-        apply_switch_interval()
         from tandem.routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(

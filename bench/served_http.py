@@ -150,6 +150,7 @@ async def _stream_one(session: Any, url: str, model: str, ids: list[int],
 STAGE_LINE = re.compile(r'^ray_tandem_http_stage_seconds_(sum|count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
 STEP_LINE = re.compile(r'^ray_tandem_backend_step_time_seconds_(sum|count)\{[^}]*\} (\S+)$')
 STAGE_WAIT_S = 15.0  # for the ingress replicas' last observations to reach the scrape
+STAGE_SETTLE_S = 1.5  # between two scrapes that must agree on the engine's step count
 
 
 def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
@@ -171,20 +172,31 @@ def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
     return stages
 
 
-async def stage_means(metrics_url: str, before: dict[str, list[float]], num_requests: int) -> dict[str, float]:
-    """Mean ms per admission stage over the requests since `before` (cluster/dispatch.py's
-    `admission_stages`), waiting for the scrape to hold all of them; {} if it never does."""
+async def settled_scrape(metrics_url: str, num_routes: float) -> dict[str, list[float]]:
+    """`scrape_stages` once it holds `num_routes` route observations and the engine's step
+    count stopped moving (each process exports its metrics about once a second, so a burst's
+    last steps reach the scrape after the burst ended); {} if it never does."""
     deadline = time.monotonic() + STAGE_WAIT_S
-    while True:
+    last = None
+    while time.monotonic() < deadline:
         now = await asyncio.to_thread(scrape_stages, metrics_url)
-        delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in now.items()}
-        if delta.get("route", [0, 0])[1] >= num_requests:
-            means = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
-            means["engine_steps"] = int(delta.get("engine_step", [0, 0])[1])
-            return means
-        if time.monotonic() > deadline:
-            return {}
-        await asyncio.sleep(0.5)
+        steps = now.get("engine_step", [0.0, 0.0])[1]
+        if now.get("route", [0.0, 0.0])[1] >= num_routes and steps == last:
+            return now
+        last = steps
+        await asyncio.sleep(STAGE_SETTLE_S)
+    return {}
+
+
+def stage_means(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Mean ms per admission stage (cluster/dispatch.py's `admission_stages`) and per engine
+    step between two settled scrapes, and the number of engine steps; {} without them."""
+    if not before or not after:
+        return {}
+    delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in after.items()}
+    means = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
+    means["engine_steps"] = int(delta.get("engine_step", [0, 0])[1])
+    return means
 
 
 async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttft_prompt: list[int],
@@ -198,20 +210,22 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
         for w in loads:
             await set_max_active(w.max_active)
             best = 0.0
+            before = await settled_scrape(metrics_url, 0)
             for _ in range(args.repeats + 1):
-                before = await asyncio.to_thread(scrape_stages, metrics_url)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 done = await asyncio.gather(*(_stream_one(session, url, model, ids, m)
                                               for ids, m in zip(w.prompts, w.max_tokens)))
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 rate = sum(t for t, _, _ in done) / elapsed
+                after = await settled_scrape(metrics_url, before.get("route", [0.0, 0.0])[1] + len(w.prompts))
                 if rate > best:  # the client's own CPU: near 100% means the client sets the pace
-                    best, results["client_cpu"][w.name] = rate, round((time.process_time() - cpu_start) / elapsed, 2)
+                    best, results["client_cpu"][w.name] = rate, round(cpu / elapsed, 2)
                     results[("ttft", w.name)] = ttft_spread([sent - start + first for _, first, sent in done])
                     # how long this one client took to send the burst: a part of the TTFTs above
                     # that is the client's, not the server's
                     results[("sent", w.name)] = round(1e3 * (max(sent for _, _, sent in done) - start), 1)
-                    results[("stages", w.name)] = await stage_means(metrics_url, before, len(w.prompts))
+                    results[("stages", w.name)] = stage_means(before, after)
+                before = after
             results[w.name] = best
         await set_max_active(4)
         ttfts = []

@@ -52,7 +52,6 @@ from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
-from tandem.actors.switch_interval import apply_switch_interval
 from tandem.cluster.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -351,7 +350,6 @@ def _with_known_paths(cls: type) -> type:
 @_with_known_paths
 class TandemIngress:
     def __init__(self, router: Any, tokenizer: Any, settings: IngressSettings) -> None:
-        apply_switch_interval()
         self.router = router
         self.tokenizer = tokenizer
         self.settings = settings
