@@ -12,9 +12,9 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
 - `close()` aborts the request on its backend unless it finished, which is what frees the
   blocks of a client that disconnected mid-stream.
 
-With one routable backend there is nothing to decide, and the request goes there without
-waiting for the router, which hears of it after (cluster/fixed_choice.py). Otherwise routing
-calls go out coalesced: the `place` calls of one event-loop turn share one
+With one routable backend there is nothing to decide, and with `TANDEM_FIXED_CHOICE=1` the
+request goes there without waiting for the router, which hears of it after
+(cluster/fixed_choice.py). Otherwise routing calls go out coalesced: the `place` calls of one event-loop turn share one
 `RouterActor.place_many` call (actors/batching.py), so the router's cost per call is shared
 by however many requests arrived together. The router answers with a backend id, not a
 handle: an actor handle in a reply is serialized by the router and rebuilt (and
@@ -32,6 +32,7 @@ serial loop holds them, and only a per-stage split answers it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,6 +43,11 @@ from tandem.actors.messages import Admitted, BackendError, Decision
 from tandem.cluster.fixed_choice import FixedChoice
 
 logger = logging.getLogger("tandem.dispatch")
+# TANDEM_FIXED_CHOICE=1 sends a request straight to the one routable backend, when there is
+# one, without waiting for the router (cluster/fixed_choice.py). Off by default: it saves a
+# lone request ~2.5 ms of TTFT on an H200 host but, measured at 1,000 short requests/s on
+# one GPU, the backend took more, smaller calls and served fewer requests (see docs/cluster.md).
+FIXED_CHOICE_ENV = "TANDEM_FIXED_CHOICE"
 
 
 class RequestFailed(Exception):
@@ -180,7 +186,7 @@ class RequestStream:
         """(backend id, instance id, the router's estimate): the fixed choice if there is one
         (no estimate: nothing was scored), else the router's answer; a retry always asks."""
         max_tokens = self.params.max_tokens * self.params.n
-        if self.attempts == 1:
+        if self.attempts == 1 and os.environ.get(FIXED_CHOICE_ENV) == "1":
             fixed = FixedChoice.of(self.router).place(self.req_id, self.prompt_token_ids, max_tokens)
             if fixed is not None:
                 return (*fixed, None)

@@ -2,8 +2,8 @@
 requests there without asking and note them after, and late notes of ended requests are dropped.
 
 The router is a plain `RouterActor` object (no Ray), its backends fakes; the caller's view
-(`FixedChoice`) runs against a fake router handle. The real actors take this path in every
-single-backend cluster test (tests/cluster/)."""
+(`FixedChoice`) runs against a fake router handle. The real actors and Serve take this path in
+the HTTP smoke run of tests/bench/test_bench_served_path.py, which turns it on."""
 
 from __future__ import annotations
 

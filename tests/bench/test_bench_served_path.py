@@ -26,7 +26,9 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
     burst TTFT spreads, the admission stages and the TTFT parts come out, so it does not rot
     between GPU runs."""
     out = tmp_path / "served-http.json"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # one backend and the opt-in fixed choice (cluster/fixed_choice.py): the live path of both
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "TANDEM_FIXED_CHOICE": "1"}
     proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
                            "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
                            "--repeats", "1", "--ttft-requests", "2", "--capacity-rates", "", "--out", str(out)],
