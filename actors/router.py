@@ -98,6 +98,7 @@ class RouterActor:
         self._health_task: asyncio.Task | None = None
         self._pending_export: asyncio.TimerHandle | None = None
         self._tombstones: dict[str, None] = {}  # insertion-ordered: the oldest go first
+        self._watched = False  # a caller asked for the fixed choice: notes may come
         self._choice_version = 0
         self._choice_changed = asyncio.Event()
 
@@ -208,6 +209,7 @@ class RouterActor:
         """(version, backend id, instance id) of the backend every request goes to, or
         (version, None, None) while requests have a choice. Answers at once if the caller's
         `version` is not the current one, else when it changes or after `timeout_s`."""
+        self._watched = True
         if version == self._choice_version:
             try:
                 await asyncio.wait_for(self._choice_changed.wait(), timeout_s)
@@ -238,7 +240,10 @@ class RouterActor:
         self._choice_changed = asyncio.Event()
 
     def _bury(self, req_id: str) -> None:
-        """Remember a request the router never placed, which ended (see the module docstring)."""
+        """Remember a request the router never placed, which ended (see the module docstring);
+        only once a caller watches the fixed choice, since only such a caller sends notes."""
+        if not self._watched:
+            return
         self._tombstones[req_id] = None
         if len(self._tombstones) > MAX_TOMBSTONES:
             del self._tombstones[next(iter(self._tombstones))]

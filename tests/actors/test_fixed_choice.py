@@ -59,6 +59,9 @@ def test_a_late_note_of_a_request_that_already_ended_is_dropped(tmp_path):
     async def scenario():
         router, gpu, _ = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
+        await router.report("cuda0", "i1", [progress("early", "finished", prompt=64, max_tokens=16)])
+        assert not router._tombstones  # nobody watches the fixed choice: no note can come
+        assert (await router.watch_fixed_choice(-1))[1] == "cuda0"  # a caller that will send notes
         # The backend's "finished" report, and a caller's forget, overtook their notes.
         await router.report("cuda0", "i1", [progress("done", "finished", prompt=64, max_tokens=16)])
         await router.forget("gave-up")
