@@ -278,15 +278,19 @@ class BackendActor:
         refused = []
         for req_id, prompt_token_ids, params, arrival_time in requests:
             try:
-                self._check_new(req_id)
+                self._check_new(req_id)  # a duplicate id is refused, the running request untouched
                 if channel.closed:
                     raise BackendError(f"channel {channel_id} of backend {self.backend_id} is closed")
-                channel.req_ids.add(req_id)
-                self._channel_of[req_id] = channel
-                call_id = next(self._call_ids)
-                self._admitting[call_id] = (req_id, channel, received)
-                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
             except Exception as exc:
+                refused.append((req_id, exc))
+                continue
+            channel.req_ids.add(req_id)
+            self._channel_of[req_id] = channel
+            call_id = next(self._call_ids)
+            self._admitting[call_id] = (req_id, channel, received)
+            try:
+                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
+            except BackendError as exc:  # the engine core is gone
                 self._forget(req_id)
                 refused.append((req_id, exc))
         if refused:
