@@ -65,11 +65,14 @@ class CallBatcher:
 
 class NoticeBatcher:
     """Coalesces one-way notices (`method` returns nothing anyone waits for) made on the running
-    event loop: the notices of one turn go out as one Ray call, which nobody awaits."""
+    event loop: the notices of one turn go out as one Ray call, which nobody awaits. A call that
+    cannot even be sent (its arguments do not serialize, say) hands the batch and the error to
+    `on_error`; what happens to a sent call is for the receiver to say by other means."""
 
-    def __init__(self, method: Any, *leading: Any) -> None:
+    def __init__(self, method: Any, *leading: Any, on_error: Any = None) -> None:
         self._method = method
         self._leading = leading  # arguments of every call, before the list
+        self._on_error = on_error
         self._pending: list[tuple] = []
 
     def notify(self, *args: Any) -> None:
@@ -79,4 +82,9 @@ class NoticeBatcher:
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
-        self._method.remote(*self._leading, batch)
+        try:
+            self._method.remote(*self._leading, batch)
+        except Exception as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(batch, exc)

@@ -60,7 +60,7 @@ class BackendChannel:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
-        self.adds = NoticeBatcher(handle.add_many, self.channel_id)
+        self.adds = NoticeBatcher(handle.add_many, self.channel_id, on_error=self._adds_failed)
         self.queues: dict[str, asyncio.Queue] = {}
         self.error: BaseException | None = None
         self.task = asyncio.get_running_loop().create_task(self._read())
@@ -83,6 +83,14 @@ class BackendChannel:
                 queue.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+
+    def _adds_failed(self, batch: list[tuple], error: BaseException) -> None:
+        """The adds could not be sent: each request hears it as its answer."""
+        for args in batch:
+            queue = self.queues.get(args[0])
+            if queue is not None:
+                queue.put_nowait(error)
 
 
 class ChannelStream:

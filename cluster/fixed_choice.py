@@ -42,7 +42,7 @@ class FixedChoice:
     def __init__(self, router: Any) -> None:
         self.router = router
         self.choice: tuple[str, str] | None = None  # (backend id, instance id)
-        self.notes = NoticeBatcher(router.note_placed_many)
+        self.notes = NoticeBatcher(router.note_placed_many, on_error=_note_failed)
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     @classmethod
@@ -74,3 +74,8 @@ class FixedChoice:
         except Exception:  # the router is gone: every request asks it, and hears that
             self.choice = None
             logger.debug("watching the router's fixed choice stopped", exc_info=True)
+
+
+def _note_failed(batch: list[tuple], error: BaseException) -> None:
+    """The router could not be told (it is gone: every next request asks it, and hears that)."""
+    logger.warning("could not note %d requests to the router: %s", len(batch), error)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tandem.actors.batching import CallBatcher
+from tandem.actors.batching import CallBatcher, NoticeBatcher
 
 
 class FakeMethod:
@@ -97,3 +97,26 @@ def test_each_answer_is_its_own_callers(n):
         return await asyncio.gather(*(batcher.call(x) for x in range(n)))
 
     assert asyncio.run(main()) == [f"r{x}" for x in range(n)]
+
+
+def test_notices_of_one_turn_go_out_in_one_call_and_an_unsendable_batch_reaches_on_error():
+    sent, failed = [], []
+
+    class Method:
+        def remote(self, *args):
+            if any(x == "unpicklable" for (x,) in args[-1]):
+                raise TypeError("cannot serialize")
+            sent.append(args)
+
+    batcher = NoticeBatcher(Method(), "ch-1", on_error=lambda batch, exc: failed.append((batch, str(exc))))
+
+    async def main():
+        batcher.notify("a")
+        batcher.notify("b")
+        await asyncio.sleep(0)
+        batcher.notify("unpicklable")
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert sent == [("ch-1", [("a",), ("b",)])]
+    assert failed == [([("unpicklable",)], "cannot serialize")]
