@@ -416,6 +416,7 @@ class BackendActor:
             self._deliver(to_deliver, admissions)
         if step is not None:
             self.metrics.observe("tandem_backend_step_time_seconds", step[3])
+            self.metrics.inc("tandem_backend_step_seconds", step[3])
             self.metrics.inc("tandem_backend_steps")
             self._pending_steps.append(step)
         for t in outputs:

@@ -104,6 +104,9 @@ BACKEND_METRICS = (
     MetricSpec("tandem_backend_e2e_seconds", HISTOGRAM, "End-to-end request latency (arrival to finish).", B, LATENCY_BUCKETS_S),
     MetricSpec("tandem_backend_queue_time_seconds", HISTOGRAM, "Time from arrival to first scheduled.", B, LATENCY_BUCKETS_S),
     MetricSpec("tandem_backend_step_time_seconds", HISTOGRAM, "Wall time of one engine step.", B, STEP_BUCKETS_S),
+    # Ray 2.60 exports a histogram's _sum from bucket midpoints, not the observed values, so
+    # an exact mean step time needs its own sum: this counter over tandem_backend_steps.
+    MetricSpec("tandem_backend_step_seconds", COUNTER, "Engine step wall time, summed (exact).", B),
     MetricSpec("tandem_backend_up", GAUGE, "1 while the backend actor is serving.", B),
 )
 
@@ -127,6 +130,8 @@ INGRESS_METRICS = (
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
     MetricSpec("tandem_http_stage_seconds", HISTOGRAM, "A request's time from arrival to admission, per stage "
                "(route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S),
+    # The exact sum behind each stage's mean (see tandem_backend_step_seconds).
+    MetricSpec("tandem_http_stage_time_seconds", COUNTER, "Seconds per admission stage, summed (exact).", ("stage",)),
 )
 
 REGISTRY: dict[str, MetricSpec] = {

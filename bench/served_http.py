@@ -147,15 +147,17 @@ async def _stream_one(session: Any, url: str, model: str, ids: list[int],
     return tokens, first or 0.0, start
 
 
-STAGE_LINE = re.compile(r'^ray_tandem_http_stage_seconds_(sum|count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
-STEP_LINE = re.compile(r'^ray_tandem_backend_step_time_seconds_(sum|count)\{[^}]*\} (\S+)$')
+# Sums from the exact counters, counts from the histograms: Ray 2.60 exports a histogram's
+# _sum from its bucket midpoints (a 1.15 ms step counts as 1.75 ms), so means need the counters.
+STAGE_LINE = re.compile(r'^ray_tandem_http_stage_(time_seconds_total|seconds_count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
+STEP_LINE = re.compile(r'^ray_tandem_backend_(step_seconds_total|step_time_seconds_count)\{[^}]*\} (\S+)$')
 STAGE_WAIT_S = 15.0  # for the ingress replicas' last observations to reach the scrape
 STAGE_SETTLE_S = 1.5  # between two scrapes that must agree on the engine's step count
 
 
 def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
-    """stage -> [sum of seconds, count] of `tandem_http_stage_seconds`, over every replica, and
-    "engine_step" -> the same of the backends' `tandem_backend_step_time_seconds`."""
+    """stage -> [seconds, count] of the admission stages over every replica, and "engine_step"
+    -> the same of the backends' engine steps (sums from the exact counters)."""
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
@@ -165,10 +167,10 @@ def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
         match = STAGE_LINE.match(line)
         if match:
             kind, stage, value = match.groups()
-            stages.setdefault(stage, [0.0, 0.0])[kind == "count"] += float(value)
+            stages.setdefault(stage, [0.0, 0.0])[kind.endswith("count")] += float(value)
         elif (match := STEP_LINE.match(line)) is not None:
             kind, value = match.groups()
-            stages.setdefault("engine_step", [0.0, 0.0])[kind == "count"] += float(value)
+            stages.setdefault("engine_step", [0.0, 0.0])[kind.endswith("count")] += float(value)
     return stages
 
 
@@ -445,7 +447,7 @@ def run(args: Any) -> dict[str, Any]:
         print(f"{r['workload']:<58} {r['in_process_tok_s']:>12.0f} {r['http_tok_s']:>11.0f} {r['ratio']:>6.2f} "
               f"{r['client_cpu'] or 0:>9.0%} {'/'.join(map(str, spread['in_process'])):>24} "
               f"{'/'.join(map(str, spread['http'])):>11}")
-    print("  HTTP arrival to admission, mean ms per stage (tandem_http_stage_seconds), and the client's own")
+    print("  HTTP arrival to admission, mean ms per stage (tandem_http_stage_time_seconds), and the client's own")
     print("  time to send the burst:")
     for r in rows:
         stages = r["admission_stages_mean_ms"]

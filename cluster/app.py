@@ -543,6 +543,7 @@ class TandemIngress:
     def _observe_stages(self, stream: RequestStream) -> None:
         for stage, seconds in stream.admission_stages().items():
             self.metrics.observe("tandem_http_stage_seconds", seconds, tags={"stage": stage})
+            self.metrics.inc("tandem_http_stage_time_seconds", seconds, tags={"stage": stage})
 
     def _release(self) -> None:
         self.num_pending -= 1

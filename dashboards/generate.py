@@ -35,6 +35,9 @@ BACKENDS = [
     ("End-to-end latency", "s", quantiles("ray_tandem_backend_e2e_seconds")),
     ("Queue time", "s", quantiles("ray_tandem_backend_queue_time_seconds")),
     ("Engine step time", "s", quantiles("ray_tandem_backend_step_time_seconds")),
+    ("Mean engine step time (exact)", "s", [(
+        f"sum by (backend) (rate(ray_tandem_backend_step_seconds_total{RATE})) / "
+        f"sum by (backend) (rate(ray_tandem_backend_steps_total{RATE}))", "{{backend}}")]),
     ("Engine steps/s", "short", [(f"sum by (backend) (rate(ray_tandem_backend_steps_total{RATE}))", "{{backend}}")]),
     ("Requests finished/s by reason", "short", [(
         f"sum by (backend, finish_reason) (rate(ray_tandem_backend_requests_finished_total{RATE}))",
@@ -71,6 +74,9 @@ ROUTING = [
         f"sum by (endpoint, status) (rate(ray_tandem_http_requests_total{RATE}))", "{{endpoint}} {{status}}")]),
     ("HTTP requests in flight", "short", [("sum(ray_tandem_http_pending_requests)", "pending")]),
     ("Arrival to admission, by stage", "s", quantiles("ray_tandem_http_stage_seconds", by="stage")),
+    ("Arrival to admission, mean by stage (exact)", "s", [(
+        f"sum by (stage) (rate(ray_tandem_http_stage_time_seconds_total{RATE})) / "
+        f"sum by (stage) (rate(ray_tandem_http_stage_seconds_count{RATE}))", "{{stage}}")]),
 ]
 
 
