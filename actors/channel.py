@@ -7,9 +7,10 @@ milliseconds that per-item cost, not the engine, sets the pace. Here each caller
 one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add_many`
 (the adds of one event-loop turn in one one-way call, actors/batching.py); every engine step
 then comes back as one batch holding this caller's admissions (each with the request's first
-outputs) and outputs, which a reader task sorts into per-request queues. A request's reader merges whatever has piled up since its
-last read into one output, so a caller that falls behind reads fewer, larger deltas instead of
-queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
+outputs) and outputs, which a reader task sorts into per-request queues. A request's reader
+merges whatever has piled up since its last read into one output, so a caller that falls
+behind reads fewer, larger deltas instead of queueing more messages: the hop costs per step,
+and the caller's own pace sets the chunking.
 
 `open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
 and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
@@ -83,7 +84,6 @@ class BackendChannel:
                 queue.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-
 
     def _adds_failed(self, batch: list[tuple], error: BaseException) -> None:
         """The adds could not be sent: each request hears it as its answer."""

@@ -14,9 +14,9 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
 
 With one routable backend there is nothing to decide, and with `TANDEM_FIXED_CHOICE=1` the
 request goes there without waiting for the router, which hears of it after
-(cluster/fixed_choice.py). Otherwise routing calls go out coalesced: the `place` calls of one event-loop turn share one
-`RouterActor.place_many` call (actors/batching.py), so the router's cost per call is shared
-by however many requests arrived together. The router answers with a backend id, not a
+(cluster/fixed_choice.py). Otherwise routing calls go out coalesced: the `place` calls of one
+event-loop turn share one `RouterActor.place_many` call (actors/batching.py), so the router's
+cost per call is shared by however many requests arrived together. The router answers with a backend id, not a
 handle: an actor handle in a reply is serialized by the router and rebuilt (and
 reference-counted with its owner) by the receiver, on every request, which measured as the
 largest single cost of a short request in both processes.
