@@ -17,8 +17,8 @@ cheaper than dataclasses; see `pack_output`):
   per engine step (or per batch of commands while idle), carrying every request's new tokens
   and text, the router's progress and step timing, and the prefix-cache changes; never one
   message per request. `replies` answers the commands applied since the last message as
-  `(call_id, ok, value_or_error)`; an add's value is `(num_prompt_tokens, time queued)`. First of all the core sends `(READY, info)`, or
-  `(FAILED, traceback)` if the engine cannot load.
+  `(call_id, ok, value_or_error)`; an add's value is `(num_prompt_tokens, time queued)`. First
+  of all the core sends `(READY, info)`, or `(FAILED, traceback)` if the engine cannot load.
 
 The core dies with its front: it exits when the pipe reaches end-of-file (the front process
 is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; a blocked
