@@ -15,12 +15,12 @@ answer said, which is where `place` would have sent it a moment earlier.
 Opt-in (`TANDEM_FIXED_CHOICE=1`, read per request by cluster/dispatch.py). Measured on the H200
 machine with one GPU backend: with it, a lone request's TTFT through HTTP was +5.4..6.0 ms over
 the engine (three runs; +7.6..8.3 before it and the channel admissions of actors/backend.py
-landed together, and the router's `place` is 1.8..2.5 ms of it). But at 1,000 short
-requests/s from 4 client processes the server completed 863/s and shed 10% of them (429)
-where asking the router completed 964/s and shed none, one run each: a likely cause, not yet measured, is that without
-the router's round trip the adds reach the backend actor, the busiest process, as more and
-smaller calls. Making it the default needs that settled first (e.g. by coalescing adds that
-come faster than the backend takes them).
+landed together; the router's `place` is 1.8..2.5 ms of a request's time in the driver). But
+at 1,000 short requests/s from 4 client processes the server completed 863/s and shed 10% of
+them (429) where asking the router completed 964/s and shed none, one run each. A likely
+cause, not yet measured: without the router's round trip the adds reach the backend actor,
+the busiest process, as more and smaller calls. Making it the default needs that settled
+first (e.g. by coalescing adds that come faster than the backend takes them).
 """
 
 from __future__ import annotations
