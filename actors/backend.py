@@ -441,12 +441,18 @@ class BackendActor:
         without them, so its caller's response starts as before; a rejection is answered at
         once. Returns the other replies, the outputs left for `_deliver`, and the admission
         items per channel (id(channel) -> (channel, items)), which go out before any output."""
-        late = list(self._awaiting_first.items())  # held over one message already
+        late = list(self._awaiting_first)  # held over one message already
         other_replies = []
         admissions: dict[int, tuple[_Channel, list]] = {}
 
         def admit(channel: _Channel, req_id: str, answer: Any) -> None:
             admissions.setdefault(id(channel), (channel, []))[1].append((req_id, answer))
+
+        def admit_queued(req_id: str, outputs: list) -> None:
+            waiting = self._awaiting_first.pop(req_id, None)
+            if waiting is not None:
+                channel, num_prompt_tokens, received, queued = waiting
+                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, outputs, received, queued))
 
         for reply in replies:
             adding = self._admitting.pop(reply[0], None)
@@ -470,15 +476,9 @@ class BackendActor:
             if packed[3]:  # finished in its first step: nothing more will come on the channel
                 self._leave_channel(packed[0])
         for req_id, packed in firsts.items():
-            waiting = self._awaiting_first.pop(req_id, None)
-            if waiting is not None:
-                channel, num_prompt_tokens, received, queued = waiting
-                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, core.merge_packed(packed),
-                                                received, queued))
-        for req_id, waiting in late:  # no outputs in this message either: admitted without them
-            if self._awaiting_first.pop(req_id, None) is not None:
-                channel, num_prompt_tokens, received, queued = waiting
-                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, [], received, queued))
+            admit_queued(req_id, core.merge_packed(packed))
+        for req_id in late:  # no outputs in this message either: admitted without them
+            admit_queued(req_id, [])
         return other_replies, rest, admissions
 
     def _answer(self, replies: list) -> None:

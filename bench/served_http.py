@@ -190,15 +190,16 @@ async def settled_scrape(metrics_url: str, num_routes: float) -> dict[str, list[
     return {}
 
 
-def stage_means(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
-    """Mean ms per admission stage (cluster/dispatch.py's `admission_stages`) and per engine
-    step between two settled scrapes, and the number of engine steps; {} without them."""
+def stage_means(before: dict[str, list[float]],
+                after: dict[str, list[float]]) -> tuple[dict[str, float], list | None]:
+    """Between two settled scrapes: mean ms per admission stage (cluster/dispatch.py's
+    `admission_stages`), and [engine steps, mean ms per step]; ({}, None) without them."""
     if not before or not after:
-        return {}
+        return {}, None
     delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in after.items()}
-    means = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
-    means["engine_steps"] = int(delta.get("engine_step", [0, 0])[1])
-    return means
+    step_total, num_steps = delta.pop("engine_step", (0.0, 0.0))
+    stages = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
+    return stages, ([int(num_steps), round(1e3 * step_total / num_steps, 2)] if num_steps else None)
 
 
 async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttft_prompt: list[int],
@@ -226,7 +227,7 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
                     # how long this one client took to send the burst: a part of the TTFTs above
                     # that is the client's, not the server's
                     results[("sent", w.name)] = round(1e3 * (max(sent for _, _, sent in done) - start), 1)
-                    results[("stages", w.name)] = stage_means(before, after)
+                    results[("stages", w.name)], results[("steps", w.name)] = stage_means(before, after)
                 before = after
             results[w.name] = best
         await set_max_active(4)
@@ -415,25 +416,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _split_steps(stages: dict[str, float]) -> tuple[dict[str, float], list | None]:
-    """The admission stages, and [engine steps, mean step ms] scraped with them."""
-    stages = dict(stages)
-    mean, count = stages.pop("engine_step", None), stages.pop("engine_steps", None)
-    return stages, ([count, mean] if count else None)
-
-
 def run(args: Any) -> dict[str, Any]:
     engine, loads, ttft_prompt, vocab = in_process(args)
     http, curve, setup = through_http(args, loads, ttft_prompt, vocab)
-    for w in loads:
-        http[("stages", w.name)], http[("steps", w.name)] = _split_steps(http.get(("stages", w.name), {}))
     rows = [{"workload": w.name, "in_process_tok_s": round(engine[w.name], 1), "http_tok_s": round(http[w.name], 1),
              "ratio": round(http[w.name] / engine[w.name], 3), "client_cpu": http["client_cpu"].get(w.name),
              "ttft_p50_max_ms": {"in_process": engine[("ttft", w.name)], "http": http[("ttft", w.name)]},
              "admission_stages_mean_ms": http.get(("stages", w.name), {}),
              # [engine steps, mean ms per step] of the burst: more or slower steps behind HTTP
              # than in-process are what the stream phase, not the admission, pays
-             "engine_steps_mean_ms": {"in_process": engine.get(("steps", w.name)), "http": http[("steps", w.name)]},
+             "engine_steps_mean_ms": {"in_process": engine.get(("steps", w.name)), "http": http.get(("steps", w.name))},
              "client_send_spread_ms": http.get(("sent", w.name))}
             for w in loads]
     ttft = {"workload": f"1 at a time ({len(ttft_prompt)} -> 16), median TTFT",
