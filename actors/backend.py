@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.actors import engine_core as core
+from tandem.actors import wire
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
 from tandem.engine.outputs import merge_outputs
@@ -169,6 +170,7 @@ class BackendActor:
         self._last_report = 0.0
         self._stats_totals = (0, 0, 0, 0, 0)
         self._stopping = False
+        self._wire: wire.WireServer | None = None
         self._reader = threading.Thread(target=self._read_core, name=f"core-reader-{backend_id}", daemon=True)
         self._reader.start()
         if router is not None and _was_reconstructed():
@@ -232,6 +234,8 @@ class BackendActor:
         self._stopping = True
         self._fail_streams(BackendError(f"backend {self.backend_id} is shutting down"))
         self.core.stop()
+        if self._wire is not None:
+            self._wire.close()
 
     # -- requests: one stream per request -----------------------------------------------------
     async def generate(self, req_id: str, prompt_token_ids: list[int], params: Any,
@@ -273,6 +277,9 @@ class BackendActor:
         engine rejects it, BackendError if it cannot start. Callers send this one-way
         (actors/batching.py), so an admission costs no reply of its own: it rides the channel's
         next batch with the step's outputs."""
+        self._add_to_channel(channel_id, requests)
+
+    def _add_to_channel(self, channel_id: str, requests: list[tuple]) -> None:
         channel = self._channels.setdefault(channel_id, _Channel())
         received = time.time()
         refused = []
@@ -300,25 +307,80 @@ class BackendActor:
         """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
         (or `(req_id, BackendError)` pairs) per hand-over. Ends when the caller closes it, which
         aborts that channel's unfinished requests."""
+        channel = self._open_channel(channel_id)
+        try:
+            while (batch := await self._next_batch(channel)) is not None:
+                yield batch
+        finally:
+            self._close_channel(channel_id, channel)
+
+    def _open_channel(self, channel_id: str) -> _Channel:
+        """Start handing a channel's batches to this event loop (those that came before, too)."""
         channel = self._channels.setdefault(channel_id, _Channel())
         channel.wake = asyncio.Event()
         with channel.lock:
             channel.loop = asyncio.get_running_loop()
             channel.pending, channel.early = channel.early, []
-        channel.wake.set()  # outputs may have arrived before we subscribed
+        return channel
+
+    @staticmethod
+    async def _next_batch(channel: _Channel) -> list | None:
+        """The channel's next hand-over; None once it is closed and everything went out."""
+        while not channel.pending:
+            if channel.closed:
+                return None
+            await channel.wake.wait()
+            channel.wake.clear()
+        batch, channel.pending = channel.pending, []
+        return batch
+
+    def _close_channel(self, channel_id: str, channel: _Channel) -> None:
+        """The caller is done with the channel (or gone): abort its unfinished requests."""
+        channel.closed = True
+        self._channels.pop(channel_id, None)
+        for req_id in list(channel.req_ids):
+            self._forget(req_id)
+            self._abort_quietly(req_id)
+
+    # -- requests: the same-node wire (actors/wire.py) ---------------------------------------
+    async def wire_address(self) -> tuple[str, str]:
+        """(node id, socket path) of this backend's same-node wire, which a caller on the same
+        node uses instead of `add_many` + `subscribe`; started on the first call."""
+        if self._wire is None:
+            self._wire = wire.WireServer()
+            await self._wire.start(self._serve_wire)
+        return _node_id(), self._wire.path
+
+    async def _serve_wire(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One caller's channel: its first frame names the channel, the others are batches of
+        adds; the channel's hand-overs go back as frames. The caller closing the socket closes
+        the channel, which aborts its unfinished requests."""
         try:
-            while not channel.closed or channel.pending:
-                await channel.wake.wait()
-                channel.wake.clear()
-                if channel.pending:
-                    batch, channel.pending = channel.pending, []
-                    yield batch
+            channel_id = await wire.read_frame(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        channel = self._open_channel(channel_id)
+        sender = asyncio.get_running_loop().create_task(self._send_channel(channel, writer))
+        try:
+            while True:
+                self._add_to_channel(channel_id, await wire.read_frame(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the caller is gone
+        except Exception:  # a frame that does not unpickle: this caller's wire is broken
+            logger.exception("backend %s: bad frame on channel %s", self.backend_id, channel_id)
         finally:
-            channel.closed = True
-            self._channels.pop(channel_id, None)
-            for req_id in list(channel.req_ids):
-                self._forget(req_id)
-                self._abort_quietly(req_id)
+            sender.cancel()
+            self._close_channel(channel_id, channel)
+            writer.close()
+
+    async def _send_channel(self, channel: _Channel, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (batch := await self._next_batch(channel)) is not None:
+                writer.write(wire.encode(batch))
+                await writer.drain()
+        except ConnectionError:
+            pass  # the caller is gone; the reading side closes the channel
 
     def _check_new(self, req_id: str) -> None:
         if req_id in self._streams or req_id in self._channel_of:

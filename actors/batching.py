@@ -64,14 +64,14 @@ class CallBatcher:
 
 
 class NoticeBatcher:
-    """Coalesces one-way notices (`method` returns nothing anyone waits for) made on the running
-    event loop: the notices of one turn go out as one Ray call, which nobody awaits. A call that
-    cannot even be sent (its arguments do not serialize, say) hands the batch and the error to
-    `on_error`; what happens to a sent call is for the receiver to say by other means."""
+    """Coalesces one-way notices made on the running event loop: the notices of one turn go out
+    as one `send(batch)` (a one-way actor call, say `functools.partial(method.remote, ...)`),
+    which nobody awaits. A send that fails at once (its arguments do not serialize, say) hands
+    the batch and the error to `on_error`; what happens to a sent batch is for the receiver to
+    say by other means."""
 
-    def __init__(self, method: Any, *leading: Any, on_error: Any = None) -> None:
-        self._method = method
-        self._leading = leading  # arguments of every call, before the list
+    def __init__(self, send: Any, on_error: Any = None) -> None:
+        self._send = send
         self._on_error = on_error
         self._pending: list[tuple] = []
 
@@ -83,7 +83,7 @@ class NoticeBatcher:
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         try:
-            self._method.remote(*self._leading, batch)
+            self._send(batch)
         except Exception as exc:
             if self._on_error is None:
                 raise

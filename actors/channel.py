@@ -1,22 +1,27 @@
 """The caller's side of the hop from a backend to whoever streams its requests (the HTTP
-ingress, the Python driver): one multiplexed stream per backend per event loop.
+ingress, the Python driver): one multiplexed channel per backend per event loop.
 
 A Ray streaming generator per request costs an item (an object, a task event, a wake-up on
 both sides) per request per message; at 64 streams and a message per stream every few
 milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
-one `BackendActor.subscribe` stream per backend and adds requests with `BackendActor.add_many`
-(the adds of one event-loop turn in one one-way call, actors/batching.py); every engine step
-then comes back as one batch holding this caller's admissions (each with the request's first
-outputs) and outputs, which a reader task sorts into per-request queues. A request's reader
-merges whatever has piled up since its last read into one output, so a caller that falls
-behind reads fewer, larger deltas instead of queueing more messages: the hop costs per step,
-and the caller's own pace sets the chunking.
+one channel per backend and adds its requests on it (the adds of one event-loop turn in one
+batch, actors/batching.py); every engine step then comes back as one batch holding this
+caller's admissions (each with the request's first outputs) and outputs, which a reader task
+sorts into per-request queues. A request's reader merges whatever has piled up since its last
+read into one output, so a caller that falls behind reads fewer, larger deltas instead of
+queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
+
+A channel's transport: on the backend's own node, the same-node wire (a Unix socket, see
+actors/wire.py), which costs a socket write per batch each way; elsewhere Ray, a one-way
+`BackendActor.add_many` per batch of adds and one `BackendActor.subscribe` stream for the
+batches back.
 
 `open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
 and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
-add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died. Set
-`TANDEM_STREAM_HOP=generate` to use one Ray streaming generator per request instead
-(`BackendActor.generate`), e.g. to measure the two.
+add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died (or
+`BackendGone`, when the wire closed). `TANDEM_STREAM_HOP` picks the hop, to measure them:
+`wire` (the default: the wire where it can, else Ray), `channel` (Ray channels only) or
+`generate` (one Ray streaming generator per request, `BackendActor.generate`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import os
 import uuid
 from typing import Any
 
+from tandem.actors import wire
 from tandem.actors.batching import NoticeBatcher
 from tandem.actors.engine_core import unpack_output
-from tandem.actors.messages import Admitted, BackendError
+from tandem.actors.messages import Admitted, BackendError, BackendGone
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
@@ -41,49 +47,104 @@ _channels: dict[tuple[int, str], BackendChannel] = {}
 def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
                 arrival_time: float | None) -> Any:
     """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
-    if os.environ.get(STREAM_HOP_ENV, "channel") == "generate":
+    hop = os.environ.get(STREAM_HOP_ENV, "wire")
+    if hop == "generate":
         return GeneratorStream(handle, req_id, prompt_token_ids, params, arrival_time)
-    return ChannelStream(channel_for(handle), req_id, prompt_token_ids, params, arrival_time)
+    return ChannelStream(channel_for(handle, wire=hop == "wire"), req_id, prompt_token_ids, params, arrival_time)
 
 
-def channel_for(handle: Any) -> BackendChannel:
+def channel_for(handle: Any, wire: bool = True) -> BackendChannel:
     """This event loop's channel to the backend behind `handle` (one per actor, shared)."""
     loop = asyncio.get_running_loop()
     key = (id(loop), handle._actor_id.hex())
     channel = _channels.get(key)
     if channel is None or channel.error is not None:
-        channel = _channels[key] = BackendChannel(handle, key)
+        channel = _channels[key] = BackendChannel(handle, key, wire)
     return channel
 
 
 class BackendChannel:
-    def __init__(self, handle: Any, key: tuple[int, str]) -> None:
+    """The caller's end of one channel. Its transport is settled by the reader task: the
+    same-node wire when `use_wire` and the backend is on this node, else Ray (`add_many` and
+    `subscribe`); adds made before that is known wait in `_unsent`."""
+
+    def __init__(self, handle: Any, key: tuple[int, str], use_wire: bool = True) -> None:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
-        self.adds = NoticeBatcher(handle.add_many, self.channel_id, on_error=self._adds_failed)
+        self.adds = NoticeBatcher(self._send_adds, on_error=self._adds_failed)
         self.queues: dict[str, asyncio.Queue] = {}
         self.error: BaseException | None = None
-        self.task = asyncio.get_running_loop().create_task(self._read())
+        self.transport: str | None = None  # "wire" or "ray", once the reader task knows
+        self._writer: asyncio.StreamWriter | None = None
+        self._unsent: list[tuple] = []
+        self.task = asyncio.get_running_loop().create_task(self._read(use_wire))
 
-    async def _read(self) -> None:
+    def _send_adds(self, batch: list[tuple]) -> None:
+        if self.transport == "wire":
+            self._writer.write(wire.encode(batch))
+        elif self.transport == "ray":
+            self.handle.add_many.remote(self.channel_id, batch)
+        else:
+            self._unsent.extend(batch)
+
+    async def _read(self, use_wire: bool) -> None:
         try:
-            gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
-            async for ref in gen:
-                # packed outputs, or (req_id, Admitted) or (req_id, error) for one request
-                for item in await ref:
-                    queue = self.queues.get(item[0])
-                    if queue is not None:
-                        queue.put_nowait(item[1] if len(item) == 2 else unpack_output(item))
-            raise BackendError(f"backend channel {self.channel_id} ended")
+            address = await self._wire_address() if use_wire else None
+            if address is None:
+                await self._read_ray()
+            else:
+                await self._read_wire(address)
         except BaseException as exc:  # the backend died or restarted, or this loop is closing
             self.error = exc
+            if self._writer is not None:
+                self._writer.close()
             if _channels.get(self.key) is self:
                 del _channels[self.key]
             for queue in self.queues.values():
                 queue.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+    async def _wire_address(self) -> str | None:
+        """The backend's socket path when it runs on this node; None: use Ray."""
+        import ray
+
+        node_id, path = await self.handle.wire_address.remote()
+        return path if node_id and node_id == ray.get_runtime_context().get_node_id() else None
+
+    async def _read_ray(self) -> None:
+        gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
+        self._start("ray")
+        async for ref in gen:
+            self._sort(await ref)
+        raise BackendError(f"backend channel {self.channel_id} ended")
+
+    async def _read_wire(self, path: str) -> None:
+        reader, self._writer = await wire.connect(path)
+        self._writer.write(wire.encode(self.channel_id))
+        self._start("wire")
+        while True:
+            try:
+                batch = await wire.read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                raise BackendGone(f"the wire of backend channel {self.channel_id} closed") from None
+            self._sort(batch)
+
+    def _start(self, transport: str) -> None:
+        """Send the adds that waited for the transport, then every add as it comes."""
+        self.transport = transport
+        if self._unsent:
+            batch, self._unsent = self._unsent, []
+            self._send_adds(batch)
+
+    def _sort(self, batch: list) -> None:
+        """Packed outputs, or (req_id, Admitted) or (req_id, error) for one request, each to its
+        request's queue."""
+        for item in batch:
+            queue = self.queues.get(item[0])
+            if queue is not None:
+                queue.put_nowait(item[1] if len(item) == 2 else unpack_output(item))
 
     def _adds_failed(self, batch: list[tuple], error: BaseException) -> None:
         """The adds could not be sent: each request hears it as its answer."""

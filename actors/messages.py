@@ -67,3 +67,9 @@ class Decision:
 
 class BackendError(RuntimeError):
     """The backend failed while serving a request (engine error, or it is shutting down)."""
+
+
+class BackendGone(RuntimeError):
+    """The same-node wire to a backend closed under a request (actors/wire.py): the backend's
+    process is gone, as a `RayActorError` says on the Ray path, and the request may be routed
+    again if it has no tokens yet."""

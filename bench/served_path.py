@@ -129,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
     intervals = [float(v) for v in args.stream_intervals.split(",")]
     caps = [float(v) for v in args.max_stream_messages.split(",")]
-    settings = [("channel", intervals[-1], 0.0)] + [("generate", i, 0.0) for i in intervals]
+    settings = [("wire", intervals[-1], 0.0), ("channel", intervals[-1], 0.0)]
+    settings += [("generate", i, 0.0) for i in intervals]
     settings += [("generate", intervals[-1], c) for c in caps if c > 0]
     for hop, interval, cap in settings:
         os.environ["TANDEM_STREAM_HOP"] = hop
         served = run_served(args, interval, cap, tmp)
-        if hop == "channel":
-            name = "through actors, one channel per caller (the default)"
+        if hop == "wire":
+            name = "through actors, one channel per caller on the same-node wire (the default)"
+        elif hop == "channel":
+            name = "through actors, one channel per caller over Ray"
         else:
             name = f"through actors, a generator per request, stream_interval_s={interval:g}"
             name += f", budget {cap:g} msgs/s" if cap else ""

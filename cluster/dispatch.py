@@ -39,7 +39,7 @@ from typing import Any
 
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
-from tandem.actors.messages import Admitted, BackendError, Decision
+from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision
 from tandem.cluster.fixed_choice import FixedChoice
 
 logger = logging.getLogger("tandem.dispatch")
@@ -157,7 +157,7 @@ class RequestStream:
                 self.router.forget.remote(self.req_id)
                 self.finished = True
                 raise InvalidRequest(_cause_message(exc)) from None
-            except ray.exceptions.RayActorError as exc:
+            except (ray.exceptions.RayActorError, BackendGone) as exc:
                 last_error = f"backend {self.decision.backend_id} failed: {type(exc).__name__}"
                 await self._backend_failed(last_error)
                 continue
@@ -202,7 +202,7 @@ class RequestStream:
             except StopAsyncIteration:
                 raise BackendUnavailable(f"backend {self.backend_id} ended the request without "
                                          "finishing it; retry it") from None
-            except ray.exceptions.RayActorError as exc:
+            except (ray.exceptions.RayActorError, BackendGone) as exc:
                 message = f"backend {self.backend_id} died while serving request {self.req_id}"
                 await self._backend_failed(f"{message}: {type(exc).__name__}")
                 if self.num_output_tokens == 0 and self.attempts < self.max_attempts:

@@ -42,7 +42,7 @@ class FixedChoice:
     def __init__(self, router: Any) -> None:
         self.router = router
         self.choice: tuple[str, str] | None = None  # (backend id, instance id)
-        self.notes = NoticeBatcher(router.note_placed_many, on_error=_note_failed)
+        self.notes = NoticeBatcher(router.note_placed_many.remote, on_error=_note_failed)
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     @classmethod

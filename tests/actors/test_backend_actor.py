@@ -294,6 +294,41 @@ def test_a_rejected_channel_add_is_answered_on_the_channel(backend):
     assert len(tokens) == 8  # the running request lost nothing to the refused duplicate
 
 
+def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
+    """The same-node wire carries what add_many + subscribe carry (admission first, then the
+    outputs, the tokens of a solo run), and a caller hanging up aborts its unfinished requests."""
+    from tandem.actors import wire
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    endless = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    ids = list(range(70, 90))
+    solo = [t for o in run(collect(backend, "wire-solo", ids, greedy)) for t in o.new_token_ids]
+
+    async def scenario():
+        _, path = await backend.wire_address()
+        reader, writer = await wire.connect(path)
+        writer.write(wire.encode("ch-wire"))
+        writer.write(wire.encode([("w6", ids, greedy, None), ("w-long", ids, endless, None)]))
+        items: list = []
+        while not any(len(i) > 2 and i[0] == "w6" and i[3] for i in items):
+            items.extend(await wire.read_frame(reader))
+        writer.close()  # hang up with w-long still running
+        while backend._channel_of:  # the hang-up took w-long out of the channel...
+            await asyncio.sleep(0.01)
+        while (await backend.stats()).num_running:  # ...and aborted it in the engine
+            await asyncio.sleep(0.01)
+        return items
+
+    items = run(scenario())
+    mine = [i for i in items if i[0] == "w6"]
+    admitted = mine[0][1]  # the admission comes first
+    assert len(mine[0]) == 2 and isinstance(admitted, Admitted) and admitted.num_prompt_tokens == len(ids)
+    tokens = [t for o in admitted.outputs for t in o[1]] + [t for i in items if len(i) > 2 and i[0] == "w6"
+                                                            for t in i[1]]
+    assert tokens == solo
+    assert "ch-wire" not in backend._channels
+
+
 def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
     """With asynchronous scheduling a step's tokens come with the next step's message: the
     admission is held for them one message, no longer, and a rejection is not held at all."""

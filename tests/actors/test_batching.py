@@ -102,13 +102,12 @@ def test_each_answer_is_its_own_callers(n):
 def test_notices_of_one_turn_go_out_in_one_call_and_an_unsendable_batch_reaches_on_error():
     sent, failed = [], []
 
-    class Method:
-        def remote(self, *args):
-            if any(x == "unpicklable" for (x,) in args[-1]):
-                raise TypeError("cannot serialize")
-            sent.append(args)
+    def send(batch):
+        if any(x == "unpicklable" for (x,) in batch):
+            raise TypeError("cannot serialize")
+        sent.append(batch)
 
-    batcher = NoticeBatcher(Method(), "ch-1", on_error=lambda batch, exc: failed.append((batch, str(exc))))
+    batcher = NoticeBatcher(send, on_error=lambda batch, exc: failed.append((batch, str(exc))))
 
     async def main():
         batcher.notify("a")
@@ -118,5 +117,5 @@ def test_notices_of_one_turn_go_out_in_one_call_and_an_unsendable_batch_reaches_
         await asyncio.sleep(0)
 
     asyncio.run(main())
-    assert sent == [("ch-1", [("a",), ("b",)])]
+    assert sent == [[("a",), ("b",)]]
     assert failed == [([("unpicklable",)], "cannot serialize")]

@@ -15,7 +15,8 @@ def test_served_path_bench_writes_a_row_per_system(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["system"] for r in rows] == ["in-process LLMEngine",
-                                           "through actors, one channel per caller (the default)",
+                                           "through actors, one channel per caller on the same-node wire (the default)",
+                                           "through actors, one channel per caller over Ray",
                                            "through actors, a generator per request, stream_interval_s=0",
                                            "through actors, a generator per request, stream_interval_s=0.01"]
     assert all(r["output_tok_s"] > 0 for r in rows)
