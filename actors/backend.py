@@ -343,13 +343,13 @@ class BackendActor:
             self._abort_quietly(req_id)
 
     # -- requests: the same-node wire (actors/wire.py) ---------------------------------------
-    async def wire_address(self) -> tuple[str, str]:
-        """(node id, socket path) of this backend's same-node wire, which a caller on the same
-        node uses instead of `add_many` + `subscribe`; started on the first call."""
+    async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
+        """(node id, address) of this backend's same-node wire, which a caller on the same node
+        uses instead of `add_many` + `subscribe`; started on the first call."""
         if self._wire is None:
             self._wire = wire.WireServer()
             await self._wire.start(self._serve_wire)
-        return _node_id(), self._wire.path
+        return _node_id(), self._wire.address
 
     async def _serve_wire(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One caller's channel: its first frame names the channel, the others are batches of

@@ -19,9 +19,9 @@ batches back.
 `open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
 and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
 add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died (or
-`BackendGone`, when the wire closed). `TANDEM_STREAM_HOP` picks the hop, to measure them:
-`wire` (the default: the wire where it can, else Ray), `channel` (Ray channels only) or
-`generate` (one Ray streaming generator per request, `BackendActor.generate`).
+`BackendGone`, when the wire closed). `TANDEM_STREAM_HOP=generate` uses one Ray streaming
+generator per request instead (`BackendActor.generate`), and `TANDEM_WIRE=0` keeps channels on
+Ray, e.g. to measure them.
 """
 
 from __future__ import annotations
@@ -47,28 +47,27 @@ _channels: dict[tuple[int, str], BackendChannel] = {}
 def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
                 arrival_time: float | None) -> Any:
     """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
-    hop = os.environ.get(STREAM_HOP_ENV, "wire")
-    if hop == "generate":
+    if os.environ.get(STREAM_HOP_ENV, "channel") == "generate":
         return GeneratorStream(handle, req_id, prompt_token_ids, params, arrival_time)
-    return ChannelStream(channel_for(handle, wire=hop == "wire"), req_id, prompt_token_ids, params, arrival_time)
+    return ChannelStream(channel_for(handle), req_id, prompt_token_ids, params, arrival_time)
 
 
-def channel_for(handle: Any, wire: bool = True) -> BackendChannel:
+def channel_for(handle: Any) -> BackendChannel:
     """This event loop's channel to the backend behind `handle` (one per actor, shared)."""
     loop = asyncio.get_running_loop()
     key = (id(loop), handle._actor_id.hex())
     channel = _channels.get(key)
     if channel is None or channel.error is not None:
-        channel = _channels[key] = BackendChannel(handle, key, wire)
+        channel = _channels[key] = BackendChannel(handle, key)
     return channel
 
 
 class BackendChannel:
     """The caller's end of one channel. Its transport is settled by the reader task: the
-    same-node wire when `use_wire` and the backend is on this node, else Ray (`add_many` and
-    `subscribe`); adds made before that is known wait in `_unsent`."""
+    same-node wire when the backend is on this node (and `TANDEM_WIRE` is not 0), else Ray
+    (`add_many` and `subscribe`); adds made before that is known wait in `_unsent`."""
 
-    def __init__(self, handle: Any, key: tuple[int, str], use_wire: bool = True) -> None:
+    def __init__(self, handle: Any, key: tuple[int, str]) -> None:
         self.handle = handle
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
@@ -78,7 +77,7 @@ class BackendChannel:
         self.transport: str | None = None  # "wire" or "ray", once the reader task knows
         self._writer: asyncio.StreamWriter | None = None
         self._unsent: list[tuple] = []
-        self.task = asyncio.get_running_loop().create_task(self._read(use_wire))
+        self.task = asyncio.get_running_loop().create_task(self._read())
 
     def _send_adds(self, batch: list[tuple]) -> None:
         if self.transport == "wire":
@@ -88,9 +87,9 @@ class BackendChannel:
         else:
             self._unsent.extend(batch)
 
-    async def _read(self, use_wire: bool) -> None:
+    async def _read(self) -> None:
         try:
-            address = await self._wire_address() if use_wire else None
+            address = await wire.same_node_address(self.handle)
             if address is None:
                 await self._read_ray()
             else:
@@ -106,13 +105,6 @@ class BackendChannel:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
-    async def _wire_address(self) -> str | None:
-        """The backend's socket path when it runs on this node; None: use Ray."""
-        import ray
-
-        node_id, path = await self.handle.wire_address.remote()
-        return path if node_id and node_id == ray.get_runtime_context().get_node_id() else None
-
     async def _read_ray(self) -> None:
         gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
         self._start("ray")
@@ -120,8 +112,8 @@ class BackendChannel:
             self._sort(await ref)
         raise BackendError(f"backend channel {self.channel_id} ended")
 
-    async def _read_wire(self, path: str) -> None:
-        reader, self._writer = await wire.connect(path)
+    async def _read_wire(self, address: tuple[str, bytes]) -> None:
+        reader, self._writer = await wire.connect(address)
         self._writer.write(wire.encode(self.channel_id))
         self._start("wire")
         while True:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.messages import BackendInfo, Decision
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
@@ -101,6 +102,7 @@ class RouterActor:
         self._watched = False  # a caller asked for the fixed choice: notes may come
         self._choice_version = 0
         self._choice_changed = asyncio.Event()
+        self._wire: wire.WireServer | None = None
 
     # -- membership --------------------------------------------------------------------------
     async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
@@ -195,6 +197,17 @@ class RouterActor:
     async def place_many(self, requests: list[tuple]) -> list[Any]:
         """`place` for several requests in one call (actors/batching.py), in order; each item is
         its answer or the exception `place` would have raised."""
+        return self._place_all(requests)
+
+    async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
+        """(node id, address) of the same-node wire on which callers of this node send their
+        `place_many` batches without a Ray call each (actors/wire.py); started on first call."""
+        if self._wire is None:
+            self._wire = wire.WireServer()
+            await self._wire.start(wire.call_server(self._place_all))
+        return _node_id(), self._wire.address
+
+    def _place_all(self, requests: list[tuple]) -> list[Any]:
         answers: list[Any] = []
         for request in requests:
             try:
@@ -409,3 +422,9 @@ class RouterActor:
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

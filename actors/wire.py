@@ -14,26 +14,44 @@ it directly. Ray stays the control plane (placement, restarts, the router, abort
 only the per-request data leaves it. This is how vLLM's front end and engine core talk (a
 local socket, not RPC), one level up.
 
-Frames, both ways: a 4-byte big-endian length, then a pickle (protocol 5). The caller's first
-frame is its channel id; every later frame is a list of adds `(req_id, prompt_token_ids,
-params, arrival_time)`. The backend's frames are the lists `subscribe` would yield. Either end
-closing the socket ends the channel: the backend aborts the channel's unfinished requests, and
-the caller fails them with `BackendGone` (it cannot tell a dead backend from a closed wire, and
-either way the backend is not serving them). The socket's directory is readable by this user
-only, so the pickles are as trusted as Ray's own.
+Frames, both ways: a 4-byte big-endian length, then a pickle (protocol 5). A connection opens
+with the server's token (random bytes the caller got with the address over Ray), checked
+before anything is unpickled. On Linux the socket lives in the abstract namespace (no file to
+clean up after a killed process); elsewhere in a private temporary directory. Two protocols
+use it:
+
+- a backend's channel (actors/backend.py, actors/channel.py): the caller's first frame is its
+  channel id, every later one a list of adds `(req_id, prompt_token_ids, params,
+  arrival_time)`; the backend's frames are the lists `subscribe` would yield. Either end
+  closing the socket ends the channel: the backend aborts the channel's unfinished requests,
+  and the caller fails them with `BackendGone` (it cannot tell a dead backend from a closed
+  wire, and either way the backend is not serving them);
+- batched calls (`call_server`, `WireCaller`): the router's `place_many` (cluster/dispatch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import pickle
+import secrets
 import shutil
+import socket
 import struct
+import sys
 import tempfile
+import uuid
 from typing import Any, Awaitable, Callable
 
 HEADER = struct.Struct("!I")
+TOKEN_BYTES = 16
+# TANDEM_WIRE=0 keeps every hop on Ray (to measure the two, or where Unix sockets misbehave).
+WIRE_ENV = "TANDEM_WIRE"
+
+
+def enabled() -> bool:
+    return os.environ.get(WIRE_ENV, "1") != "0"
 
 
 def encode(obj: Any) -> bytes:
@@ -48,25 +66,193 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(size))
 
 
-async def connect(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_unix_connection(path)
+async def connect(address: tuple[str, bytes]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection to a `WireServer`'s `address` (path, token)."""
+    path, token = address
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)  # a listening Unix socket accepts at once: no wait for a handshake
+    except OSError:
+        sock.close()
+        raise
+    # made here, not by asyncio: uvloop (Serve's loop) rejects abstract names given as paths
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    writer.write(token)
+    return reader, writer
+
+
+async def same_node_address(handle: Any) -> tuple[str, bytes] | None:
+    """The wire address of the actor behind `handle` (its `wire_address()`), if it runs on this
+    node; None if it does not, or the wire is turned off."""
+    import ray
+
+    if not enabled():
+        return None
+    node_id, address = await handle.wire_address.remote()
+    return address if node_id and node_id == ray.get_runtime_context().get_node_id() else None
 
 
 class WireServer:
-    """A Unix socket in a fresh private directory, served on the running event loop, each
-    connection by `handler(reader, writer)`."""
+    """A Unix socket served on the running event loop, each connection that presents the
+    token by `handler(reader, writer)`."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="tandem-wire-")  # mode 0700: this user only
-        self.path = os.path.join(self.directory, "backend.sock")
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.directory: str | None = None
+        if sys.platform.startswith("linux"):
+            self.path = f"\0tandem-wire-{uuid.uuid4().hex}"  # abstract: no file
+        else:
+            self.directory = tempfile.mkdtemp(prefix="tandem-wire-")  # mode 0700: this user only
+            self.path = os.path.join(self.directory, "s")
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> str:
-        self._server = await asyncio.start_unix_server(handler, path=self.path)
-        return self.path
+    @property
+    def address(self) -> tuple[str, bytes]:
+        return self.path, self.token
+
+    async def start(self, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+                    ) -> tuple[str, bytes]:
+        async def checked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                token = await reader.readexactly(TOKEN_BYTES)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                token = b""
+            if not hmac.compare_digest(token, self.token):
+                writer.close()
+                return
+            await handler(reader, writer)
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        sock.listen(1024)
+        self._server = await asyncio.start_unix_server(checked, sock=sock)
+        return self.address
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class WireClosed(ConnectionError):
+    """The wire closed with calls in flight: the serving actor's process is gone (or was)."""
+
+
+def call_server(fn: Callable[[list[tuple]], list[Any]]) -> Callable[..., Awaitable[None]]:
+    """A `WireServer` handler answering `WireCaller`s: each frame is a batch of calls
+    `[(call_id, args), ...]`, answered in one frame `[(call_id, result or exception), ...]`
+    by `fn` (a list of argument tuples -> a list of answers, as an actor's `*_many` method)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                calls = await read_frame(reader)
+                answers = fn([args for _, args in calls])
+                writer.write(encode([(call_id, answer) for (call_id, _), answer in zip(calls, answers)]))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the caller is gone
+        finally:
+            writer.close()
+
+    return serve
+
+
+class WireCaller:
+    """`CallBatcher`'s twin on the same-node wire: the calls of one event-loop turn go out as
+    one frame and each caller awaits its own answer (an exception in the answer is raised).
+
+    `address()` (awaited once, by a task started here) says where the server listens, or None
+    when it is on another node; then every call goes to `fallback` (a `CallBatcher` on the
+    same actor method) instead. Calls made before that is known wait for it. If the wire
+    closes, the calls in flight and every later one raise `WireClosed`: the caller's owner
+    drops this object and makes a new one, which asks for the address again."""
+
+    def __init__(self, address: Callable[[], Awaitable[tuple[str, bytes] | None]], fallback: Any) -> None:
+        self._fallback = fallback
+        self._use_fallback = False
+        self._writer: asyncio.StreamWriter | None = None
+        self._futures: dict[int, asyncio.Future] = {}
+        self._unsent: list[tuple[int, tuple]] = []
+        self._next_id = 0
+        self.error: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._run(address))
+
+    @property
+    def closed(self) -> bool:
+        return self.error is not None
+
+    async def call(self, *args: Any) -> Any:
+        if self._use_fallback:
+            return await self._fallback.call(*args)
+        if self.error is not None:
+            raise self.error
+        loop = asyncio.get_running_loop()
+        call_id, self._next_id = self._next_id, self._next_id + 1
+        future = self._futures[call_id] = loop.create_future()
+        if not self._unsent and self._writer is not None:
+            loop.call_soon(self._flush)
+        self._unsent.append((call_id, args))
+        try:
+            return await future
+        finally:
+            self._futures.pop(call_id, None)  # answered, or cancelled: a late answer is dropped
+
+    def _flush(self) -> None:
+        calls, self._unsent = self._unsent, []
+        calls = [(call_id, args) for call_id, args in calls if call_id in self._futures]
+        if calls and self._writer is not None:
+            self._writer.write(encode(calls))
+
+    async def _run(self, address: Callable[[], Awaitable[tuple[str, bytes] | None]]) -> None:
+        try:
+            where = await address()
+            if where is None:
+                self._to_fallback()
+                return
+            reader, self._writer = await connect(where)
+            self._flush()
+            while True:
+                for call_id, answer in await read_frame(reader):
+                    future = self._futures.get(call_id)
+                    if future is None or future.done():
+                        continue
+                    if isinstance(answer, BaseException):
+                        future.set_exception(answer)
+                    else:
+                        future.set_result(answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._close(WireClosed("the wire closed with calls in flight"))
+        except BaseException as exc:  # the address call failed (the actor is gone), or the loop closes
+            self._close(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def _to_fallback(self) -> None:
+        """Another node: the calls that waited, and all later ones, go over Ray."""
+        self._use_fallback = True
+        calls, self._unsent = self._unsent, []
+        for call_id, args in calls:
+            future = self._futures.get(call_id)
+            if future is not None:
+                asyncio.get_running_loop().create_task(_settle(future, self._fallback.call(*args)))
+
+    def _close(self, error: BaseException) -> None:
+        self.error = error
+        if self._writer is not None:
+            self._writer.close()
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+async def _settle(future: asyncio.Future, call: Awaitable[Any]) -> None:
+    try:
+        result = await call
+    except Exception as exc:
+        if not future.done():
+            future.set_exception(exc)
+        return
+    if not future.done():
+        future.set_result(result)

@@ -462,5 +462,6 @@ def run(args: Any) -> dict[str, Any]:
             print(f"{c['offered_req_s']:>14.0f} {c['achieved_req_s']:>9.0f} {c['p50_ms'] or 0:>8.1f} "
                   f"{c['p99_ms'] or 0:>8.1f} {c['errors']:>7}")
     return {"rows": rows, "ttft": ttft, "capacity": curve, "setup": setup,
-            "stream_hop": os.environ.get("TANDEM_STREAM_HOP", "wire"),
+            "stream_hop": os.environ.get("TANDEM_STREAM_HOP", "channel"),
+            "wire": os.environ.get("TANDEM_WIRE", "1") != "0",
             "fixed_choice": os.environ.get("TANDEM_FIXED_CHOICE") == "1"}

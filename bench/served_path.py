@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
     intervals = [float(v) for v in args.stream_intervals.split(",")]
     caps = [float(v) for v in args.max_stream_messages.split(",")]
-    settings = [("wire", intervals[-1], 0.0), ("channel", intervals[-1], 0.0)]
+    settings = [("wire", intervals[-1], 0.0), ("channel", intervals[-1], 0.0)]  # channels: wire, then Ray
     settings += [("generate", i, 0.0) for i in intervals]
     settings += [("generate", intervals[-1], c) for c in caps if c > 0]
     for hop, interval, cap in settings:
-        os.environ["TANDEM_STREAM_HOP"] = hop
+        os.environ["TANDEM_STREAM_HOP"] = "channel" if hop == "wire" else hop
+        os.environ["TANDEM_WIRE"] = "1" if hop == "wire" else "0"
         served = run_served(args, interval, cap, tmp)
         if hop == "wire":
             name = "through actors, one channel per caller on the same-node wire (the default)"
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             name += f", budget {cap:g} msgs/s" if cap else ""
         rows.append({"system": name, **served})
     os.environ.pop("TANDEM_STREAM_HOP", None)
+    os.environ.pop("TANDEM_WIRE", None)
     print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
           f"{args.threads} engine thread(s), best of {args.repeats}")
     print(f"{'system':<72} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")

@@ -15,13 +15,14 @@ Shared by the HTTP ingress and the Python driver so both behave the same:
 With one routable backend there is nothing to decide, and with `TANDEM_FIXED_CHOICE=1` the
 request goes there without waiting for the router, which hears of it after
 (cluster/fixed_choice.py). Otherwise routing calls go out coalesced: the `place` calls of one
-event-loop turn share one `RouterActor.place_many` call (actors/batching.py), so the router's
-cost per call is shared by however many requests arrived together. The router answers with a backend id, not a
-handle: an actor handle in a reply is serialized by the router and rebuilt (and
-reference-counted with its owner) by the receiver, on every request, which measured as the
-largest single cost of a short request in both processes.
-Each process keeps the backends' handles instead (`BackendHandles`), fetched from the router
-when it first meets a backend id.
+event-loop turn share one batch (actors/batching.py), a frame on the router's same-node wire
+(actors/wire.py) or, from another node, one `RouterActor.place_many` call, so the router's
+cost per call is shared by however many requests arrived together. The router answers with a
+backend id, not a handle: an actor handle in a reply is serialized by the router and rebuilt
+(and reference-counted with its owner) by the receiver, on every request, which measured as
+the largest single cost of a short request in both processes. Each process keeps the
+backends' handles instead (`BackendHandles`), fetched from the router when it first meets a
+backend id.
 
 `open()` notes when the router answered and when the backend admitted the request, and
 `admission_stages` splits a request's time to admission into its stages (the ingress exports
@@ -37,6 +38,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tandem.actors import wire
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision
@@ -144,7 +146,7 @@ class RequestStream:
                 self.placed_time = time.time()
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
-            except ray.exceptions.RayActorError as exc:  # the router itself is gone; nothing restarts it
+            except (ray.exceptions.RayActorError, wire.WireClosed) as exc:  # the router is gone; nothing restarts it
                 raise BackendUnavailable("the router is unavailable", detail=type(exc).__name__) from None
             self.decision = Decision(self.req_id, backend_id, instance_id, estimated_s=estimated_s, handle=handle)
             if self._gen is not None:
@@ -246,17 +248,19 @@ class RequestStream:
             logger.warning("could not report failure of backend %s", decision.backend_id, exc_info=True)
 
 
-_placers: dict[tuple[int, Any], CallBatcher] = {}
+_placers: dict[tuple[int, Any], wire.WireCaller] = {}
 
 
-def _placer(router: Any) -> CallBatcher:
-    """This event loop's coalescer of `place` calls to `router` (`RouterActor.place_many`)."""
+def _placer(router: Any) -> wire.WireCaller:
+    """This event loop's coalescer of `place` calls to `router` (`RouterActor.place_many`): on
+    the router's node over the same-node wire, elsewhere over Ray."""
     import asyncio
 
     key = (id(asyncio.get_running_loop()), getattr(router, "_actor_id", None) or id(router))
     placer = _placers.get(key)
-    if placer is None:
-        placer = _placers[key] = CallBatcher(router.place_many)
+    if placer is None or placer.closed:
+        placer = _placers[key] = wire.WireCaller(lambda: wire.same_node_address(router),
+                                                 CallBatcher(router.place_many))
     return placer
 
 

@@ -305,8 +305,8 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
     solo = [t for o in run(collect(backend, "wire-solo", ids, greedy)) for t in o.new_token_ids]
 
     async def scenario():
-        _, path = await backend.wire_address()
-        reader, writer = await wire.connect(path)
+        _, address = await backend.wire_address()
+        reader, writer = await wire.connect(address)
         writer.write(wire.encode("ch-wire"))
         writer.write(wire.encode([("w6", ids, greedy, None), ("w-long", ids, endless, None)]))
         items: list = []

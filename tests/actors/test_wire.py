@@ -1,11 +1,11 @@
-"""The same-node wire's framing and server, without Ray: frames round-trip whole, in order,
-whatever their size, and the server's private directory goes when it closes."""
+"""The same-node wire without Ray: frames round-trip whole and in order whatever their size, a
+connection without the server's token is dropped unread, and batched calls get their own
+answers (exceptions raised), wait for the connection, fail when it closes, or fall back."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
+import pytest
 
 from tandem.actors import wire
 
@@ -24,20 +24,17 @@ def test_frames_round_trip_in_order_across_a_unix_socket():
 
     async def main():
         server = wire.WireServer()
-        path = await server.start(echo)
-        assert stat.S_IMODE(os.stat(server.directory).st_mode) == 0o700
-        reader, writer = await wire.connect(path)
+        reader, writer = await wire.connect(await server.start(echo))
         for message in ("ch-1", [("r1", [1, 2], None, 1.5)], big):
             writer.write(wire.encode(message))
         answers = [await wire.read_frame(reader) for _ in range(3)]
         writer.close()
         server.close()
-        return answers, server.directory
+        return answers
 
-    answers, directory = asyncio.run(asyncio.wait_for(main(), 30))
+    answers = asyncio.run(asyncio.wait_for(main(), 30))
     assert received == ["ch-1", [("r1", [1, 2], None, 1.5)], big]
     assert answers == [("got", 1), ("got", 2), ("got", 3)]
-    assert not os.path.exists(directory)
 
 
 def test_a_closed_wire_reads_as_an_incomplete_frame():
@@ -58,3 +55,128 @@ def test_a_closed_wire_reads_as_an_incomplete_frame():
         return False
 
     assert asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_connection_without_the_token_is_closed_before_anything_is_unpickled():
+    reached = []
+
+    async def handler(reader, writer):
+        reached.append(True)
+
+    async def main():
+        server = wire.WireServer()
+        path, token = await server.start(handler)
+        reader, writer = await wire.connect((path, bytes(len(token))))  # the wrong token
+        writer.write(wire.encode("hello"))
+        closed = await reader.read() == b""
+        writer.close()
+        server.close()
+        return closed
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) and reached == []
+
+
+def _square_server():
+    def square_all(calls):
+        return [ValueError(f"bad {x}") if x < 0 else x * x for (x,) in calls]
+
+    return wire.call_server(square_all)
+
+
+def test_calls_of_one_turn_share_a_frame_and_each_gets_its_answer():
+    frames = []
+
+    async def main():
+        server = wire.WireServer()
+        serve = _square_server()
+
+        async def counting(reader, writer):  # counts the frames the caller sends
+            real_read = reader.readexactly
+
+            async def readexactly(n):
+                data = await real_read(n)
+                if n == wire.HEADER.size:
+                    frames.append(n)
+                return data
+
+            reader.readexactly = readexactly
+            await serve(reader, writer)
+
+        address = await server.start(counting)
+
+        async def where():
+            await asyncio.sleep(0.05)  # calls made meanwhile wait for the connection
+            return address
+
+        caller = wire.WireCaller(where, fallback=None)
+        results = await asyncio.gather(*(caller.call(x) for x in (1, 2, -3, 4)), return_exceptions=True)
+        later = await caller.call(5)
+        server.close()
+        return results, later
+
+    results, later = asyncio.run(asyncio.wait_for(main(), 30))
+    assert results[:2] == [1, 4] and results[3] == 16 and isinstance(results[2], ValueError)
+    assert later == 25 and len(frames) == 2  # the first four in one frame, then one
+
+
+def test_a_closed_wire_fails_calls_in_flight_and_later_ones():
+    async def main():
+        server = wire.WireServer()
+        gone = asyncio.Event()
+
+        async def hang_up(reader, writer):
+            await wire.read_frame(reader)  # take the call, never answer
+            writer.close()
+            gone.set()
+
+        address = await server.start(hang_up)
+
+        async def where():
+            return address
+
+        caller = wire.WireCaller(where, fallback=None)
+        with pytest.raises(wire.WireClosed):
+            await caller.call(1)
+        assert caller.closed
+        with pytest.raises(wire.WireClosed):
+            await caller.call(2)
+        server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_calls_go_to_the_fallback_when_the_server_is_elsewhere():
+    class Fallback:
+        async def call(self, x):
+            return ("fallback", x)
+
+    async def main():
+        async def elsewhere():
+            await asyncio.sleep(0.01)
+            return None
+
+        caller = wire.WireCaller(elsewhere, Fallback())
+        early = caller.call(1)  # made before the answer came: resent to the fallback
+        return await asyncio.gather(early, asyncio.sleep(0.05, result=None)), await caller.call(2)
+
+    (early, _), late = asyncio.run(asyncio.wait_for(main(), 30))
+    assert early == ("fallback", 1) and late == ("fallback", 2)
+
+
+def test_the_wire_works_on_uvloop_too():
+    """Serve's replicas run on uvloop, which rejects Linux's abstract socket names as paths."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def echo(reader, writer):
+        writer.write(wire.encode(await wire.read_frame(reader)))
+
+    async def main():
+        server = wire.WireServer()
+        reader, writer = await wire.connect(await server.start(echo))
+        writer.write(wire.encode(("hello", 1)))
+        answer = await wire.read_frame(reader)
+        writer.close()
+        server.close()
+        return answer
+
+    assert uvloop.run(asyncio.wait_for(main(), 30)) == ("hello", 1)
