@@ -1,18 +1,20 @@
-"""The same-node wire between a caller process and a backend actor: a Unix socket carrying
-length-prefixed pickles, so a batch of adds and a step's batch of outputs each cost one socket
-write instead of a Ray call or a streamed Ray object.
+"""The same-node wire between a caller process and an actor (a backend, the router): a Unix
+socket carrying length-prefixed pickles, so a batch of routing calls, a batch of adds and a
+step's batch of outputs each cost one socket write instead of a Ray call or a streamed Ray
+object.
 
-Why. A request's data hops (its add, its admission, its outputs) used to ride Ray: a one-way
-`add_many` call per event-loop turn and an item of a `subscribe` streaming generator per
-hand-over. Each costs a task or an object on both sides (serialization into Ray's object
-format, a gRPC message, the owner's bookkeeping, a cross-thread wake-up), which under a high
-rate of short requests made the backend actor the busiest process on the machine and put
-tens of milliseconds between the ingress and the engine. When the caller and the backend share
-a node, none of that is needed: the backend listens on a socket in a private directory, and
-the caller, after learning its path with one Ray call (`BackendActor.wire_address`), talks to
-it directly. Ray stays the control plane (placement, restarts, the router, aborts, stats);
-only the per-request data leaves it. This is how vLLM's front end and engine core talk (a
-local socket, not RPC), one level up.
+Why. A request's data hops (its routing call, its add, its admission, its outputs) used to
+ride Ray: a `place_many` call and a one-way `add_many` call per event-loop turn, and an item
+of a `subscribe` streaming generator per hand-over. Each costs a task or an object on both
+sides (serialization into Ray's object format, a gRPC message, the owner's bookkeeping, a
+cross-thread wake-up), which under a high rate of short requests made the backend actor the
+busiest process on the machine, put tens of milliseconds between the ingress and the engine,
+and capped one H200 backend at ~1,400 short requests/s with p99 over a second (2,000/s at p99
+under 11 ms on the wire; docs/benchmarks/served-path-h200.md). When the caller and the actor
+share a node none of that is needed: the actor listens on a socket, the caller learns its
+address with one Ray call (`wire_address`) and then talks to it directly. Ray stays the
+control plane (placement, health, restarts, aborts, stats, reports); only the per-request data
+leaves it. vLLM's front end and engine core talk the same way (a local socket, not RPC).
 
 Frames, both ways: a 4-byte big-endian length, then a pickle (protocol 5). A connection opens
 with the server's token (random bytes the caller got with the address over Ray), checked
