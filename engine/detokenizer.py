@@ -96,8 +96,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
-        self.output_text = ""  # everything decoded so far (after stop truncation)
-        self.num_emitted_chars = 0  # how much of output_text the caller has seen
+        # Decoded text not handed out yet (after stop truncation). Only this is kept: the text
+        # handed out never matters again, and appending to the whole output would copy it on
+        # every token (quadratic in the output's length, on the engine's step loop).
+        self.pending_text = ""
         self.stopped = False  # a stop string was found
         table = ByteTable.of(tokenizer) if byte_level and skip_special_tokens else None
         self._token_bytes = table.token_bytes if table is not None else None
@@ -140,13 +142,16 @@ class IncrementalDetokenizer:
         return self._append_text(full_text[prefix_len:])
 
     def _append_text(self, new_text: str) -> bool:
-        search_from = max(0, len(self.output_text) - self.max_stop_len + 1)
-        self.output_text += new_text
+        """Add decoded text and search for stop strings in it and the held tail before it. A
+        stop string cannot start in text already handed out, which `take_new_text` only
+        releases once it is too far back to begin one."""
+        search_from = max(0, len(self.pending_text) - self.max_stop_len + 1)
+        self.pending_text += new_text
         if not self.stop:
             return False
-        hits = [i for i in (self.output_text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.pending_text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
-            self.output_text = self.output_text[: min(hits)]
+            self.pending_text = self.pending_text[: min(hits)]
             self.stopped = True
             return True
         return False
@@ -156,10 +161,11 @@ class IncrementalDetokenizer:
         into a stop string; when finished, also the bytes of an incomplete last character
         (as U+FFFD, as a whole decode shows them)."""
         if finished and self._token_bytes is not None and not self.stopped:
-            self.output_text += self._utf8.decode(b"", final=True)
-        end = len(self.output_text)
+            self.pending_text += self._utf8.decode(b"", final=True)
+        text = self.pending_text
         if not finished and self.max_stop_len > 1:
-            end = max(self.num_emitted_chars, end - (self.max_stop_len - 1))
-        text = self.output_text[self.num_emitted_chars : end]
-        self.num_emitted_chars = end
+            end = max(0, len(text) - (self.max_stop_len - 1))
+            text, self.pending_text = text[:end], text[end:]
+        else:
+            self.pending_text = ""
         return text

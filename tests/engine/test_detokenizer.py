@@ -169,3 +169,20 @@ def test_byte_table_equals_one_decode_smollm2_tokenizer():
     smol = smollm2_tokenizer()
     assert ByteTable.of(smol) is not None
     check_byte_table(smol, len(smol), smol.all_special_ids, seed=3)
+
+
+@BOTH_WAYS
+def test_stop_strings_anywhere_cut_the_text_at_their_first_occurrence(tok, byte_level):
+    """Random texts with several stop strings of different lengths, fed a token at a time: the
+    streamed text is the whole text up to the earliest stop string (or all of it), wherever
+    the stop strings fall against token and hand-over boundaries."""
+    rng = random.Random(7)
+    stops = ["</s>", "ab", "END OF TEXT", "x"]
+    for _ in range(60):
+        words = [rng.choice(["hello", "a", "b", "END", "OF", "TEXT", "</", "s>", "日本", "ok", "x"])
+                 for _ in range(rng.randrange(1, 30))]
+        text = rng.choice(["", " "]).join(words)
+        pieces, stopped = stream(tok, text, stop=stops, byte_level=byte_level)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        assert "".join(pieces) == (text[: min(hits)] if hits else text), text
+        assert stopped == bool(hits)
