@@ -766,9 +766,8 @@ def _self_handle() -> Any:
 
 
 def _node_id() -> str:
-    try:
-        import ray
+    import ray
 
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # not inside Ray (unit tests): no node
+    if not ray.is_initialized():  # not inside Ray (unit tests): no node, and no Ray started for one
         return ""
+    return ray.get_runtime_context().get_node_id()

@@ -320,6 +320,9 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
         return items
 
     items = run(scenario())
+    import ray
+
+    assert not ray.is_initialized()  # asking for the node id outside Ray must not start Ray
     mine = [i for i in items if i[0] == "w6"]
     admitted = mine[0][1]  # the admission comes first
     assert len(mine[0]) == 2 and isinstance(admitted, Admitted) and admitted.num_prompt_tokens == len(ids)
