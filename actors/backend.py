@@ -53,6 +53,7 @@ from tandem.actors import engine_core as core
 from tandem.actors import wire
 from tandem.actors.messages import Admitted, BackendError, BackendInfo
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
+from tandem.actors.output_text import OutputText, front_detokenizes
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.backend")
@@ -150,6 +151,9 @@ class BackendActor:
             ready["model_name"], ready["load_s"], ready["pid"])
         self.max_active = ready["max_active"]
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
+        # The outputs' text and stop strings, made here rather than on the core's step loop
+        # (actors/output_text.py); None: the engine makes them.
+        self._text = OutputText(ready["tokenizer"]) if front_detokenizes() else None
         self._streams: dict[str, _Stream] = {}
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
         self._channels: dict[str, _Channel] = {}
@@ -296,7 +300,8 @@ class BackendActor:
             call_id = next(self._call_ids)
             self._admitting[call_id] = (req_id, channel, received)
             try:
-                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
+                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time,
+                            self._track_text(req_id, prompt_token_ids, params)))
             except BackendError as exc:  # the engine core is gone
                 self._forget(req_id)
                 refused.append((req_id, exc))
@@ -397,6 +402,8 @@ class BackendActor:
         if channel is not None:
             channel.drop(req_id)
         self._awaiting_first.pop(req_id, None)
+        if self._text is not None:
+            self._text.forget(req_id)
 
     def _leave_channel(self, req_id: str) -> None:
         """A finished request leaves its channel's count; its held outputs still go out."""
@@ -420,9 +427,19 @@ class BackendActor:
     # -- talking to the core -----------------------------------------------------------------
     async def _add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None) -> int:
         call_id, future = self._new_call()
-        self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time))
-        num_prompt_tokens, _ = await future
+        try:
+            self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time,
+                        self._track_text(req_id, prompt_token_ids, params)))
+            num_prompt_tokens, _ = await future
+        except BaseException:
+            if self._text is not None:
+                self._text.forget(req_id)
+            raise
         return num_prompt_tokens
+
+    def _track_text(self, req_id: str, prompt_token_ids: list[int], params: Any) -> bool:
+        """The engine's `detokenize` flag for a request about to be added."""
+        return True if self._text is None else self._text.track(req_id, prompt_token_ids, params)
 
     async def _call(self, name: str, *args: Any) -> Any:
         """Run the core's `call_<name>(*args)` between two steps and return its result."""
@@ -469,6 +486,10 @@ class BackendActor:
 
     def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
                  stats: Any) -> None:
+        if self._text is not None and outputs:
+            outputs, ended = self._text.apply(outputs)
+            for req_id in ended:  # a stop string ended it here: the engine stops too
+                self._abort_quietly(req_id)
         to_deliver, admissions = outputs, {}
         if self._admitting or self._awaiting_first:
             replies, to_deliver, admissions = self._admissions(replies, outputs)
@@ -610,6 +631,8 @@ class BackendActor:
     def _fail_streams(self, error: BaseException) -> list[str]:
         """Put `error` into every stream and channel request; returns their request ids."""
         self._held.clear()  # outputs not yet handed over: the error replaces them
+        if self._text is not None:
+            self._text.clear()
         streams = list(self._streams.items())
         channel_reqs = list(self._channel_of.items())
         deliveries = [(stream, error) for _, stream in streams]

@@ -10,7 +10,7 @@ plain Python, no asyncio and no Ray: take every queued command, step, send outpu
 The wire, both ways, is one `multiprocessing` Pipe carrying pickled plain tuples (measured
 cheaper than dataclasses; see `pack_output`):
 
-- front -> core: `(ADD, call_id, req_id, prompt_token_ids, params, arrival_time)`,
+- front -> core: `(ADD, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize)`,
   `(ABORT, req_id)` (no answer), `(CALL, call_id, name, args)` for the engine's other public
   methods and `profile`, `(STOP,)`.
 - core -> front: one `(STEP, replies, outputs, progress, step, cache_changes, stats)` message
@@ -185,9 +185,9 @@ class EngineCore:
         if kind == ABORT:
             self.engine.abort_request(command[1])
         elif kind == ADD:
-            _, call_id, req_id, prompt_token_ids, params, arrival_time = command
-            self.answer(call_id, lambda: (self.engine.add_request(req_id, prompt_token_ids, params, arrival_time),
-                                          time.time()))
+            _, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize = command
+            self.answer(call_id, lambda: (self.engine.add_request(req_id, prompt_token_ids, params, arrival_time,
+                                                                  detokenize), time.time()))
         elif kind == CALL:
             _, call_id, name, args = command
             self.answer(call_id, lambda: getattr(self, "call_" + name)(*args))

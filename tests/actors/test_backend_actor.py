@@ -332,6 +332,38 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
     assert "ch-wire" not in backend._channels
 
 
+def test_the_front_makes_the_text_and_a_stop_string_stops_the_engine(backend):
+    """The core sends token ids only; the front's text is what the engine would have made (the
+    same request through an engine that detokenizes), and a stop string found by the front
+    ends the stream with "stop" and aborts the request in the core."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    ids = list(range(30, 50))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(**ENGINE))
+    engine.add_request("ref", ids, greedy)
+    reference = []
+    while engine.has_unfinished_requests():
+        reference += engine.step()
+    text = "".join(o.new_text for o in reference)
+    assert backend._text is not None and text
+    served = run(collect(backend, "text", ids, greedy))
+    assert "".join(o.new_text for o in served) == text
+
+    stop = text[len(text) // 2: len(text) // 2 + 2]  # two characters from the middle of the text
+    stopped = run(collect(backend, "stop", ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                               stop=[stop])))
+    assert "".join(o.new_text for o in stopped) == text[: text.index(stop)]
+    assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
+
+    async def engine_idle():
+        while (await backend.stats()).num_running:
+            await asyncio.sleep(0.01)
+
+    run(engine_idle(), timeout_s=30)  # the core was told: nothing left running
+
+
 def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
     """With asynchronous scheduling a step's tokens come with the next step's message: the
     admission is held for them one message, no longer, and a rejection is not held at all."""
@@ -342,6 +374,7 @@ def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
 
     actor = BackendActor.__new__(BackendActor)  # the bookkeeping only: no engine core
     actor.backend_id = "b"
+    actor._text = None
     channel = _Channel()
     channel.req_ids.update({"r", "s"})
     actor._admitting = {7: ("r", channel, 1.0), 8: ("s", channel, 1.0)}

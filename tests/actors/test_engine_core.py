@@ -202,7 +202,7 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
     front, child = multiprocessing.Pipe()
     engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
     assert front.recv()[0] == core.READY
-    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time()))
+    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time(), True))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
