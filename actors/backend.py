@@ -8,19 +8,21 @@ out to the request streams. Serving work (Ray calls, streams, router reports, me
 this process's GIL, so it never holds up the engine's next step.
 
 Threads of this process: the actor's event loop (Ray calls, streams) and a reader thread that
-receives the core's messages and does, per step, everything a step implies: merge and pace the
-outputs, hand them to the event loop with one wake-up, answer the commands' futures, batch the
-router's progress report and record the metrics.
+receives the core's messages and does, per step, everything a step implies: make the outputs'
+text and check stop strings (actors/output_text.py), merge and pace the outputs, hand them to
+the event loop with one wake-up, answer the commands' futures, batch the router's progress
+report and record the metrics.
 
 Two ways to stream:
 - `generate` (one Ray streaming generator per request): `Admitted`, then `RequestOutput`s.
   Used by the warm-up and benchmarks, and simple to drive by hand.
-- `add_many` + `subscribe` (one multiplexed stream per caller process, see actors/channel.py):
-  the caller's process opens one `subscribe` stream per backend and every request it adds with
-  that channel id comes back on it: first its admission, then its outputs, in one batch of
-  every request's news per step. `add_many` is sent one-way, so Ray's per-call and per-item
-  costs are paid per step and per batch of adds, never per request; the serving path
-  (cluster/dispatch.py) uses this.
+- a channel (one multiplexed stream per caller process, see actors/channel.py): every request
+  the caller adds with that channel id comes back on it, first its admission, then its
+  outputs, in one batch of every request's news per step. On this node the channel is a
+  connection to this actor's same-node wire (`wire_address`, actors/wire.py: a Unix socket, a
+  frame per batch each way); from another node it is `add_many` (sent one-way) plus one
+  `subscribe` stream, so Ray's per-call and per-item costs are paid per step and per batch of
+  adds, never per request. The serving path (cluster/dispatch.py) uses channels.
 
 Pacing: a request's first output goes at once, and so does its last; in between, outputs are
 merged and sent at most every interval. For `generate` streams that is `stream_interval_s`;
@@ -386,6 +388,9 @@ class BackendActor:
                 await writer.drain()
         except ConnectionError:
             pass  # the caller is gone; the reading side closes the channel
+        except Exception:  # a batch that does not pickle: end the wire rather than stall its requests
+            logger.exception("backend %s: could not send a channel batch; closing the wire", self.backend_id)
+            writer.close()
 
     def _check_new(self, req_id: str) -> None:
         if req_id in self._streams or req_id in self._channel_of:
