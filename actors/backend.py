@@ -190,7 +190,7 @@ class BackendActor:
             backend_id=self.backend_id, instance_id=self.instance_id, device=e["device"],
             device_kind=e["device_kind"], requested_device=self.requested_device, dtype=e["dtype"],
             threads=self.threads, max_active=self.max_active, block_size=e["block_size"],
-            model_name=e["model_name"], max_model_len=e["max_model_len"], node_id=_node_id(), rates=self.rates,
+            model_name=e["model_name"], max_model_len=e["max_model_len"], node_id=wire.node_id(), rates=self.rates,
             reconstructed=reconstructed)
 
     async def info(self) -> BackendInfo:
@@ -356,7 +356,7 @@ class BackendActor:
         if self._wire is None:
             self._wire = wire.WireServer()
             await self._wire.start(self._serve_wire)
-        return _node_id(), self._wire.address
+        return wire.node_id(), self._wire.address
 
     async def _serve_wire(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One caller's channel: its first frame names the channel, the others are batches of
@@ -792,10 +792,3 @@ def _self_handle() -> Any:
         warnings.simplefilter("ignore")
         return ray.get_runtime_context().current_actor
 
-
-def _node_id() -> str:
-    import ray
-
-    if not ray.is_initialized():  # not inside Ray (unit tests): no node, and no Ray started for one
-        return ""
-    return ray.get_runtime_context().get_node_id()

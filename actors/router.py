@@ -205,7 +205,7 @@ class RouterActor:
         if self._wire is None:
             self._wire = wire.WireServer()
             await self._wire.start(wire.call_server(self._place_all))
-        return _node_id(), self._wire.address
+        return wire.node_id(), self._wire.address
 
     def _place_all(self, requests: list[tuple]) -> list[Any]:
         answers: list[Any] = []
@@ -422,9 +422,3 @@ class RouterActor:
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()

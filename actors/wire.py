@@ -83,15 +83,22 @@ async def connect(address: tuple[str, bytes]) -> tuple[asyncio.StreamReader, asy
     return reader, writer
 
 
+def node_id() -> str:
+    """This process's Ray node id; "" outside Ray (unit tests), without starting Ray for it."""
+    import ray
+
+    if not ray.is_initialized():
+        return ""
+    return ray.get_runtime_context().get_node_id()
+
+
 async def same_node_address(handle: Any) -> tuple[str, bytes] | None:
     """The wire address of the actor behind `handle` (its `wire_address()`), if it runs on this
     node; None if it does not, or the wire is turned off."""
-    import ray
-
     if not enabled():
         return None
-    node_id, address = await handle.wire_address.remote()
-    return address if node_id and node_id == ray.get_runtime_context().get_node_id() else None
+    actor_node, address = await handle.wire_address.remote()
+    return address if actor_node and actor_node == node_id() else None
 
 
 class WireServer:
