@@ -9,7 +9,7 @@ this process's GIL, so it never holds up the engine's next step.
 
 Threads of this process: the actor's event loop (Ray calls, streams) and a reader thread that
 receives the core's messages and does, per step, everything a step implies: make the outputs'
-text and check stop strings (actors/output_text.py), merge and pace the outputs, hand them to
+text and check stop strings when asked to (actors/output_text.py), merge and pace the outputs, hand them to
 the event loop with one wake-up, answer the commands' futures, batch the router's progress
 report and record the metrics.
 
@@ -154,7 +154,7 @@ class BackendActor:
         self.max_active = ready["max_active"]
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
         # The outputs' text and stop strings, made here rather than on the core's step loop
-        # (actors/output_text.py); None: the engine makes them.
+        # when TANDEM_FRONT_DETOKENIZE=1 (actors/output_text.py); None: the engine makes them.
         self._text = OutputText(ready["tokenizer"]) if front_detokenizes() else None
         self._streams: dict[str, _Stream] = {}
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn

@@ -332,7 +332,15 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
     assert "ch-wire" not in backend._channels
 
 
-def test_the_front_makes_the_text_and_a_stop_string_stops_the_engine(backend):
+@pytest.fixture()
+def front_text_backend(monkeypatch):
+    monkeypatch.setenv("TANDEM_FRONT_DETOKENIZE", "1")
+    actor = BackendActor("cpu-text", ENGINE, threads=1)
+    yield actor
+    run(actor.shutdown())
+
+
+def test_the_front_makes_the_text_and_a_stop_string_stops_the_engine(front_text_backend):
     """The core sends token ids only; the front's text is what the engine would have made (the
     same request through an engine that detokenizes), and a stop string found by the front
     ends the stream with "stop" and aborts the request in the core."""
@@ -341,6 +349,7 @@ def test_the_front_makes_the_text_and_a_stop_string_stops_the_engine(backend):
 
     ids = list(range(30, 50))
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    backend = front_text_backend
     engine = LLMEngine(EngineConfig(**ENGINE))
     engine.add_request("ref", ids, greedy)
     reference = []
