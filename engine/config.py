@@ -23,6 +23,7 @@ DEFAULT_BLOCK_SIZE = 16
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 # Weight-only quantized dtypes (cpu): int8 / int4 weights, bfloat16 activations (engine/model/quant.py).
 QUANTIZED_DTYPES = ("int8", "int4")
+CPU_KERNELS = ("torch", "ggml")  # whose kernels run the quantized linears
 
 
 def cache_root() -> Path:
@@ -54,6 +55,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
     cpu_compile: bool = False  # cpu: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py)
+    cpu_kernels: str = "torch"  # int8/int4 linears: torch (PyTorch's) | ggml (llama.cpp's; engine/model/ggml_kernels.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -63,6 +65,10 @@ class EngineConfig:
         if self.cpu_compile and (self.device_type != "cpu" or not self.pack_cpu_weights):
             raise ValueError("cpu_compile is for cpu engines with pack_cpu_weights (it compiles the few-op layers); "
                              f"got device {self.device!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}; got {self.cpu_kernels!r}")
+        if self.cpu_kernels == "ggml" and self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"cpu_kernels='ggml' runs quantized weights: use dtype int8 or int4, not {self.dtype!r}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
@@ -81,7 +87,8 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
         if self.dtype in QUANTIZED_DTYPES:
-            return torch.bfloat16  # the activations: the int8/int4 kernels' float32 paths are scalar
+            # The activations: PyTorch's int8/int4 kernels' float32 paths are scalar; ggml's take float32.
+            return torch.float32 if self.cpu_kernels == "ggml" else torch.bfloat16
         return getattr(torch, self.dtype)
 
     @property

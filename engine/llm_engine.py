@@ -77,7 +77,8 @@ class LLMEngine:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
-        loaded = load_model(cfg.model, self.device, self.dtype, quantization=cfg.weight_quantization)
+        loaded = load_model(cfg.model, self.device, self.dtype, quantization=cfg.weight_quantization,
+                            kernels=cfg.cpu_kernels)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config

@@ -26,6 +26,7 @@ from torch import nn
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.model.cpu_linear import PackedLinear
+from tandem.engine.model.ggml_kernels import GGMLLinear
 from tandem.engine.model.llama import adopt_layer_parts
 
 
@@ -79,6 +80,8 @@ def _linear(x: torch.Tensor, linear: nn.Module, handle: torch.Tensor | None,
     through `packed_linear` inside a compiled graph."""
     if handle is not None and torch.compiler.is_compiling():
         return packed_linear(x, residual, handle, linear.out_features)
+    if isinstance(linear, GGMLLinear):
+        return linear(x, residual)
     if residual is None:
         return linear(x)
     if isinstance(linear, PackedLinear):

@@ -57,11 +57,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_backend=None,
     quantization: str | None = None,
+    kernels: str = "torch",
 ) -> LoadedModel:
     """Load a preset (see `PRESETS`), a local HF directory, a `.gguf` file or a hub id;
-    `quantization` (int8 | int4) swaps the linears for weight-only quantized ones (cpu)."""
+    `quantization` (int8 | int4) swaps the linears for weight-only quantized ones (cpu), run by
+    PyTorch's kernels (`kernels="torch"`, engine/model/quant.py) or ggml's (`"ggml"`,
+    engine/model/ggml_kernels.py)."""
     loaded = _load(name_or_path, torch.device(device), dtype, attn_backend)
-    if quantization is not None:
+    if quantization is not None and kernels == "ggml":
+        from tandem.engine.model import ggml_kernels
+
+        ggml_kernels.quantize_model(loaded.model, quantization, _gguf_source(name_or_path))
+    elif quantization is not None:
         from tandem.engine.model.quant import quantize_model
 
         quantize_model(loaded.model, quantization, _gguf_source(name_or_path))

@@ -168,12 +168,12 @@ def quantize_model(model: nn.Module, quantization: str, gguf_path: Path | None =
 
 
 # -- GGUF blocks --------------------------------------------------------------------------------
-_GGUF_PROJ = {  # GGUF tensor -> (our module under model.layers.{i}, shard index in the merged weight)
+GGUF_PROJ = {  # GGUF tensor -> (our module under model.layers.{i}, shard index in the merged weight)
     "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1), "attn_v": ("self_attn.qkv_proj", 2),
     "attn_output": ("self_attn.o_proj", 0), "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", 0),
 }
-_SHARDS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2, "self_attn.o_proj": 1, "mlp.down_proj": 1}
+GGUF_SHARDS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2, "self_attn.o_proj": 1, "mlp.down_proj": 1}
 
 
 def _q4_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,7 +189,7 @@ def _q4_blocks(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, 
     return q, d, zero + 8.0 * d
 
 
-def _unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order (its RoPE pairs adjacent dims; HF's pairs the two halves)."""
     rows = t.shape[0]
     return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
@@ -203,10 +203,10 @@ def gguf_int4_linears(gguf_path: Path, config, dtype: torch.dtype) -> dict[str, 
     parts: dict[str, dict[int, tuple]] = {}
     for tensor in reader.tensors:
         name = tensor.name.split(".")
-        if len(name) != 4 or name[0] != "blk" or name[2] not in _GGUF_PROJ:
+        if len(name) != 4 or name[0] != "blk" or name[2] not in GGUF_PROJ:
             continue
         kind = tensor.tensor_type.name
-        module, shard = _GGUF_PROJ[name[2]]
+        module, shard = GGUF_PROJ[name[2]]
         key = f"model.layers.{name[1]}.{module}"
         if kind not in ("Q4_0", "Q4_1"):
             parts.setdefault(key, {})[shard] = None
@@ -214,11 +214,11 @@ def gguf_int4_linears(gguf_path: Path, config, dtype: torch.dtype) -> dict[str, 
         q, scale, zero = _q4_blocks(np.asarray(tensor.data), kind)
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name[2])
         if heads is not None:
-            q, scale, zero = (_unpermute_rows(t, heads) for t in (q, scale, zero))
+            q, scale, zero = (unpermute_rows(t, heads) for t in (q, scale, zero))
         parts.setdefault(key, {})[shard] = (q, scale, zero)
     linears = {}
     for key, shards in parts.items():
-        expected = _SHARDS[key.split(".", 3)[3]]
+        expected = GGUF_SHARDS[key.split(".", 3)[3]]
         if len(shards) != expected or any(s is None for s in shards.values()):
             continue
         q, scale, zero = (torch.cat([shards[i][j] for i in range(expected)]) for j in range(3))

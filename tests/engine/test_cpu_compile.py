@@ -23,20 +23,29 @@ def inductor_cache(tmp_path_factory):
         yield
 
 
-def _config(dtype, compile_decode, max_active=4):
+def _config(dtype, compile_decode, max_active=4, kernels="torch"):
     from tandem.engine.config import EngineConfig
 
-    return EngineConfig(model="tiny-qwen2-random", dtype=dtype, max_active=max_active, cpu_compile=compile_decode)
+    return EngineConfig(model="tiny-qwen2-random", dtype=dtype, max_active=max_active, cpu_compile=compile_decode,
+                        cpu_kernels=kernels)
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int4", "int8", "bfloat16", "int4-ggml"])
 def test_compiled_decode_matches_eager_greedy_tokens(dtype, inductor_cache):
-    if dtype in ("int4", "int8") and not available(dtype):
+    dtype, _, kernels = dtype.partition("-")
+    if kernels == "ggml":
+        from tandem.engine.model import ggml_kernels
+
+        try:
+            ggml_kernels.load()
+        except Exception as exc:  # no compiler or package index: tests/engine/test_ggml_kernels.py says more
+            pytest.skip(f"ggml's kernels could not be built here: {str(exc)[:200]}")
+    elif dtype in ("int4", "int8") and not available(dtype):
         pytest.skip(f"this torch build has no {dtype} CPU kernel")
-    engine, compiled = greedy_tokens(_config(dtype, True), PROMPTS, max_tokens=16)
+    engine, compiled = greedy_tokens(_config(dtype, True, kernels=kernels or "torch"), PROMPTS, max_tokens=16)
     runner = engine.model_runner
     assert runner.cpu_decode is not None and runner.cpu_decode.compile_s > 0
-    _, eager = greedy_tokens(_config(dtype, False), PROMPTS, max_tokens=16)
+    _, eager = greedy_tokens(_config(dtype, False, kernels=kernels or "torch"), PROMPTS, max_tokens=16)
     assert compiled == eager
 
 

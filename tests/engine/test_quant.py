@@ -60,7 +60,7 @@ def test_unpermute_rows_inverts_llamacpp_order():
     rows = torch.arange(heads * head_dim)[:, None].float()
     # llama.cpp's convert script: reshape(heads, 2, dim/2).swapaxes(1, 2)
     permuted = rows.reshape(heads, 2, head_dim // 2, 1).transpose(1, 2).reshape(rows.shape)
-    assert torch.equal(quant._unpermute_rows(permuted, heads), rows)
+    assert torch.equal(quant.unpermute_rows(permuted, heads), rows)
 
 
 def test_quantized_dtypes_are_cpu_only_with_bf16_activations():

@@ -1,0 +1,312 @@
+"""ggml's CPU dot products as Tandem's quantized linears: the kernels llama.cpp itself runs.
+
+PyTorch's weight-only int4/int8 CPU kernels dequantize each weight to float and multiply it by
+float activations. llama.cpp instead quantizes the activations once per row (to Q8_0 / Q8_1) and
+multiplies 4- or 8-bit integers directly, which on a small model's decode is what sets the speed:
+measured on the 2-core AMD EPYC (AVX2, no AVX-512) box, one row, 2 threads, SmolLM2-135M's
+shapes, `_weight_int4pack_mm_for_cpu` (bf16 activations) against ggml's Q4_1 dot products:
+
+    qkv 960 x 576  62 -> 36 us    o 576 x 576  44 -> 23 us    gate_up 3072 x 576  202 -> 113 us
+    down 576 x 1536  126 -> 56 us    output 49152 x 576 (int8 / Q8_0)  2.47 -> 1.67 ms
+
+At four rows the two are even (each ggml dot product is one row against one row), so the engine
+keeps PyTorch's kernels unless asked (`EngineConfig.cpu_kernels = "ggml"`).
+
+With `cpu_kernels="ggml"` a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors are used as they are, byte
+for byte (q and k rows reordered back to HF's RoPE layout, which moves whole rows of blocks);
+other tensors, and other sources, are quantized by ggml's own `ggml_quantize_chunk`. `int4` means
+Q4_1 and `int8` Q8_0; the output projection is Q8_0 (or the GGUF's own type), as llama.cpp runs
+it. The rest of the model runs in float32: ggml's kernels take float32 rows.
+
+ggml is not on PyPI as a binary, so it is built here, once, from the sources vendored in
+llama-cpp-python's sdist (the version `LLAMA_CPP_PYTHON` pins; about a minute on two cores with
+`-march=native`), plus `ggml_linear.cpp`, which registers `torch.ops.tandem_ggml.linear` (a
+dispatcher op, so compiled graphs call it like any aten op). All of it lives under Tandem's cache
+directory, keyed by torch version and CPU, and `python -m tandem.engine.model.ggml_kernels build`
+does it ahead of time. `$TANDEM_GGML_SOURCE` names an unpacked llama.cpp (or ggml) tree to
+build from instead of downloading the sdist.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tandem.engine.config import cache_root
+from tandem.engine.model.quant import GGUF_PROJ, GGUF_SHARDS, unpermute_rows
+
+logger = logging.getLogger(__name__)
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml_type values (the same numbers as GGUF's tensor types)
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}  # weights per block, bytes per block
+FOR_QUANTIZATION = {"int4": Q4_1, "int8": Q8_0}
+_SOURCE = Path(__file__).with_name("ggml_linear.cpp")
+
+
+# -- building and loading ----------------------------------------------------------------------
+def _machine_key() -> str:
+    """torch version and CPU: the build uses -march=native, so it belongs to this CPU."""
+    flags = ""
+    with_cpuinfo = Path("/proc/cpuinfo")
+    if with_cpuinfo.is_file():
+        flags = next((line for line in with_cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {_SOURCE.read_bytes()!r}".encode()).hexdigest()[:10]
+    return f"torch{torch.__version__.split('+')[0]}-{digest}"
+
+
+def build_dir() -> Path:
+    return cache_root() / "ggml" / _machine_key()
+
+
+def _op_library() -> Path:
+    return build_dir() / "op" / "tandem_ggml.so"
+
+
+def _ggml_tree() -> Path:
+    """The ggml sources: `$TANDEM_GGML_SOURCE` (a llama.cpp or ggml tree), else those of the sdist
+    unpacked under the cache directory, downloaded with pip the first time."""
+    explicit = os.environ.get("TANDEM_GGML_SOURCE")
+    if explicit:
+        root = Path(explicit).expanduser()
+        tree = root / "ggml" if (root / "ggml" / "CMakeLists.txt").is_file() else root
+        if not (tree / "CMakeLists.txt").is_file():
+            raise FileNotFoundError(f"TANDEM_GGML_SOURCE={explicit} holds no ggml/CMakeLists.txt")
+        return tree
+    tree = cache_root() / "ggml" / "src" / LLAMA_CPP_PYTHON.replace("==", "-") / "ggml"
+    if not (tree / "CMakeLists.txt").is_file():
+        _unpack_sdist(tree)
+    return tree
+
+
+def _unpack_sdist(tree: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        logger.info("downloading %s's sources for ggml", LLAMA_CPP_PYTHON)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        marker = "/vendor/llama.cpp/ggml/"
+        staging = tree.with_name(tree.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        with tarfile.open(sdist) as archive:
+            members = [m for m in archive.getmembers() if marker in m.name and (m.isfile() or m.isdir())]
+            for member in members:
+                member.name = member.name.split(marker, 1)[1]
+            archive.extractall(staging, members=[m for m in members if m.name], filter="data")
+        staging.replace(tree)
+
+
+def _build_ggml(tree: Path, out: Path) -> Path:
+    """libggml-base and libggml-cpu (shared, -march=native, OpenMP) under `out`; their folder."""
+    pc = tree / "ggml.pc.in"
+    if not pc.exists():  # the sdist leaves out the pkg-config template that configuring expects
+        pc.write_text("")
+    jobs = str(os.cpu_count() or 2)
+    configure = ["cmake", "-S", str(tree), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+                 "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
+                 "-DGGML_CCACHE=OFF"]
+    for cmd in (configure, ["cmake", "--build", str(out), "-j", jobs, "--target", "ggml-base", "ggml-cpu"]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building ggml failed ({' '.join(cmd[:2])}): {done.stdout[-1500:]}{done.stderr[-1500:]}")
+    return out / "src"
+
+
+def build() -> Path:
+    """Build ggml and the op library if they are not built yet; returns the op library's path."""
+    library = _op_library()
+    if library.is_file():
+        return library
+    for tool in ("cmake", os.environ.get("CXX", "c++")):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building ggml's kernels needs {tool} on PATH")
+    from torch.utils import cpp_extension
+
+    tree = _ggml_tree()
+    logger.info("building ggml's CPU kernels from %s (about a minute, once)", tree)
+    libs = _build_ggml(tree, build_dir() / "ggml")
+    op_dir = library.parent
+    op_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="tandem_ggml", sources=[str(_SOURCE)], extra_include_paths=[str(tree / "include")],
+                       extra_cflags=["-O3", "-fopenmp"],
+                       extra_ldflags=[f"-L{libs}", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-fopenmp"],
+                       build_directory=str(op_dir), is_python_module=False, verbose=False)
+    return library
+
+
+@functools.cache
+def load(build_if_missing: bool = True) -> bool:
+    """Load the op library (building it first where allowed and missing); True when the ops are there."""
+    library = _op_library()
+    if not library.is_file():
+        if not build_if_missing:
+            return False
+        build()
+    if not hasattr(torch.ops.tandem_ggml, "linear"):
+        torch.ops.load_library(str(library))
+
+        @torch.library.register_fake("tandem_ggml::linear")
+        def _linear_shape(x, weight, type, out_features, residual=None):
+            return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels are built and load (never builds)."""
+    try:
+        return load(build_if_missing=False)
+    except (OSError, RuntimeError):
+        return False
+
+
+# -- the linear layer --------------------------------------------------------------------------
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    per_block, block_bytes = BLOCK[ggml_type]
+    if in_features % per_block:
+        raise ValueError(f"{TYPE_NAMES[ggml_type]} needs in_features divisible by {per_block}, got {in_features}")
+    return in_features // per_block * block_bytes
+
+
+class GGMLLinear(nn.Module):
+    """`F.linear` with the weight as rows of ggml blocks ([out_features, row bytes] uint8)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.shape[1] != row_bytes(ggml_type, in_features):
+            raise ValueError(f"{TYPE_NAMES[ggml_type]} blocks for {in_features} inputs must be uint8 "
+                             f"[rows, {row_bytes(ggml_type, in_features)}]; got {blocks.dtype} {list(blocks.shape)}")
+        self.out_features, self.in_features, self.ggml_type = blocks.shape[0], in_features, ggml_type
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, ggml_type: int) -> GGMLLinear:
+        """Quantized by ggml itself (`ggml_quantize_chunk`), as llama-quantize does."""
+        blocks = torch.ops.tandem_ggml.quantize(weight.detach().float(), ggml_type)
+        return cls(blocks, ggml_type, weight.shape[1], bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.ops.tandem_ggml.linear(x, self.blocks, self.ggml_type, self.out_features, residual)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] as the kernel sees it (through the kernel itself, against float32 rows)."""
+        eye = torch.eye(self.in_features)
+        return torch.ops.tandem_ggml.linear(eye, self.blocks, self.ggml_type, self.out_features, None).t()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={TYPE_NAMES[self.ggml_type]}"
+
+
+# -- a whole model -----------------------------------------------------------------------------
+_USABLE = {"int4": (Q4_0, Q4_1), "int8": (Q8_0,)}  # GGUF block types a quantization keeps as they are
+
+
+def gguf_blocks(gguf_path: Path, config, quantization: str) -> tuple[dict[str, tuple[torch.Tensor, int]],
+                                                                      tuple[torch.Tensor, int] | None]:
+    """The GGUF's blocks usable as they are: {module name: (blocks, type)} for merged projections
+    whose shards share one usable type, and the output projection's (or the tied embedding's)."""
+    from gguf import GGUFReader
+
+    usable = _USABLE[quantization]
+    reader = GGUFReader(str(gguf_path))
+    parts: dict[str, dict[int, tuple[torch.Tensor, int] | None]] = {}
+    head = None
+    by_name = {t.name: t for t in reader.tensors}
+    for name in ("output.weight", "token_embd.weight"):
+        tensor = by_name.get(name)
+        if tensor is not None:
+            kind = int(tensor.tensor_type)
+            head = (torch.from_numpy(np.array(tensor.data)), kind) if kind in (Q4_0, Q4_1, Q8_0) else None
+            break
+    for tensor in reader.tensors:
+        name = tensor.name.split(".")
+        if len(name) != 4 or name[0] != "blk" or name[2] not in GGUF_PROJ:
+            continue
+        module, shard = GGUF_PROJ[name[2]]
+        key = f"model.layers.{name[1]}.{module}"
+        kind = int(tensor.tensor_type)
+        if kind not in usable:
+            parts.setdefault(key, {})[shard] = None
+            continue
+        blocks = torch.from_numpy(np.array(tensor.data))
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name[2])
+        if heads is not None:
+            blocks = unpermute_rows(blocks, heads)
+        parts.setdefault(key, {})[shard] = (blocks, kind)
+    merged = {}
+    for key, shards in parts.items():
+        expected = GGUF_SHARDS[key.split(".", 3)[3]]
+        if len(shards) != expected or any(s is None for s in shards.values()):
+            continue
+        kinds = {shards[i][1] for i in range(expected)}
+        if len(kinds) == 1:
+            merged[key] = (torch.cat([shards[i][0] for i in range(expected)]), kinds.pop())
+    return merged, head
+
+
+def quantize_model(model: nn.Module, quantization: str, gguf_path: Path | None = None) -> int:
+    """Replace every `nn.Linear` of a `LlamaForCausalLM` and its output projection with a
+    `GGMLLinear`, in place; returns how many. GGUF blocks are kept where their type suits
+    `quantization` (module docstring); the rest is quantized by ggml."""
+    if quantization not in FOR_QUANTIZATION:
+        raise ValueError(f"quantization must be one of {', '.join(FOR_QUANTIZATION)}; got {quantization!r}")
+    load()
+    target = FOR_QUANTIZATION[quantization]
+    from_gguf, head = gguf_blocks(gguf_path, model.config, quantization) if gguf_path else ({}, None)
+    count = 0
+    for layer_name, parent in model.named_modules():
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or child is getattr(model, "lm_head", None):
+                continue
+            full_name = f"{layer_name}.{name}" if layer_name else name
+            if full_name in from_gguf:
+                blocks, kind = from_gguf[full_name]
+                replacement = GGMLLinear(blocks, kind, child.in_features, child.bias)
+            else:
+                replacement = GGMLLinear.from_float(child.weight, child.bias, target)
+            setattr(parent, name, replacement)
+            count += 1
+    hidden = model.output_weight().shape[1]
+    if head is not None and head[0].shape[1] == row_bytes(head[1], hidden):
+        model.logits_proj = GGMLLinear(head[0], head[1], hidden, None)
+    else:
+        model.logits_proj = GGMLLinear.from_float(model.output_weight(), None, Q8_0)
+    return count + 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tandem.engine.model.ggml_kernels",
+                                     description="Build ggml's CPU kernels for EngineConfig(cpu_kernels='ggml') "
+                                                 "ahead of time (downloads llama-cpp-python's sdist unless "
+                                                 "$TANDEM_GGML_SOURCE names a llama.cpp tree).")
+    parser.add_argument("command", choices=("build", "where"), help="build: build now; where: print the build folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "where":
+        print(build_dir())
+        return
+    print(build())
+    load()
+    print("ok: torch.ops.tandem_ggml.linear is available")
+
+
+if __name__ == "__main__":
+    main()
