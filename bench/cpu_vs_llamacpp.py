@@ -26,21 +26,20 @@ cache; the JSON records the seconds under `compile_s`). Two other uses: `--rates
 router's rate profile of each mode (what `tandem profile` caches), `--steps` the decode step
 time of eager against compiled at batch 1-8, interleaved in one process.
 
+OpenMP's wait policy is left to the environment, which llama.cpp's processes inherit too. On a
+quiet machine libgomp's default (spin a while, then sleep) is fastest for both; on one whose cores
+are busy with other work, `OMP_WAIT_POLICY=PASSIVE` keeps an idle thread from holding a core
+(docs/benchmarks/cpu-vs-llamacpp-2core.md measures both). The JSON records the policy in effect.
+
 `--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
 weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`.
 """
 
 from __future__ import annotations
 
-import os
-
-# Threads that sleep at a barrier instead of spinning (libgomp reads this once, before torch loads):
-# on cores shared with other work a spinning OpenMP thread starves the one doing the work (see
-# docs/benchmarks/cpu-vs-llamacpp-2core.md); set OMP_WAIT_POLICY=ACTIVE to measure the other way.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -52,12 +51,18 @@ from pathlib import Path
 
 from bench._machine import machine_info
 
-# A "-compiled" mode decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
+# A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
+# "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
 TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
-                "int4-compiled")
+                "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
 MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
-MATCHED.update({f"{mode}-compiled": kind for mode, kind in MATCHED.items()})
+
+
+def mode_parts(mode: str) -> tuple[str, str, bool]:
+    """"int4-ggml-compiled" -> dtype "int4", kernels "ggml", compiled True."""
+    dtype, *flags = mode.split("-")
+    return dtype, "ggml" if "ggml" in flags else "torch", "compiled" in flags
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
 PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128
@@ -83,10 +88,10 @@ class TandemRunner:
         from tandem.engine.config import EngineConfig
         from tandem.engine.llm_engine import LLMEngine
 
-        dtype, _, compiled = mode.partition("-")
+        dtype, kernels, compiled = mode_parts(mode)
         t0 = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_active=CONC_REQUESTS,
-                                             num_threads=threads, cpu_compile=bool(compiled)))
+                                             num_threads=threads, cpu_compile=compiled, cpu_kernels=kernels))
         self.load_s = time.perf_counter() - t0
         decode = self.engine.model_runner.cpu_decode
         self.compile_s = decode.compile_s if decode is not None else None
@@ -319,10 +324,11 @@ def collect_steps(args) -> dict:
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     out: dict = {}
     for mode in args.tandem_modes:
-        dtype = mode.partition("-")[0]
+        dtype, kernels, _ = mode_parts(mode)
         engines = {compiled: LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dtype,
                                                     max_active=CONC_REQUESTS, num_threads=args.threads,
-                                                    cpu_compile=compiled)) for compiled in (False, True)}
+                                                    cpu_compile=compiled, cpu_kernels=kernels))
+                   for compiled in (False, True)}
         for batch in (1, 2, 4, 8):
             times: dict[bool, list[float]] = {False: [], True: []}
             for compiled, engine in engines.items():
@@ -383,9 +389,10 @@ def render(result: dict) -> str:
     for name, m in med.items():
         ratio_decode = ratio_conc = ""
         if name.startswith("tandem "):
-            other = med.get("llama.cpp " + MATCHED[name.split()[1]])
+            kind = MATCHED[mode_parts(name.split()[1])[0]]
+            other = med.get("llama.cpp " + kind)
             if other:
-                ratio_decode = f"{m['decode_tok_s'] / other['decode_tok_s']:.2f}x ({MATCHED[name.split()[1]]})"
+                ratio_decode = f"{m['decode_tok_s'] / other['decode_tok_s']:.2f}x ({kind})"
                 if other["concurrent_tok_s"]:
                     ratio_conc = f"{m['concurrent_tok_s'] / other['concurrent_tok_s']:.2f}x"
         cells = [_fmt(m[k], d) for k, d in (("prefill_tok_s", 0), ("decode_tok_s", 1), ("concurrent_tok_s", 1))]

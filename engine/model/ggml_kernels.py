@@ -62,10 +62,10 @@ _SOURCE = Path(__file__).with_name("ggml_linear.cpp")
 def _machine_key() -> str:
     """torch version and CPU: the build uses -march=native, so it belongs to this CPU."""
     flags = ""
-    with_cpuinfo = Path("/proc/cpuinfo")
-    if with_cpuinfo.is_file():
-        flags = next((line for line in with_cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256(f"{platform.machine()} {flags} {_SOURCE.read_bytes()!r}".encode()).hexdigest()[:10]
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
     return f"torch{torch.__version__.split('+')[0]}-{digest}"
 
 
@@ -74,7 +74,8 @@ def build_dir() -> Path:
 
 
 def _op_library() -> Path:
-    return build_dir() / "op" / "tandem_ggml.so"
+    """The op library, rebuilt (seconds) whenever ggml_linear.cpp changes; ggml itself is kept."""
+    return build_dir() / f"op-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]}" / "tandem_ggml.so"
 
 
 def _ggml_tree() -> Path:
@@ -137,8 +138,10 @@ def build() -> Path:
     from torch.utils import cpp_extension
 
     tree = _ggml_tree()
-    logger.info("building ggml's CPU kernels from %s (about a minute, once)", tree)
-    libs = _build_ggml(tree, build_dir() / "ggml")
+    libs = build_dir() / "ggml" / "src"
+    if not (libs / "libggml-cpu.so").is_file():
+        logger.info("building ggml's CPU kernels from %s (about a minute, once)", tree)
+        libs = _build_ggml(tree, build_dir() / "ggml")
     op_dir = library.parent
     op_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="tandem_ggml", sources=[str(_SOURCE)], extra_include_paths=[str(tree / "include")],

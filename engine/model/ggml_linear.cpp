@@ -1,12 +1,18 @@
 // tandem_ggml::linear: a linear layer whose weight stays in GGUF's quantized blocks, computed by
-// ggml's own CPU dot products (ggml_get_type_traits_cpu: Q4_0 / Q4_1 / Q8_0 rows against the
-// activations quantized to the kernel's partner type, Q8_0 or Q8_1). This file only drives them:
-// quantize each input row once, then one ggml dot product per (output row, input row), the output
-// rows split across ATen's threads. Built and loaded by engine/model/ggml_kernels.py.
+// ggml's own CPU kernels. This file only drives them, two ways:
+//  - a few rows (decode): ggml's dot products (ggml_get_type_traits_cpu: Q4_0 / Q4_1 / Q8_0 rows
+//    against the activations quantized to the kernel's partner type, Q8_0 or Q8_1): quantize each
+//    input row once, then one dot product per (output row, input row), output rows split across
+//    ATen's threads;
+//  - many rows (prefill): each dot product is one row against one row, so their cost grows with the
+//    rows; from kGemmRows rows the weight is dequantized by ggml's to_float, a slice at a time,
+//    into float32 and multiplied by ATen's matmul (a BLAS GEMM), several times faster at 128 rows.
+// Built and loaded by engine/model/ggml_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "ggml-cpu.h"
@@ -15,6 +21,8 @@
 namespace {
 
 constexpr int64_t kRowsPerTask = 32;  // output rows per parallel task: a few KB of weights each
+constexpr int64_t kGemmRows = 16;     // input rows from which dequantize + GEMM beats the dot products
+constexpr int64_t kSliceRows = 1024;  // weight rows dequantized at a time (2.3 MB of float32 at 576 inputs)
 
 void init_once() {
   static std::once_flag flag;
@@ -25,6 +33,26 @@ const ggml_type_traits_cpu* traits_of(int64_t type) {
   TORCH_CHECK(type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q8_0,
               "tandem_ggml::linear: unsupported ggml type ", type);
   return ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
+}
+
+at::Tensor dequantized_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out_features) {
+  const auto to_float = ggml_get_type_traits(static_cast<ggml_type>(type))->to_float;
+  const int64_t in_features = x.size(1), w_row = weight.size(1);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor slice = at::empty({std::min(kSliceRows, out_features), in_features}, x.options());
+  for (int64_t start = 0; start < out_features; start += kSliceRows) {
+    const int64_t count = std::min(kSliceRows, out_features - start);
+    float* dst = slice.data_ptr<float>();
+    at::parallel_for(0, count, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        to_float(w + (start + n) * w_row, dst + n * in_features, in_features);
+      }
+    });
+    at::Tensor columns = out.narrow(1, start, count);
+    at::mm_out(columns, x, slice.narrow(0, 0, count).t());
+  }
+  return out;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out_features,
@@ -38,6 +66,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, i
   const int64_t rows = x.size(0), in_features = x.size(1);
   TORCH_CHECK(weight.size(1) == static_cast<int64_t>(ggml_row_size(static_cast<ggml_type>(type), in_features)),
               "tandem_ggml::linear: weight row bytes do not match in_features ", in_features);
+  if (rows >= kGemmRows) {
+    at::Tensor out = dequantized_matmul(x.to(at::kFloat), weight, type, out_features);
+    return residual.has_value() ? out.add_(*residual) : out;
+  }
   const auto act_type = traits->vec_dot_type;
   const int64_t act_row = ggml_row_size(act_type, in_features);
   const at::Tensor input = x.to(at::kFloat).contiguous();
