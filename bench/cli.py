@@ -150,6 +150,8 @@ def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_options(parser: argparse.ArgumentParser) -> None:
+    from tandem.engine.config import CPU_KERNELS
+
     parser.add_argument("--out", required=True, help="output folder for the JSON (meta.json, runs/, summary.json)")
     parser.add_argument("--model", default="smollm2-135m", help="model preset (default smollm2-135m)")
     parser.add_argument("--backends", default="cpu,auto",
@@ -165,6 +167,11 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
                              "--cpu-compile); the first cluster start compiles for a while, later ones load the "
                              "cache, and the profile step measures the compiled rates. It lost to eager decode on "
                              "a 14-thread Xeon in our measurements")
+    parser.add_argument("--cpu-kernels", default="torch", choices=CPU_KERNELS,
+                        help="whose kernels run the cpu backends' int8/int4 linears (with --cpu-dtype int8/int4; "
+                             "tandem serve --cpu-kernels): torch (default), or ggml, llama.cpp's own quantized dot "
+                             "products, built once from llama-cpp-python's sources (about a minute on two cores), "
+                             "faster per decode row on AVX2 CPUs; the profile step measures their rates")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
     parser.add_argument("--temperature", type=float,
@@ -218,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     items, settings = plan(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
-                          args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile)
+                          args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile,
+                          cpu_kernels=args.cpu_kernels)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms, warmup_tokens=args.warmup_tokens,
                     reuse_cluster=args.bench_command == "sweep" and not args.fresh_clusters,
@@ -244,7 +252,8 @@ def _run_tenants(args: argparse.Namespace) -> int:
     cells = tenants.build_cells(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
-                          _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile)
+                          _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
+                          cpu_kernels=args.cpu_kernels)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
                     warmup_tokens=args.warmup_tokens, reuse_cluster=True)

@@ -108,10 +108,12 @@ def init_ray(log_to_driver: bool = False) -> None:
 
 
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
-                   num_kv_blocks: int | None = None, cpu_compile: bool = False) -> Layout:
+                   num_kv_blocks: int | None = None, cpu_compile: bool = False,
+                   cpu_kernels: str = "torch") -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
     device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default). Every
-    backend that resolved to the cpu, `auto` included, gets `cpu_dtype` and `cpu_compile`."""
+    backend that resolved to the cpu, `auto` included, gets `cpu_dtype`, `cpu_compile` and
+    `cpu_kernels`."""
     import ray
 
     import torch
@@ -127,7 +129,10 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
                  "dtype": cpu_dtype if p.device == "cpu" else "auto",
                  **({"cpu_compile": True} if cpu_compile and p.device == "cpu" else {}),
+                 **({"cpu_kernels": cpu_kernels} if cpu_kernels != "torch" and p.device == "cpu" else {}),
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
+    # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
+    TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
     return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
 
 
@@ -213,12 +218,18 @@ class BenchCluster:
         wait_until_dead(handles)
 
     def describe(self) -> dict[str, Any]:
-        compiled = {b["id"]: b.get("cpu_compile", False) for b in self.layout.backends}
+        suffixes = {b["id"]: _dtype_suffix(b) for b in self.layout.backends}
         return {"arm": self.arm, "policy": self.layout.arm_policy(self.arm), "note": self.layout.arm_note(self.arm),
                 "backends": [{"backend_id": bid, "device": i.device, "device_kind": i.device_kind,
-                              "dtype": i.dtype + ("-compiled" if compiled.get(bid) else ""),
+                              "dtype": i.dtype + suffixes.get(bid, ""),
                               "threads": i.threads, "max_active": i.max_active} for bid, i in self.infos.items()],
                 "rates": json.loads(self.rates_path.read_text()), "router": self.router_settings}
+
+
+def _dtype_suffix(backend: dict[str, Any]) -> str:
+    """What the dtype alone leaves out, as the profile key spells it (`int4-ggml-compiled`)."""
+    kernels = backend.get("cpu_kernels", "torch")
+    return ("" if kernels == "torch" else f"-{kernels}") + ("-compiled" if backend.get("cpu_compile") else "")
 
 
 def wait_until_dead(handles: list[Any], timeout_s: float = 60.0) -> None:
@@ -359,12 +370,13 @@ class BenchContext:
 def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, cpu_dtype: str,
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
             time_budget_s: float | None, verbose: bool, command: str,
-            num_kv_blocks: int | None = None, cpu_compile: bool = False) -> BenchContext:
+            num_kv_blocks: int | None = None, cpu_compile: bool = False,
+            cpu_kernels: str = "torch") -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
-    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile)
+    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile, cpu_kernels)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0

@@ -14,6 +14,7 @@ Example file::
       - device: cpu
         threads: 1
         cpu_compile: false  # cpu: decode through torch.compile'd graphs (opt-in; measure first)
+        cpu_kernels: torch  # cpu, dtype int8/int4: torch, or ggml (llama.cpp's dot products)
       - device: auto        # cuda, else mps, else a second cpu backend
         count: all          # one per free GPU (cuda: 2 is two cuda backends)
     port: 8000
@@ -31,7 +32,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, cache_root
+from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, QUANTIZED_DTYPES, cache_root
 from tandem.routing.errors import ConfigError, format_validation_errors
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
@@ -61,6 +62,9 @@ class BackendConfig(BaseModel):
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
     # Opt-in: faster per step on the 2-core development VM, 8x slower on a 14-thread Xeon.
     cpu_compile: bool = False
+    # cpu backends with dtype int8/int4 only: whose kernels run the quantized linears, PyTorch's or
+    # ggml's (llama.cpp's own dot products, engine/model/ggml_kernels.py; faster per decode row on AVX2).
+    cpu_kernels: Literal["torch", "ggml"] = "torch"  # engine/config.py's CPU_KERNELS
 
     @model_validator(mode="after")
     def _count_fits_device(self) -> BackendConfig:
@@ -72,9 +76,21 @@ class BackendConfig(BaseModel):
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile (torch.compile'd CPU decode) is for cpu backends, not {self.device}; "
                              "set it on a backend with device: cpu")
+        self._check_cpu_kernels()
         if self.count != 1 and self.id is not None:
             raise ValueError("an id names one backend: drop the id or the count (ids are then cuda0, cuda1, ...)")
         return self
+
+    def _check_cpu_kernels(self) -> None:
+        """Caught here rather than in the backend actor, where a bad pair fails only once Ray runs it."""
+        if self.cpu_kernels == "torch":
+            return
+        if self.device != "cpu":
+            raise ValueError(f"cpu_kernels {self.cpu_kernels} (llama.cpp's quantized dot products) is for cpu "
+                             f"backends, not {self.device}; set it on a backend with device: cpu")
+        if self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"cpu_kernels {self.cpu_kernels} runs quantized weights: use dtype "
+                             f"{' or '.join(QUANTIZED_DTYPES)}, not {self.dtype}")
 
 
 class TandemConfig(BaseModel):

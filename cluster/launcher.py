@@ -288,8 +288,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
-        compiled = ", compiled decode (the first start compiles it)" if plan.cpu_compile else ""
-        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads{compiled}")
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads{_cpu_notes(plan)}")
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
         scheduling_strategy=_this_node(),
@@ -314,6 +313,16 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     return tandem
 
 
+def _cpu_notes(plan: BackendPlan) -> str:
+    """What makes a cpu backend's first start slow, so a long wait in the log has its reason."""
+    notes = ""
+    if plan.cpu_kernels == "ggml":
+        notes += ", ggml kernels (the first start builds ggml's kernels, about a minute)"
+    if plan.cpu_compile:
+        notes += ", compiled decode (the first start compiles it)"
+    return notes
+
+
 def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, Any],
              rates: dict[str, dict[str, Any]], log: Any) -> None:
     """Every backend decodes together once, so calibration starts from co-running speeds."""
@@ -334,7 +343,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
                          block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
                          kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
                          max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-                         cpu_compile=plan.cpu_compile)
+                         cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
     options: dict[str, Any] = dict(
         name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
         max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
@@ -379,7 +388,7 @@ def _profile_key(info: Any, plan: BackendPlan, device_names: dict[str, str]) -> 
 
     name = device_names.get(info.node_id, "") if info.device_kind == "cuda" else ""
     return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name,
-                       cpu_compile=plan.cpu_compile)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
 
 
 def _gpu_models() -> dict[str, str]:

@@ -40,6 +40,7 @@ class BackendPlan:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     cpu_compile: bool = False  # cpu: decode through torch.compile'd graphs (EngineConfig.cpu_compile)
+    cpu_kernels: str = "torch"  # cpu int8/int4: torch or ggml kernels (EngineConfig.cpu_kernels)
 
     @property
     def num_gpus(self) -> float:
@@ -72,7 +73,7 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             dtype=backend.dtype, threads=threads,
             max_active=backend.max_active or config.max_active,
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
-            cpu_compile=backend.cpu_compile))
+            cpu_compile=backend.cpu_compile, cpu_kernels=backend.cpu_kernels))
     return plans
 
 

@@ -2,9 +2,10 @@
 
 The measurement itself is `tandem.engine.profiler.measure_rates` (repeats, medians, and how far
 the repeats spread). Results are cached in one JSON file keyed by what changes them
-(`profile_key`: model, device kind and GPU model, dtype and whether CPU decode is compiled,
-threads, max_active, and the engine's speed version, bumped when the engine gets much faster or
-slower), so `tandem serve` profiles a backend once per key and starts at once afterwards.
+(`profile_key`: model, device kind and GPU model, dtype, whose kernels run a quantized CPU
+model and whether its decode is compiled, threads, max_active, and the engine's speed version,
+bumped when the engine gets much faster or slower), so `tandem serve` profiles a backend once
+per key and starts at once afterwards.
 
 Backends with the same key are identical devices running the same engine: they share one
 profile (`resolve_profiles` measures the first and gives its rates to the others) rather than
@@ -35,11 +36,14 @@ _GPU_MODEL = re.compile(r"\w+\s+((?:[A-Z]+\s+)*[A-Z0-9]*\d[A-Z0-9]*)")
 
 
 def profile_key(model: str, device_kind: str, dtype: str, threads: int, max_active: int,
-                device_name: str = "", cpu_compile: bool = False) -> str:
+                device_name: str = "", cpu_compile: bool = False, cpu_kernels: str = "torch") -> str:
     """A compiled CPU decode (`cpu_compile`) is keyed apart from the eager one (`int4-compiled`
     beside `int4`): its decode differs by machine, 1.1-1.4x faster per step on two cores, 8x slower on a
-    14-thread Xeon."""
+    14-thread Xeon. ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
+    faster per decode row on an AVX2 CPU (1.8x at one row), about even at four rows."""
     device = f"{device_kind}:{device_name}" if device_name else device_kind
+    if cpu_kernels != "torch":
+        dtype = f"{dtype}-{cpu_kernels}"
     if cpu_compile:
         dtype = f"{dtype}-compiled"
     return f"{model}|{device}|{dtype}|threads={threads}|max_active={max_active}|v{ENGINE_SPEED_VERSION}"

@@ -67,7 +67,8 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
     from tandem.cluster.profile import gpu_model, profile_key
     from tandem.engine.config import EngineConfig
 
-    engine_config = EngineConfig(model=config.model, device=plan.device, dtype=plan.dtype)
+    engine_config = EngineConfig(model=config.model, device=plan.device, dtype=plan.dtype,
+                                 cpu_kernels=plan.cpu_kernels)
     dtype = engine_config.weight_quantization or str(engine_config.torch_dtype)  # int4 rates are not bf16's
     name = ""
     if plan.device == "cuda":
@@ -75,7 +76,7 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
 
         name = gpu_model(torch.cuda.get_device_name(cuda_index))
     return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name,
-                       cpu_compile=plan.cpu_compile)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
 
 
 def _load_engine(config, plan, cuda_index: int):
@@ -87,7 +88,7 @@ def _load_engine(config, plan, cuda_index: int):
         model=config.model, device=device, dtype=plan.dtype, max_active=plan.max_active,
         block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, num_threads=plan.threads, seed=config.seed,
-        cpu_compile=plan.cpu_compile))
+        cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels))
 
 
 def _local_accelerators() -> tuple[int, bool]:

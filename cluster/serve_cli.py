@@ -12,6 +12,7 @@ import sys
 import threading
 
 from tandem.cluster.config import LOG_LEVELS, ConfigError, TandemConfig, cache_root, parse_backends
+from tandem.engine.config import CPU_KERNELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +85,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                              "before turning it on: in our measurements it lost to eager decode on a 14-thread "
                              "Xeon (int4 8x slower) and won 1.1-1.4x per step on 2 cores (default: the config's, "
                              "else off)")
+    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS,
+                        help="whose kernels run every cpu backend's int8/int4 linears (needs --cpu-dtype int8 or "
+                             "int4, or that dtype in the config): torch, or ggml, llama.cpp's own quantized dot "
+                             "products, built once from llama-cpp-python's sources (about a minute on two cores; "
+                             "later starts reuse the build), faster per decode row on AVX2 CPUs; its rates are "
+                             "profiled apart from torch's (default: the config's, else torch)")
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
@@ -92,14 +99,16 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
     config = config.with_overrides(**overrides)
-    cpu_settings = {"dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None)}
+    cpu_settings = {"dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None),
+                    "cpu_kernels": getattr(args, "cpu_kernels", None)}
     cpu_settings = {key: value for key, value in cpu_settings.items() if value}
     if cpu_settings:
         data = config.model_dump()
         cpu_backends = [backend for backend in data["backends"] if backend["device"] == "cpu"]
-        if cpu_settings.get("cpu_compile") and not cpu_backends:
-            raise ConfigError("--cpu-compile applies to backends with device cpu, and there is none "
-                              f"(backends: {', '.join(b['id'] or b['device'] for b in data['backends'])})")
+        for key, flag in (("cpu_compile", "--cpu-compile"), ("cpu_kernels", "--cpu-kernels")):
+            if cpu_settings.get(key) and not cpu_backends:
+                raise ConfigError(f"{flag} applies to backends with device cpu, and there is none "
+                                  f"(backends: {', '.join(b['id'] or b['device'] for b in data['backends'])})")
         for backend in cpu_backends:
             backend.update(cpu_settings)
         config = config.validated(data, source="flags")

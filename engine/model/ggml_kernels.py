@@ -128,13 +128,24 @@ def _build_ggml(tree: Path, out: Path) -> Path:
 
 
 def build() -> Path:
-    """Build ggml and the op library if they are not built yet; returns the op library's path."""
+    """Build ggml and the op library if they are not built yet; returns the op library's path.
+    Under a file lock: several backends (or test workers) starting at once build it once."""
     library = _op_library()
     if library.is_file():
         return library
     for tool in ("cmake", os.environ.get("CXX", "c++")):
         if shutil.which(tool) is None:
             raise RuntimeError(f"building ggml's kernels needs {tool} on PATH")
+    from tandem.engine.model.loader import file_lock
+
+    build_dir().mkdir(parents=True, exist_ok=True)
+    with file_lock(build_dir() / ".build.lock"):
+        if not library.is_file():  # another process may have built it while this one waited
+            _build_locked(library)
+    return library
+
+
+def _build_locked(library: Path) -> None:
     from torch.utils import cpp_extension
 
     tree = _ggml_tree()
@@ -148,7 +159,6 @@ def build() -> Path:
                        extra_cflags=["-O3", "-fopenmp"],
                        extra_ldflags=[f"-L{libs}", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-fopenmp"],
                        build_directory=str(op_dir), is_python_module=False, verbose=False)
-    return library
 
 
 @functools.cache
@@ -159,12 +169,12 @@ def load(build_if_missing: bool = True) -> bool:
         if not build_if_missing:
             return False
         build()
-    if not hasattr(torch.ops.tandem_ggml, "linear"):
+    if not hasattr(torch.ops.tandem_ggml, "linear"):  # a build in this process has loaded it already
         torch.ops.load_library(str(library))
 
-        @torch.library.register_fake("tandem_ggml::linear")
-        def _linear_shape(x, weight, type, out_features, residual=None):
-            return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+    @torch.library.register_fake("tandem_ggml::linear")
+    def _linear_shape(x, weight, type, out_features, residual=None):
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
     return True
 

@@ -220,7 +220,7 @@ def _ensure_converted(gguf_path: Path, hf_dir: Path) -> Path:
     if _is_converted(hf_dir, gguf_path):
         return hf_dir
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(hf_dir.parent / f".{hf_dir.name}.lock"):
+    with file_lock(hf_dir.parent / f".{hf_dir.name}.lock"):
         if _is_converted(hf_dir, gguf_path):  # another process finished it while we waited
             return hf_dir
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
@@ -243,7 +243,7 @@ def _make_readable(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
+def file_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive inter-process lock (POSIX); without fcntl the atomic rename alone guards readers."""
     try:
         import fcntl

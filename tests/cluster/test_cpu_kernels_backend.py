@@ -1,0 +1,124 @@
+"""`cpu_kernels` reaches a cluster's cpu backends: the YAML backend key, `tandem serve
+--cpu-kernels`, `tandem bench --cpu-kernels` and `cluster.start(...)`, rejected on a backend that
+is not a cpu or whose weights are not int8/int4; ggml's rates are cached under a key of their own.
+
+Nothing here starts Ray, loads a model or builds ggml (the engine's tests run the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tandem.cluster.config import ConfigError, TandemConfig
+from tandem.cluster.plan import plan_backends
+from tandem.cluster.profile import profile_key
+
+
+def _serve_config(*argv: str) -> TandemConfig:
+    from tandem.cluster.serve_cli import add_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load_config(parser.parse_args(list(argv)))
+
+
+def test_the_yaml_backend_key_reaches_the_plan(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("backends:\n  - device: cpu\n    dtype: int4\n    cpu_kernels: ggml\n  - device: cpu\n")
+    plans = plan_backends(TandemConfig.from_yaml(path), num_gpus=0, mps_available=False, num_cores=4)
+    assert [p.cpu_kernels for p in plans] == ["ggml", "torch"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps", "auto"])
+def test_ggml_kernels_on_a_backend_that_is_not_a_cpu_is_a_clear_error(device, tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text(f"backends:\n  - device: {device}\n    cpu_kernels: ggml\n")
+    with pytest.raises(ConfigError, match=f"cpu_kernels ggml .* is for cpu backends, not {device}"):
+        TandemConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_ggml_kernels_without_quantized_weights_is_a_clear_error(dtype):
+    with pytest.raises(ConfigError, match=f"use dtype int8 or int4, not {dtype}"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "dtype": dtype, "cpu_kernels": "ggml"}]})
+
+
+def test_torch_kernels_suit_every_backend_and_other_names_are_refused():
+    config = TandemConfig.validated({"backends": [{"device": "cuda", "cpu_kernels": "torch"}, {"device": "cpu"}]})
+    assert [b.cpu_kernels for b in config.backends] == ["torch", "torch"]
+    with pytest.raises(ConfigError, match="cpu_kernels"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "dtype": "int4", "cpu_kernels": "llamafile"}]})
+
+
+def test_the_serve_flag_sets_every_cpu_backend_and_keeps_the_dtype():
+    config = _serve_config("--backends", "cpu,cuda,cpu", "--cpu-kernels", "ggml", "--cpu-dtype", "int4")
+    assert [(b.device, b.dtype, b.cpu_kernels) for b in config.backends] == [
+        ("cpu", "int4", "ggml"), ("cuda", "auto", "torch"), ("cpu", "int4", "ggml")]
+    assert [b.cpu_kernels for b in _serve_config("--backends", "cpu").backends] == ["torch"]
+
+
+def test_the_serve_flag_overrides_the_config_file_and_leaves_it_when_unset(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("backends:\n  - device: cpu\n    dtype: int8\n    cpu_kernels: ggml\n")
+    assert _serve_config("--config", str(path)).backends[0].cpu_kernels == "ggml"
+    assert _serve_config("--config", str(path), "--cpu-kernels", "torch").backends[0].cpu_kernels == "torch"
+
+
+def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():
+    with pytest.raises(ConfigError, match="--cpu-kernels applies to backends with device cpu"):
+        _serve_config("--backends", "cuda", "--cpu-kernels", "ggml")
+
+
+def test_the_serve_flag_without_a_quantized_dtype_is_a_clear_error():
+    with pytest.raises(ConfigError, match="use dtype int8 or int4"):
+        _serve_config("--backends", "cpu", "--cpu-kernels", "ggml")
+
+
+def test_cluster_start_takes_the_backend_key():
+    from tandem.cluster.launcher import _normalise
+
+    overrides = _normalise({"backends": [{"device": "cpu", "dtype": "int4", "cpu_kernels": "ggml"}]})
+    config = TandemConfig().with_overrides(**overrides)
+    assert config.backends[0].cpu_kernels == "ggml"
+
+
+def test_ggml_rates_have_a_profile_key_of_their_own():
+    torch_key = profile_key("smollm2-135m", "cpu", "int4", 1, 4)
+    ggml = profile_key("smollm2-135m", "cpu", "int4", 1, 4, cpu_kernels="ggml")
+    ggml_compiled = profile_key("smollm2-135m", "cpu", "int4", 1, 4, cpu_compile=True, cpu_kernels="ggml")
+    assert len({torch_key, ggml, ggml_compiled, profile_key("smollm2-135m", "cpu", "int4", 1, 4, cpu_compile=True)}) == 4
+    assert "|int4|" in torch_key and "|int4-ggml|" in ggml and "|int4-ggml-compiled|" in ggml_compiled
+
+
+def test_tandem_profile_keys_a_ggml_backend_apart():
+    from tandem.cluster.profile_cli import _plan_key
+
+    config = _serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1",
+                           "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
+    plan = plan_backends(config, num_gpus=0, mps_available=False)[0]
+    assert _plan_key(config, plan, None) == profile_key("tiny-llama-random", "cpu", "int4", 1, 4, cpu_kernels="ggml")
+
+
+def test_the_start_log_says_why_a_first_start_is_slow():
+    from tandem.cluster.launcher import _cpu_notes
+
+    config = _serve_config("--backends", "cpu,cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
+    ggml, _ = plan_backends(config, num_gpus=0, mps_available=False, num_cores=4)
+    assert "builds ggml's kernels" in _cpu_notes(ggml)
+    torch_plan = plan_backends(_serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
+    assert _cpu_notes(torch_plan) == ""
+
+
+def test_bench_takes_the_kernels_flag():
+    from bench.cli import add_arguments
+    from bench.harness import _dtype_suffix
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["seed", "--out", "x", "--cpu-dtype", "int4", "--cpu-kernels", "ggml", "--cpu-compile"])
+    assert (args.cpu_dtype, args.cpu_kernels, args.cpu_compile) == ("int4", "ggml", True)
+    assert parser.parse_args(["seed", "--out", "x"]).cpu_kernels == "torch"
+    assert _dtype_suffix({"cpu_kernels": "ggml", "cpu_compile": True}) == "-ggml-compiled"
+    assert _dtype_suffix({"device": "cuda"}) == ""
