@@ -6,6 +6,11 @@ tokenizer) goes through the engine's own model (packed, fused, quantized exactly
 distribution and report the perplexity of the text and how often the top-1 token equals
 float32's (teacher-forced, so one early difference does not cascade as in free decoding).
 
+A `-ggml` mode runs the linears on ggml's kernels (EngineConfig.cpu_kernels). Those compute a few
+rows the way decode does (activations quantized to Q8_0/Q8_1) but 16 rows and more through a
+float32 GEMM of the dequantized weights, so `--chunk 8` feeds the text 8 tokens at a time, each
+chunk attending to the cached ones before it: what decode's arithmetic costs.
+
     python -m bench.quant_accuracy --modes float32 bfloat16 int8 int4 --out out/quant_accuracy.json
 """
 
@@ -21,33 +26,39 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def text_logits(engine, ids: list[int]) -> torch.Tensor:
-    """float32 logits [T, vocab] of `ids` as one prompt through the engine's model."""
+def text_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """float32 logits [T, vocab] of `ids` through the engine's model: one prompt, or `chunk`
+    tokens at a time over the growing cached context."""
     from tandem.engine.attention.metadata import AttentionMetadata
 
     runner = engine.model_runner
     num_tokens, block_size = len(ids), runner.block_size
-    num_blocks = -(-num_tokens // block_size)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        slot_mapping=torch.arange(num_tokens), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], block_size=block_size)
+    tables = torch.arange(-(-num_tokens // block_size), dtype=torch.int32)[None]
+    step = chunk or num_tokens
+    logits = []
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(num_tokens), runner.kv_caches, meta)
-        return runner.model.compute_logits(hidden).float()
+        for start in range(0, num_tokens, step):
+            end = min(start + step, num_tokens)
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                seq_lens=torch.tensor([end], dtype=torch.int32), slot_mapping=torch.arange(start, end),
+                block_tables=tables, query_lens_cpu=[end - start], seq_lens_cpu=[end], block_size=block_size)
+            hidden = runner.model(torch.tensor(ids[start:end]), torch.arange(start, end), runner.kv_caches, meta)
+            logits.append(runner.model.compute_logits(hidden).float())
+    return torch.cat(logits)
 
 
-def measure(model: str, modes: list[str], num_tokens: int, threads: int) -> dict:
+def measure(model: str, modes: list[str], num_tokens: int, threads: int, chunk: int | None = None) -> dict:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
 
     text = (REPO / "README.md").read_text()
     results, reference = {}, None
     for mode in modes:
-        engine = LLMEngine(EngineConfig(model=model, dtype=mode, num_threads=threads))
+        dtype, _, kernels = mode.partition("-")
+        engine = LLMEngine(EngineConfig(model=model, dtype=dtype, cpu_kernels=kernels or "torch", num_threads=threads))
         ids = engine.tokenizer.encode(text)[:num_tokens]
-        logits = text_logits(engine, ids)
+        logits = text_logits(engine, ids, chunk)
         logprobs = torch.log_softmax(logits[:-1], dim=-1)
         nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
         top1 = logits[:-1].argmax(-1)
@@ -57,7 +68,7 @@ def measure(model: str, modes: list[str], num_tokens: int, threads: int) -> dict
                          "tokens": len(ids)}
         print(mode, results[mode], flush=True)
         del engine
-    return {"model": model, "text": "README.md", "reference": modes[0], "modes": results}
+    return {"model": model, "text": "README.md", "reference": modes[0], "chunk": chunk, "modes": results}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", nargs="*", default=["float32", "bfloat16", "int8", "int4"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunk", type=int, help="feed the text this many tokens at a time (default: one prompt)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    result = measure(args.model, args.modes, args.tokens, args.threads)
+    result = measure(args.model, args.modes, args.tokens, args.threads, args.chunk)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
