@@ -81,11 +81,23 @@ class BackendChannel:
 
     def _send_adds(self, batch: list[tuple]) -> None:
         if self.transport == "wire":
-            self._writer.write(wire.encode(batch))
+            self._write_wire(batch)
         elif self.transport == "ray":
             self.handle.add_many.remote(self.channel_id, batch)
         else:
             self._unsent.extend(batch)
+
+    def _write_wire(self, batch: list[tuple]) -> None:
+        """A wire that closed under the backend (killed, restarting) before the reader task saw
+        it fails these adds as `BackendGone`, which fails over, rather than as the transport's
+        own error (uvloop raises RuntimeError on a closed handle; asyncio drops the bytes)."""
+        gone = BackendGone(f"the wire of backend channel {self.channel_id} closed before its adds were sent")
+        if self._writer.is_closing():
+            raise gone
+        try:
+            self._writer.write(wire.encode(batch))
+        except (RuntimeError, ConnectionError) as exc:
+            raise gone from exc
 
     async def _read(self) -> None:
         try:

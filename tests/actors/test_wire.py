@@ -180,3 +180,40 @@ def test_the_wire_works_on_uvloop_too():
         return answer
 
     assert uvloop.run(asyncio.wait_for(main(), 30)) == ("hello", 1)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_adds_on_a_wire_that_closed_under_them_fail_as_backend_gone(loop, monkeypatch):
+    """A backend killed between the reader task's last read and the next add: the add fails as
+    BackendGone (which the dispatcher fails over), not as the transport's error (a 500)."""
+    from tandem.actors import channel as channel_module
+    from tandem.actors.messages import BackendGone
+
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    opened = []
+
+    async def backend(reader, writer):
+        opened.append(await wire.read_frame(reader))  # the channel id, then it stays quiet
+
+    async def main():
+        server = wire.WireServer()
+        address = await server.start(backend)
+
+        async def same_node(handle):
+            return address
+
+        monkeypatch.setattr(channel_module.wire, "same_node_address", same_node)
+        chan = channel_module.BackendChannel(handle=None, key=(0, "backend"))
+        while chan.transport != "wire":
+            await asyncio.sleep(0.01)
+        chan._writer.close()  # the wire is gone; the reader task has not seen it yet
+        stream = channel_module.ChannelStream(chan, "r1", [1, 2, 3], None, None)
+        try:
+            await stream.next()
+        except BackendGone as exc:
+            return exc
+        finally:
+            chan.task.cancel()
+            server.close()
+
+    assert isinstance(run(asyncio.wait_for(main(), 30)), BackendGone)
