@@ -179,14 +179,6 @@ def load(build_if_missing: bool = True) -> bool:
     return True
 
 
-def available() -> bool:
-    """Whether the kernels are built and load (never builds)."""
-    try:
-        return load(build_if_missing=False)
-    except (OSError, RuntimeError):
-        return False
-
-
 # -- the linear layer --------------------------------------------------------------------------
 def row_bytes(ggml_type: int, in_features: int) -> int:
     per_block, block_bytes = BLOCK[ggml_type]
