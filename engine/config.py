@@ -21,7 +21,8 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_ACTIVE = 4
 DEFAULT_BLOCK_SIZE = 16
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
-# Weight-only quantized dtypes (cpu): int8 / int4 weights, bfloat16 activations (engine/model/quant.py).
+# Weight-only quantized dtypes (cpu): int8 / int4 weights; bfloat16 activations on PyTorch's kernels
+# (engine/model/quant.py), float32 on ggml's (engine/model/ggml_kernels.py).
 QUANTIZED_DTYPES = ("int8", "int4")
 CPU_KERNELS = ("torch", "ggml")  # whose kernels run the quantized linears
 
