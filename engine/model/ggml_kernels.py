@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from tandem.engine.config import cache_root
-from tandem.engine.model.quant import GGUF_PROJ, GGUF_SHARDS, unpermute_rows
+from tandem.engine.model.quant import gguf_projection_shards, replace_linears
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +228,7 @@ def gguf_blocks(gguf_path: Path, config, quantization: str) -> tuple[dict[str, t
     whose shards share one usable type, and the output projection's (or the tied embedding's)."""
     from gguf import GGUFReader
 
-    usable = _USABLE[quantization]
     reader = GGUFReader(str(gguf_path))
-    parts: dict[str, dict[int, tuple[torch.Tensor, int] | None]] = {}
     head = None
     by_name = {t.name: t for t in reader.tensors}
     for name in ("output.weight", "token_embd.weight"):
@@ -239,29 +237,11 @@ def gguf_blocks(gguf_path: Path, config, quantization: str) -> tuple[dict[str, t
             kind = int(tensor.tensor_type)
             head = (torch.from_numpy(np.array(tensor.data)), kind) if kind in (Q4_0, Q4_1, Q8_0) else None
             break
-    for tensor in reader.tensors:
-        name = tensor.name.split(".")
-        if len(name) != 4 or name[0] != "blk" or name[2] not in GGUF_PROJ:
-            continue
-        module, shard = GGUF_PROJ[name[2]]
-        key = f"model.layers.{name[1]}.{module}"
-        kind = int(tensor.tensor_type)
-        if kind not in usable:
-            parts.setdefault(key, {})[shard] = None
-            continue
-        blocks = torch.from_numpy(np.array(tensor.data))
-        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name[2])
-        if heads is not None:
-            blocks = unpermute_rows(blocks, heads)
-        parts.setdefault(key, {})[shard] = (blocks, kind)
     merged = {}
-    for key, shards in parts.items():
-        expected = GGUF_SHARDS[key.split(".", 3)[3]]
-        if len(shards) != expected or any(s is None for s in shards.values()):
-            continue
-        kinds = {shards[i][1] for i in range(expected)}
+    for key, shards in gguf_projection_shards(reader, config, _USABLE[quantization]).items():
+        kinds = {kind for _, kind in shards}
         if len(kinds) == 1:
-            merged[key] = (torch.cat([shards[i][0] for i in range(expected)]), kinds.pop())
+            merged[key] = (torch.cat([blocks for blocks, _ in shards]), kinds.pop())
     return merged, head
 
 
@@ -274,19 +254,14 @@ def quantize_model(model: nn.Module, quantization: str, gguf_path: Path | None =
     load()
     target = FOR_QUANTIZATION[quantization]
     from_gguf, head = gguf_blocks(gguf_path, model.config, quantization) if gguf_path else ({}, None)
-    count = 0
-    for layer_name, parent in model.named_modules():
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or child is getattr(model, "lm_head", None):
-                continue
-            full_name = f"{layer_name}.{name}" if layer_name else name
-            if full_name in from_gguf:
-                blocks, kind = from_gguf[full_name]
-                replacement = GGMLLinear(blocks, kind, child.in_features, child.bias)
-            else:
-                replacement = GGMLLinear.from_float(child.weight, child.bias, target)
-            setattr(parent, name, replacement)
-            count += 1
+
+    def quantized(full_name: str, child: nn.Linear) -> GGMLLinear:
+        if full_name in from_gguf:
+            blocks, kind = from_gguf[full_name]
+            return GGMLLinear(blocks, kind, child.in_features, child.bias)
+        return GGMLLinear.from_float(child.weight, child.bias, target)
+
+    count = replace_linears(model, quantized)
     hidden = model.output_weight().shape[1]
     if head is not None and head[0].shape[1] == row_bytes(head[1], hidden):
         model.logits_proj = GGMLLinear(head[0], head[1], hidden, None)

@@ -25,6 +25,7 @@ the dequantized weight the loader already holds.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -151,20 +152,31 @@ def quantize_model(model: nn.Module, quantization: str, gguf_path: Path | None =
         raise RuntimeError(f"this torch build ({torch.__version__}) has no working {quantization} CPU linear kernel "
                            f"for {dtype} activations")
     from_gguf = gguf_int4_linears(gguf_path, model.config, dtype) if gguf_path and quantization == "int4" else {}
+
+    def quantized(full_name: str, child: nn.Linear) -> nn.Module:
+        replacement = from_gguf.get(full_name)
+        if replacement is None:
+            return _quantized_linear(quantization, child.weight, child.bias, dtype, group_size)
+        if child.bias is not None:
+            replacement.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
+        return replacement
+
+    count = replace_linears(model, quantized)
+    model.logits_proj = _quantized_linear(head_quantization, model.output_weight(), None, dtype, group_size)
+    return count + 1
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> int:
+    """Swap every `nn.Linear` of a `LlamaForCausalLM` except its output head for `make(its full
+    module name, it)`, in place; returns how many."""
     count = 0
     for layer_name, parent in model.named_modules():
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or child is getattr(model, "lm_head", None):
                 continue
-            full_name = f"{layer_name}.{name}" if layer_name else name
-            replacement = from_gguf.get(full_name)
-            if replacement is not None and child.bias is not None:
-                replacement.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
-            setattr(parent, name, replacement or _quantized_linear(quantization, child.weight, child.bias, dtype,
-                                                                    group_size))
+            setattr(parent, name, make(f"{layer_name}.{name}" if layer_name else name, child))
             count += 1
-    model.logits_proj = _quantized_linear(head_quantization, model.output_weight(), None, dtype, group_size)
-    return count + 1
+    return count
 
 
 # -- GGUF blocks --------------------------------------------------------------------------------
@@ -195,32 +207,40 @@ def unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def gguf_int4_linears(gguf_path: Path, config, dtype: torch.dtype) -> dict[str, Int4Linear]:
-    """Int4 linears, by module name, for every merged projection whose GGUF tensors are all Q4_0/Q4_1."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    parts: dict[str, dict[int, tuple]] = {}
+def gguf_projection_shards(reader, config, usable: tuple[int, ...]) -> dict[str, list[tuple[torch.Tensor, int]]]:
+    """Every merged projection (model.layers.{i}.self_attn.qkv_proj, ...) whose GGUF tensors are all
+    of a `usable` type (GGUF's type numbers): its shards in merge order, each as (its raw blocks,
+    uint8 [rows, row bytes], with q/k rows back in HF's order; its type)."""
+    parts: dict[str, dict[int, tuple[torch.Tensor, int] | None]] = {}
     for tensor in reader.tensors:
         name = tensor.name.split(".")
         if len(name) != 4 or name[0] != "blk" or name[2] not in GGUF_PROJ:
             continue
-        kind = tensor.tensor_type.name
         module, shard = GGUF_PROJ[name[2]]
         key = f"model.layers.{name[1]}.{module}"
-        if kind not in ("Q4_0", "Q4_1"):
+        kind = int(tensor.tensor_type)
+        if kind not in usable:
             parts.setdefault(key, {})[shard] = None
             continue
-        q, scale, zero = _q4_blocks(np.asarray(tensor.data), kind)
+        blocks = torch.from_numpy(np.array(tensor.data))
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name[2])
-        if heads is not None:
-            q, scale, zero = (unpermute_rows(t, heads) for t in (q, scale, zero))
-        parts.setdefault(key, {})[shard] = (q, scale, zero)
-    linears = {}
+        parts.setdefault(key, {})[shard] = (blocks if heads is None else unpermute_rows(blocks, heads), kind)
+    complete = {}
     for key, shards in parts.items():
         expected = GGUF_SHARDS[key.split(".", 3)[3]]
-        if len(shards) != expected or any(s is None for s in shards.values()):
-            continue
-        q, scale, zero = (torch.cat([shards[i][j] for i in range(expected)]) for j in range(3))
+        if len(shards) == expected and all(s is not None for s in shards.values()):
+            complete[key] = [shards[i] for i in range(expected)]
+    return complete
+
+
+def gguf_int4_linears(gguf_path: Path, config, dtype: torch.dtype) -> dict[str, Int4Linear]:
+    """Int4 linears, by module name, for every merged projection whose GGUF tensors are all Q4_0/Q4_1."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    usable = (GGMLQuantizationType.Q4_0.value, GGMLQuantizationType.Q4_1.value)
+    linears = {}
+    for key, shards in gguf_projection_shards(GGUFReader(str(gguf_path)), config, usable).items():
+        parts = [_q4_blocks(blocks.numpy(), GGMLQuantizationType(kind).name) for blocks, kind in shards]
+        q, scale, zero = (torch.cat([part[j] for part in parts]) for j in range(3))
         linears[key] = Int4Linear(q, scale, zero, 32, None, dtype)
     return linears

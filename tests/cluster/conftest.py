@@ -24,6 +24,17 @@ TIMEOUT_S = 60.0
 EQUAL_RATES = {"prefill_tok_s": 200.0, "decode_tok_s": 15.0}
 
 
+def serve_config(*argv: str):
+    """The TandemConfig `tandem serve` builds from these command-line arguments (no cluster started)."""
+    import argparse
+
+    from tandem.cluster.serve_cli import add_arguments, load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load_config(parser.parse_args(list(argv)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

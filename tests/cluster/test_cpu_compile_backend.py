@@ -21,14 +21,7 @@ import pytest
 from tandem.cluster.config import ConfigError, TandemConfig
 from tandem.cluster.plan import plan_backends
 from tandem.cluster.profile import profile_key
-
-
-def _serve_config(*argv: str) -> TandemConfig:
-    from tandem.cluster.serve_cli import add_arguments, load_config
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return load_config(parser.parse_args(list(argv)))
+from tests.cluster.conftest import serve_config
 
 
 def test_the_yaml_backend_key_reaches_the_plan(tmp_path):
@@ -47,15 +40,15 @@ def test_cpu_compile_on_a_backend_that_is_not_a_cpu_is_a_clear_error(device, tmp
 
 
 def test_the_serve_flag_compiles_every_cpu_backend_and_keeps_the_dtype():
-    config = _serve_config("--backends", "cpu,cuda,cpu", "--cpu-compile", "--cpu-dtype", "int4")
+    config = serve_config("--backends", "cpu,cuda,cpu", "--cpu-compile", "--cpu-dtype", "int4")
     assert [(b.device, b.dtype, b.cpu_compile) for b in config.backends] == [
         ("cpu", "int4", True), ("cuda", "auto", False), ("cpu", "int4", True)]
-    assert [b.cpu_compile for b in _serve_config("--backends", "cpu").backends] == [False]
+    assert [b.cpu_compile for b in serve_config("--backends", "cpu").backends] == [False]
 
 
 def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():
     with pytest.raises(ConfigError, match="--cpu-compile applies to backends with device cpu"):
-        _serve_config("--backends", "cuda", "--cpu-compile")
+        serve_config("--backends", "cuda", "--cpu-compile")
 
 
 def test_cluster_start_takes_the_backend_key():
@@ -75,7 +68,7 @@ def test_compiled_rates_have_a_profile_key_of_their_own():
 def test_tandem_profile_keys_a_compiled_backend_apart():
     from tandem.cluster.profile_cli import _plan_key
 
-    config = _serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1",
+    config = serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1",
                            "--cpu-compile")
     plan = plan_backends(config, num_gpus=0, mps_available=False)[0]
     assert _plan_key(config, plan, None) == profile_key("tiny-llama-random", "cpu", "float32", 1, 4,

@@ -14,14 +14,7 @@ import pytest
 from tandem.cluster.config import ConfigError, TandemConfig
 from tandem.cluster.plan import plan_backends
 from tandem.cluster.profile import profile_key
-
-
-def _serve_config(*argv: str) -> TandemConfig:
-    from tandem.cluster.serve_cli import add_arguments, load_config
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return load_config(parser.parse_args(list(argv)))
+from tests.cluster.conftest import serve_config
 
 
 def test_the_yaml_backend_key_reaches_the_plan(tmp_path):
@@ -53,27 +46,27 @@ def test_torch_kernels_suit_every_backend_and_other_names_are_refused():
 
 
 def test_the_serve_flag_sets_every_cpu_backend_and_keeps_the_dtype():
-    config = _serve_config("--backends", "cpu,cuda,cpu", "--cpu-kernels", "ggml", "--cpu-dtype", "int4")
+    config = serve_config("--backends", "cpu,cuda,cpu", "--cpu-kernels", "ggml", "--cpu-dtype", "int4")
     assert [(b.device, b.dtype, b.cpu_kernels) for b in config.backends] == [
         ("cpu", "int4", "ggml"), ("cuda", "auto", "torch"), ("cpu", "int4", "ggml")]
-    assert [b.cpu_kernels for b in _serve_config("--backends", "cpu").backends] == ["torch"]
+    assert [b.cpu_kernels for b in serve_config("--backends", "cpu").backends] == ["torch"]
 
 
 def test_the_serve_flag_overrides_the_config_file_and_leaves_it_when_unset(tmp_path):
     path = tmp_path / "tandem.yaml"
     path.write_text("backends:\n  - device: cpu\n    dtype: int8\n    cpu_kernels: ggml\n")
-    assert _serve_config("--config", str(path)).backends[0].cpu_kernels == "ggml"
-    assert _serve_config("--config", str(path), "--cpu-kernels", "torch").backends[0].cpu_kernels == "torch"
+    assert serve_config("--config", str(path)).backends[0].cpu_kernels == "ggml"
+    assert serve_config("--config", str(path), "--cpu-kernels", "torch").backends[0].cpu_kernels == "torch"
 
 
 def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():
     with pytest.raises(ConfigError, match="--cpu-kernels applies to backends with device cpu"):
-        _serve_config("--backends", "cuda", "--cpu-kernels", "ggml")
+        serve_config("--backends", "cuda", "--cpu-kernels", "ggml")
 
 
 def test_the_serve_flag_without_a_quantized_dtype_is_a_clear_error():
     with pytest.raises(ConfigError, match="use dtype int8 or int4"):
-        _serve_config("--backends", "cpu", "--cpu-kernels", "ggml")
+        serve_config("--backends", "cpu", "--cpu-kernels", "ggml")
 
 
 def test_cluster_start_takes_the_backend_key():
@@ -95,7 +88,7 @@ def test_ggml_rates_have_a_profile_key_of_their_own():
 def test_tandem_profile_keys_a_ggml_backend_apart():
     from tandem.cluster.profile_cli import _plan_key
 
-    config = _serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1",
+    config = serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1",
                            "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
     plan = plan_backends(config, num_gpus=0, mps_available=False)[0]
     assert _plan_key(config, plan, None) == profile_key("tiny-llama-random", "cpu", "int4", 1, 4, cpu_kernels="ggml")
@@ -104,10 +97,10 @@ def test_tandem_profile_keys_a_ggml_backend_apart():
 def test_the_start_log_says_why_a_first_start_is_slow():
     from tandem.cluster.launcher import _cpu_notes
 
-    config = _serve_config("--backends", "cpu,cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
+    config = serve_config("--backends", "cpu,cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
     ggml, _ = plan_backends(config, num_gpus=0, mps_available=False, num_cores=4)
     assert "builds ggml's kernels" in _cpu_notes(ggml)
-    torch_plan = plan_backends(_serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
+    torch_plan = plan_backends(serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
     assert _cpu_notes(torch_plan) == ""
 
 
