@@ -11,13 +11,17 @@ batches; a lone request's call goes out on the next turn, a few microseconds lat
 The actor method takes a list of argument tuples and returns a list of the same length whose
 items are results or exceptions (returned, not raised, so one request's error is its own). A
 caller cancelled before the flush leaves its call out; one cancelled after it leaves the result
-unread, and cleaning up after it (an abort) is the caller's business, as with any Ray call.
+unread, and cleaning up after it (an abort) is the caller's business, as with any Ray call. A
+batch is sent from an empty context (actors/detached.py), so Ray's cancelling of the request
+whose turn flushed it does not cancel the others' calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+from tandem.actors.detached import detached
 
 
 class CallBatcher:
@@ -32,7 +36,7 @@ class CallBatcher:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
-            loop.call_soon(self._flush, loop)
+            detached(loop.call_soon, self._flush, loop)  # the batch is no one request's
         self._pending.append((args, future))
         return await future
 
@@ -77,7 +81,7 @@ class NoticeBatcher:
 
     def notify(self, *args: Any) -> None:
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+            detached(asyncio.get_running_loop().call_soon, self._flush)
         self._pending.append(args)
 
     def _flush(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from tandem.actors import wire
 from tandem.actors.batching import NoticeBatcher
+from tandem.actors.detached import detached
 from tandem.actors.engine_core import unpack_output
 from tandem.actors.messages import Admitted, BackendError, BackendGone
 from tandem.engine.outputs import merge_outputs
@@ -77,7 +78,7 @@ class BackendChannel:
         self.transport: str | None = None  # "wire" or "ray", once the reader task knows
         self._writer: asyncio.StreamWriter | None = None
         self._unsent: list[tuple] = []
-        self.task = asyncio.get_running_loop().create_task(self._read())
+        self.task = detached(asyncio.get_running_loop().create_task, self._read())  # outlives its first request
 
     def _send_adds(self, batch: list[tuple]) -> None:
         if self.transport == "wire":

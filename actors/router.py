@@ -39,6 +39,7 @@ from typing import Any
 
 from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
+from tandem.actors.detached import detached
 from tandem.actors.messages import BackendInfo, Decision
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 
@@ -400,7 +401,7 @@ class RouterActor:
     # -- health ------------------------------------------------------------------------------
     def _ensure_health_task(self) -> None:
         if self._health_task is None or self._health_task.done():
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+            self._health_task = detached(asyncio.get_running_loop().create_task, self._health_loop())
 
     async def _health_loop(self) -> None:
         while True:

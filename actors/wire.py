@@ -46,6 +46,8 @@ import tempfile
 import uuid
 from typing import Any, Awaitable, Callable
 
+from tandem.actors.detached import detached
+
 HEADER = struct.Struct("!I")
 TOKEN_BYTES = 16
 # TANDEM_WIRE=0 keeps every hop on Ray (to measure the two, or where Unix sockets misbehave).
@@ -186,7 +188,7 @@ class WireCaller:
         self._unsent: list[tuple[int, tuple]] = []
         self._next_id = 0
         self.error: BaseException | None = None
-        self._task = asyncio.get_running_loop().create_task(self._run(address))
+        self._task = detached(asyncio.get_running_loop().create_task, self._run(address))
 
     @property
     def closed(self) -> bool:
@@ -201,7 +203,7 @@ class WireCaller:
         call_id, self._next_id = self._next_id, self._next_id + 1
         future = self._futures[call_id] = loop.create_future()
         if not self._unsent and self._writer is not None:
-            loop.call_soon(self._flush)
+            detached(loop.call_soon, self._flush)
         self._unsent.append((call_id, args))
         try:
             return await future

@@ -41,6 +41,7 @@ from typing import Any
 from tandem.actors import wire
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
+from tandem.actors.detached import detached
 from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision
 from tandem.cluster.fixed_choice import FixedChoice
 
@@ -224,7 +225,9 @@ class RequestStream:
         """Free what the request holds unless it finished (e.g. the client went away): abort it
         on its backend and drop it from the router's ledger. A caller cancelled while its route
         call was in flight has no decision yet, but the router may have placed it all the same,
-        so the router hears of it whenever a route was asked for."""
+        so the router hears of it whenever a route was asked for. Both calls are detached from
+        the request (actors/detached.py): Serve cancels a request whose client hung up, and Ray
+        would cancel an abort sent just before that along with it."""
         if self._gen is not None:
             self._gen.close()
         if self.finished or self.attempts == 0:
@@ -232,8 +235,8 @@ class RequestStream:
         self.finished = True
         try:
             if self.decision is not None:
-                self.decision.handle.abort.remote(self.req_id)
-            self.router.forget.remote(self.req_id)
+                detached(self.decision.handle.abort.remote, self.req_id)
+            detached(self.router.forget.remote, self.req_id)
         except Exception:  # the backend or router is gone: nothing left to free
             logger.debug("abort of %s after close failed", self.req_id, exc_info=True)
 
@@ -241,9 +244,9 @@ class RequestStream:
         decision = self.decision
         self._handles.drop(decision.backend_id)
         try:
-            decision.handle.abort.remote(self.req_id)  # in case it is alive after all
-            await self.router.backend_failed.remote(decision.backend_id, decision.instance_id, reason)
-            await self.router.forget.remote(self.req_id)
+            detached(decision.handle.abort.remote, self.req_id)  # in case it is alive after all
+            await detached(self.router.backend_failed.remote, decision.backend_id, decision.instance_id, reason)
+            await detached(self.router.forget.remote, self.req_id)
         except Exception:  # the router itself is gone: the next route() call reports that
             logger.warning("could not report failure of backend %s", decision.backend_id, exc_info=True)
 

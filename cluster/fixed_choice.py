@@ -30,6 +30,7 @@ import logging
 from typing import Any
 
 from tandem.actors.batching import NoticeBatcher
+from tandem.actors.detached import detached
 
 logger = logging.getLogger("tandem.fixed_choice")
 
@@ -43,7 +44,7 @@ class FixedChoice:
         self.router = router
         self.choice: tuple[str, str] | None = None  # (backend id, instance id)
         self.notes = NoticeBatcher(router.note_placed_many.remote, on_error=_note_failed)
-        self._task = asyncio.get_running_loop().create_task(self._watch())
+        self._task = detached(asyncio.get_running_loop().create_task, self._watch())
 
     @classmethod
     def of(cls, router: Any) -> FixedChoice:

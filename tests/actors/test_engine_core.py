@@ -23,20 +23,6 @@ def run(coro, timeout_s: float = 120.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="test-engine-core",
-                 logging_level="WARNING")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def make_backend(ray, name: str, max_restarts: int = 0):
     from tandem.actors.backend import BackendActor
 
