@@ -54,15 +54,18 @@ from bench._machine import machine_info
 # A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
 # "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
 TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
-                "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled")
+                "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled",
+                "int8-ggml-graph", "int4-ggml-graph")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
 MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
 
 
 def mode_parts(mode: str) -> tuple[str, str, bool]:
-    """"int4-ggml-compiled" -> dtype "int4", kernels "ggml", compiled True."""
+    """"int4-ggml-compiled" -> dtype "int4", kernels "ggml", compiled True; "int4-ggml-graph" ->
+    kernels "ggml-graph"."""
     dtype, *flags = mode.split("-")
-    return dtype, "ggml" if "ggml" in flags else "torch", "compiled" in flags
+    kernels = ("ggml-graph" if "graph" in flags else "ggml") if "ggml" in flags else "torch"
+    return dtype, kernels, "compiled" in flags
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
 PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128

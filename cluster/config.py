@@ -14,7 +14,7 @@ Example file::
       - device: cpu
         threads: 1
         cpu_compile: false  # cpu: decode through torch.compile'd graphs (opt-in; measure first)
-        cpu_kernels: torch  # cpu, dtype int8/int4: torch, or ggml (llama.cpp's dot products)
+        cpu_kernels: torch  # cpu, dtype int8/int4: torch, ggml (llama.cpp's dot products) or ggml-graph (decode steps as ggml graphs)
       - device: auto        # cuda, else mps, else a second cpu backend
         count: all          # one per free GPU (cuda: 2 is two cuda backends)
     port: 8000
@@ -64,7 +64,7 @@ class BackendConfig(BaseModel):
     cpu_compile: bool = False
     # cpu backends with dtype int8/int4 only: whose kernels run the quantized linears, PyTorch's or
     # ggml's (llama.cpp's own dot products, engine/model/ggml_kernels.py; faster per decode row on AVX2).
-    cpu_kernels: Literal["torch", "ggml"] = "torch"  # engine/config.py's CPU_KERNELS
+    cpu_kernels: Literal["torch", "ggml", "ggml-graph"] = "torch"  # engine/config.py's CPU_KERNELS
 
     @model_validator(mode="after")
     def _count_fits_device(self) -> BackendConfig:
@@ -91,6 +91,9 @@ class BackendConfig(BaseModel):
         if self.dtype not in QUANTIZED_DTYPES:
             raise ValueError(f"cpu_kernels {self.cpu_kernels} runs quantized weights: use dtype "
                              f"{' or '.join(QUANTIZED_DTYPES)}, not {self.dtype}")
+        if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
+            raise ValueError("cpu_kernels ggml-graph runs decode steps as ggml graphs, which cpu_compile would "
+                             "replace: use one or the other")
 
 
 class TandemConfig(BaseModel):

@@ -34,6 +34,7 @@ from typing import Any
 
 from tandem.cluster.config import ConfigError, TandemConfig
 from tandem.cluster.plan import BackendPlan, plan_backends
+from tandem.engine.config import GGML_KERNELS
 
 logger = logging.getLogger("tandem.launcher")
 
@@ -316,7 +317,7 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 def _cpu_notes(plan: BackendPlan) -> str:
     """What makes a cpu backend's first start slow, so a long wait in the log has its reason."""
     notes = ""
-    if plan.cpu_kernels == "ggml":
+    if plan.cpu_kernels in GGML_KERNELS:
         notes += ", ggml kernels (the first start builds ggml's kernels, about a minute)"
     if plan.cpu_compile:
         notes += ", compiled decode (the first start compiles it)"

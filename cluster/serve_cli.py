@@ -89,8 +89,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose kernels run every cpu backend's int8/int4 linears (needs --cpu-dtype int8 or "
                              "int4, or that dtype in the config): torch, or ggml, llama.cpp's own quantized dot "
                              "products, built once from llama-cpp-python's sources (about a minute on two cores; "
-                             "later starts reuse the build), faster per decode row on AVX2 CPUs; its rates are "
-                             "profiled apart from torch's (default: the config's, else torch)")
+                             "later starts reuse the build), faster per decode row on AVX2 CPUs; or ggml-graph, "
+                             "the same linears with each decode step run as one ggml graph (no compiling; not "
+                             "with --cpu-compile). Rates are profiled apart per choice (default: the config's, "
+                             "else torch)")
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:

@@ -24,7 +24,10 @@ DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 # Weight-only quantized dtypes (cpu): int8 / int4 weights; bfloat16 activations on PyTorch's kernels
 # (engine/model/quant.py), float32 on ggml's (engine/model/ggml_kernels.py).
 QUANTIZED_DTYPES = ("int8", "int4")
-CPU_KERNELS = ("torch", "ggml")  # whose kernels run the quantized linears
+# Whose kernels run the quantized linears: PyTorch's, or ggml's (llama.cpp's); "ggml-graph" also runs
+# each decode step as one ggml graph (engine/model/ggml_decode.py).
+CPU_KERNELS = ("torch", "ggml", "ggml-graph")
+GGML_KERNELS = ("ggml", "ggml-graph")
 
 
 def cache_root() -> Path:
@@ -68,8 +71,12 @@ class EngineConfig:
                              f"got device {self.device!r}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}; got {self.cpu_kernels!r}")
-        if self.cpu_kernels == "ggml" and self.dtype not in QUANTIZED_DTYPES:
-            raise ValueError(f"cpu_kernels='ggml' runs quantized weights: use dtype int8 or int4, not {self.dtype!r}")
+        if self.cpu_kernels in GGML_KERNELS and self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"cpu_kernels={self.cpu_kernels!r} runs quantized weights: use dtype int8 or int4, "
+                             f"not {self.dtype!r}")
+        if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
+            raise ValueError("cpu_kernels='ggml-graph' runs decode steps as ggml graphs, which cpu_compile would "
+                             "replace: use one or the other")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
@@ -89,7 +96,7 @@ class EngineConfig:
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
         if self.dtype in QUANTIZED_DTYPES:
             # The activations: PyTorch's int8/int4 kernels' float32 paths are scalar; ggml's take float32.
-            return torch.float32 if self.cpu_kernels == "ggml" else torch.bfloat16
+            return torch.float32 if self.cpu_kernels in GGML_KERNELS else torch.bfloat16
         return getattr(torch, self.dtype)
 
     @property

@@ -98,7 +98,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
                                         cfg.attention_backend, cfg.max_active, self.max_model_len,
                                         cfg.enforce_eager, cfg.pack_cpu_weights,
-                                        cfg.resolved_max_num_batched_tokens, cfg.cpu_compile)
+                                        cfg.resolved_max_num_batched_tokens, cfg.cpu_compile,
+                                        ggml_graph=cfg.cpu_kernels == "ggml-graph")
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda")
         self.grammar_compiler = GrammarCompiler(

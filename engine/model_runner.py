@@ -82,7 +82,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, attention_backend: str = "torch",
                  max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False,
-                 pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0, cpu_compile: bool = False) -> None:
+                 pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0, cpu_compile: bool = False,
+                 ggml_graph: bool = False) -> None:
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.device = device
@@ -94,7 +95,8 @@ class ModelRunner:
         self.graph_runner = None
         self.mixed_graph_runner = None
         self.block_table = None  # the graphs' device-resident block tables
-        self.cpu_decode = None  # the compiled CPU decode graphs (engine/model/cpu_compile.py)
+        # CPU decode steps: compiled graphs (engine/model/cpu_compile.py) or ggml graphs (engine/model/ggml_decode.py)
+        self.cpu_decode = None
         self.num_packed_linears = 0
         # The last launched step's sampled ids (device) and each sampling request's row in them.
         self._last_sampled: torch.Tensor | None = None
@@ -112,6 +114,10 @@ class ModelRunner:
 
                 self.cpu_decode = CompiledCPUDecode(self.model, self.kv_caches, block_size)
                 self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
+            elif ggml_graph:
+                from tandem.engine.model.ggml_decode import GGMLGraphDecode
+
+                self.cpu_decode = GGMLGraphDecode(self.model, self.kv_caches, block_size)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
                           max_num_batched_tokens: int) -> None:
@@ -267,7 +273,7 @@ class ModelRunner:
         return self.cpu_decode is not None and all(s.num_scheduled_tokens == 1 for s in sched.scheduled)
 
     def _execute_cpu_decode(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor:
-        """One token per request through the compiled CPU decode graph; logits for every row."""
+        """One token per request through the CPU decode graph (compiled, or ggml's); logits for every row."""
         ids, positions, tables, pending = [], [], [], []
         req_to_block_ids = kv_manager.req_to_block_ids
         for i, s in enumerate(sched.scheduled):

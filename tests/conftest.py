@@ -82,3 +82,16 @@ def is_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
+
+
+def build_ggml_or_skip() -> None:
+    """Build (once per machine) or load ggml's kernels; skip the calling test, saying why, where
+    they cannot be built (no compiler, no package index, a failed build)."""
+    import pytest
+
+    from tandem.engine.model import ggml_kernels
+
+    try:
+        ggml_kernels.load()
+    except Exception as exc:
+        pytest.skip(f"ggml's kernels could not be built here: {str(exc)[:300]}")

@@ -55,7 +55,7 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml_type values (the same numbers as GGUF's tenso
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}  # weights per block, bytes per block
 FOR_QUANTIZATION = {"int4": Q4_1, "int8": Q8_0}
-_SOURCE = Path(__file__).with_name("ggml_linear.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("ggml_linear.cpp", "ggml_decode.cpp"))
 
 
 # -- building and loading ----------------------------------------------------------------------
@@ -74,8 +74,9 @@ def build_dir() -> Path:
 
 
 def _op_library() -> Path:
-    """The op library, rebuilt (seconds) whenever ggml_linear.cpp changes; ggml itself is kept."""
-    return build_dir() / f"op-{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]}" / "tandem_ggml.so"
+    """The op library, rebuilt (seconds) whenever its sources change; ggml itself is kept."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:10]
+    return build_dir() / f"op-{digest}" / "tandem_ggml.so"
 
 
 def _ggml_tree() -> Path:
@@ -155,7 +156,7 @@ def _build_locked(library: Path) -> None:
         libs = _build_ggml(tree, build_dir() / "ggml")
     op_dir = library.parent
     op_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="tandem_ggml", sources=[str(_SOURCE)], extra_include_paths=[str(tree / "include")],
+    cpp_extension.load(name="tandem_ggml", sources=[str(source) for source in _SOURCES], extra_include_paths=[str(tree / "include")],
                        extra_cflags=["-O3", "-fopenmp"],
                        extra_ldflags=[f"-L{libs}", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-fopenmp"],
                        build_directory=str(op_dir), is_python_module=False, verbose=False)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tandem.engine.config import cache_root
+from tandem.engine.config import GGML_KERNELS, cache_root
 from tandem.engine.model.config import ModelConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
@@ -61,10 +61,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a preset (see `PRESETS`), a local HF directory, a `.gguf` file or a hub id;
     `quantization` (int8 | int4) swaps the linears for weight-only quantized ones (cpu), run by
-    PyTorch's kernels (`kernels="torch"`, engine/model/quant.py) or ggml's (`"ggml"`,
-    engine/model/ggml_kernels.py)."""
+    PyTorch's kernels (`kernels="torch"`, engine/model/quant.py) or ggml's (`"ggml"` or
+    `"ggml-graph"`, engine/model/ggml_kernels.py)."""
     loaded = _load(name_or_path, torch.device(device), dtype, attn_backend)
-    if quantization is not None and kernels == "ggml":
+    if quantization is not None and kernels in GGML_KERNELS:
         from tandem.engine.model import ggml_kernels
 
         ggml_kernels.quantize_model(loaded.model, quantization, _gguf_source(name_or_path))

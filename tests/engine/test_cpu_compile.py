@@ -9,7 +9,7 @@ import torch
 
 from tandem.engine.model.cpu_compile import compiler_available
 from tandem.engine.model.quant import available
-from tests.conftest import greedy_tokens
+from tests.conftest import build_ggml_or_skip, greedy_tokens
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="torch.compile's CPU backend needs a C++ compiler")
 
@@ -34,12 +34,7 @@ def _config(dtype, compile_decode, max_active=4, kernels="torch"):
 def test_compiled_decode_matches_eager_greedy_tokens(dtype, inductor_cache):
     dtype, _, kernels = dtype.partition("-")
     if kernels == "ggml":
-        from tandem.engine.model import ggml_kernels
-
-        try:
-            ggml_kernels.load()
-        except Exception as exc:  # no compiler or package index: tests/engine/test_ggml_kernels.py says more
-            pytest.skip(f"ggml's kernels could not be built here: {str(exc)[:200]}")
+        build_ggml_or_skip()
     elif dtype in ("int4", "int8") and not available(dtype):
         pytest.skip(f"this torch build has no {dtype} CPU kernel")
     engine, compiled = greedy_tokens(_config(dtype, True, kernels=kernels or "torch"), PROMPTS, max_tokens=16)

@@ -11,14 +11,12 @@ import torch.nn.functional as F
 
 from tandem.engine.model import ggml_kernels
 from tandem.engine.model.ggml_kernels import Q4_0, Q4_1, Q8_0, GGMLLinear
+from tests.conftest import build_ggml_or_skip
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    try:
-        ggml_kernels.load()
-    except Exception as exc:  # no compiler, no package index, a failed build: say which
-        pytest.skip(f"ggml's kernels could not be built here: {str(exc)[:300]}")
+    build_ggml_or_skip()
 
 
 def _weight(n=96, k=128, seed=0):

@@ -1,0 +1,253 @@
+// tandem_ggml::decoder_*: a decode step (one token per request) of a Llama-shaped model as one ggml
+// graph, computed by ggml's CPU backend: the graph llama.cpp itself builds for a token, over
+// Tandem's weights (GGUF blocks, byte for byte) and Tandem's paged KV cache.
+//
+// Why: called op by op from Python (or from inductor's Python wrapper), a 30-layer step of a
+// 135M model pays ~10 us of host overhead per call, ~3 ms a step, as much as a third of the step
+// on two cores. Here the step is one call; ggml runs the graph's nodes on its own threads.
+//
+// The paged cache stays Tandem's: each layer's cache [2, num_blocks, block_size, kv_heads,
+// head_dim] (float32) is seen as two row tables (K rows, then V rows), one row per slot. The new
+// K/V go in with ggml_set_rows at the requests' slots, each request's context comes out with
+// ggml_get_rows at its slots, and ggml_flash_attn_ext attends over it.
+// Built with ggml_linear.cpp into one library by engine/model/ggml_kernels.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+namespace {
+
+struct Linear {
+  at::Tensor blocks;  // uint8 [out, row_bytes] in `type`'s blocks
+  std::optional<at::Tensor> bias;
+  ggml_type type;
+  int64_t in, out;
+};
+
+struct Layer {
+  at::Tensor attn_norm, ffn_norm, kv_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+struct Decoder {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab;
+  float eps, theta, scale;
+  std::vector<Layer> layers;
+  at::Tensor final_norm;
+  Linear head;
+  ggml_gallocr_t galloc = nullptr;
+  std::vector<uint8_t> meta, work;  // tensor/graph metadata; the graph's scratch (quantized activations)
+  std::mutex mutex;
+};
+
+std::mutex registry_mutex;
+std::vector<std::unique_ptr<Decoder>> registry;
+
+Decoder& decoder_of(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(registry.size()) && registry[id], "tandem_ggml: no decoder ", id);
+  return *registry[id];
+}
+
+ggml_tensor* external(ggml_context* ctx, const at::Tensor& t, ggml_type type, int64_t ne0, int64_t ne1 = 1) {
+  ggml_tensor* out = ne1 == 1 ? ggml_new_tensor_1d(ctx, type, ne0) : ggml_new_tensor_2d(ctx, type, ne0, ne1);
+  out->data = t.data_ptr();
+  return out;
+}
+
+ggml_tensor* linear(ggml_context* ctx, const Linear& w, ggml_tensor* x) {
+  ggml_tensor* out = ggml_mul_mat(ctx, external(ctx, w.blocks, w.type, w.in, w.out), x);
+  return w.bias ? ggml_add(ctx, out, external(ctx, *w.bias, GGML_TYPE_F32, w.out)) : out;
+}
+
+ggml_tensor* norm(ggml_context* ctx, ggml_tensor* x, const at::Tensor& weight, float eps) {
+  return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), external(ctx, weight, GGML_TYPE_F32, weight.numel()));
+}
+
+struct Inputs {
+  ggml_tensor *hidden, *positions, *slots, *context;
+};
+
+// The step's graph: hidden [H, B] -> logits [V, B]; `lens` are the requests' context lengths.
+ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, Inputs& in) {
+  const int64_t B = static_cast<int64_t>(lens.size()), D = d.head_dim, Hq = d.heads, Hkv = d.kv_heads;
+  int64_t total = 0;
+  for (int64_t len : lens) total += len;
+  in.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.hidden, B);
+  in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+  in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, B);
+  in.context = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, total);
+  for (ggml_tensor* t : {in.hidden, in.positions, in.slots, in.context}) ggml_set_input(t);
+
+  ggml_tensor* x = in.hidden;
+  const size_t f = sizeof(float);
+  for (const Layer& layer : d.layers) {
+    ggml_tensor* qkv = linear(ctx, layer.qkv, norm(ctx, x, layer.attn_norm, d.eps));
+    ggml_tensor* q = ggml_view_3d(ctx, qkv, D, Hq, B, D * f, qkv->nb[1], 0);
+    ggml_tensor* k = ggml_view_3d(ctx, qkv, D, Hkv, B, D * f, qkv->nb[1], Hq * D * f);
+    ggml_tensor* v = ggml_view_2d(ctx, qkv, Hkv * D, B, qkv->nb[1], (Hq + Hkv) * D * f);
+    q = ggml_rope_ext(ctx, q, in.positions, nullptr, D, GGML_ROPE_TYPE_NEOX, 0, d.theta, 1.f, 0.f, 1.f, 0.f, 0.f);
+    k = ggml_rope_ext(ctx, k, in.positions, nullptr, D, GGML_ROPE_TYPE_NEOX, 0, d.theta, 1.f, 0.f, 1.f, 0.f, 0.f);
+
+    const int64_t slots = layer.kv_cache.numel() / (2 * Hkv * D);
+    ggml_tensor* k_rows = external(ctx, layer.kv_cache, GGML_TYPE_F32, Hkv * D, slots);
+    ggml_tensor* v_rows = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, Hkv * D, slots);
+    v_rows->data = static_cast<float*>(layer.kv_cache.data_ptr()) + slots * Hkv * D;
+    k_rows = ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, Hkv * D, B), in.slots);
+    v_rows = ggml_set_rows(ctx, v_rows, v, in.slots);
+    ggml_tensor* keys = ggml_get_rows(ctx, k_rows, in.context);  // [Hkv * D, total]
+    ggml_tensor* values = ggml_get_rows(ctx, v_rows, in.context);
+
+    ggml_tensor* attn = nullptr;
+    int64_t offset = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t len = lens[b];
+      // [D, len, Hkv]: positions along dim 1, heads along dim 2 (flash attention's layout)
+      ggml_tensor* kb = ggml_view_3d(ctx, keys, D, len, Hkv, keys->nb[1], D * f, offset * keys->nb[1]);
+      ggml_tensor* vb = ggml_view_3d(ctx, values, D, len, Hkv, values->nb[1], D * f, offset * values->nb[1]);
+      ggml_tensor* qb = ggml_view_3d(ctx, q, D, 1, Hq, q->nb[2], q->nb[1], b * q->nb[2]);  // [D, 1, Hq]
+      ggml_tensor* out = ggml_flash_attn_ext(ctx, qb, kb, vb, nullptr, d.scale, 0.f, 0.f);  // [D, Hq, 1]
+      out = ggml_reshape_2d(ctx, out, Hq * D, 1);
+      attn = attn == nullptr ? out : ggml_concat(ctx, attn, out, 1);
+      offset += len;
+    }
+    x = ggml_add(ctx, linear(ctx, layer.o, attn), x);
+    ggml_tensor* gate_up = linear(ctx, layer.gate_up, norm(ctx, x, layer.ffn_norm, d.eps));
+    const int64_t I = d.intermediate;
+    ggml_tensor* gate = ggml_view_2d(ctx, gate_up, I, B, gate_up->nb[1], 0);
+    ggml_tensor* up = ggml_view_2d(ctx, gate_up, I, B, gate_up->nb[1], I * f);
+    x = ggml_add(ctx, linear(ctx, layer.down, ggml_swiglu_split(ctx, gate, up)), x);
+  }
+  ggml_tensor* logits = linear(ctx, d.head, norm(ctx, x, d.final_norm, d.eps));
+  ggml_set_output(logits);
+  return logits;
+}
+
+Linear make_linear(const at::Tensor& blocks, const std::optional<at::Tensor>& bias, int64_t type, int64_t in) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "tandem_ggml::decoder_new: weights must be contiguous uint8 blocks");
+  TORCH_CHECK(blocks.size(1) == static_cast<int64_t>(ggml_row_size(static_cast<ggml_type>(type), in)),
+              "tandem_ggml::decoder_new: weight row bytes do not match in_features ", in);
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+  return Linear{blocks, b, static_cast<ggml_type>(type), in, blocks.size(0)};
+}
+
+at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+// tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head];
+// biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
+// head_dim, intermediate, vocab; floats: rms eps, rope theta, attention scale.
+int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
+                    at::TensorList kv_caches, at::IntArrayRef dims, at::ArrayRef<double> floats) {
+  ggml_cpu_init();
+  TORCH_CHECK(dims.size() == 6 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
+  auto d = std::make_unique<Decoder>();
+  d->hidden = dims[0], d->heads = dims[1], d->kv_heads = dims[2], d->head_dim = dims[3];
+  d->intermediate = dims[4], d->vocab = dims[5];
+  d->eps = floats[0], d->theta = floats[1], d->scale = floats[2];
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 6 * L + 2 && static_cast<int64_t>(types.size()) == 4 * L + 1 &&
+                  static_cast<int64_t>(biases.size()) == 4 * L + 1,
+              "tandem_ggml::decoder_new: expected 6 tensors and 4 linears a layer, plus the final norm and head");
+  const int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* t = &tensors[6 * i];
+    const at::Tensor& cache = kv_caches[i];
+    TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(0) == 2 &&
+                    cache.size(-1) == d->head_dim && cache.size(-2) == d->kv_heads,
+                "tandem_ggml::decoder_new: KV caches must be contiguous float32 [2, blocks, block_size, kv_heads, head_dim]");
+    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    d->layers.push_back(Layer{f32(t[0]), f32(t[3]), cache, make_linear(t[1], bias(0), types[4 * i], d->hidden),
+                              make_linear(t[2], bias(1), types[4 * i + 1], q_size),
+                              make_linear(t[4], bias(2), types[4 * i + 2], d->hidden),
+                              make_linear(t[5], bias(3), types[4 * i + 3], d->intermediate)});
+    TORCH_CHECK(d->layers.back().qkv.out == q_size + 2 * kv_size && d->layers.back().gate_up.out == 2 * d->intermediate,
+                "tandem_ggml::decoder_new: fused projection sizes do not match the dims");
+  }
+  d->final_norm = f32(tensors[6 * L]);
+  d->head = make_linear(tensors[6 * L + 1], biases.get(4 * L), types[4 * L], d->hidden);
+  d->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.push_back(std::move(d));
+  return static_cast<int64_t>(registry.size()) - 1;
+}
+
+void decoder_free(int64_t id) {
+  std::unique_ptr<Decoder> gone;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (id >= 0 && id < static_cast<int64_t>(registry.size())) gone = std::move(registry[id]);
+  }
+  if (gone && gone->galloc) ggml_gallocr_free(gone->galloc);
+}
+
+// hidden [B, H] float32 (the tokens' embeddings), positions [B] int32, slots [B] int64 (where each
+// token's K/V go), context [sum of lens] int32 (each request's slots, oldest first, its new token
+// last) -> logits [B, vocab] float32.
+at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& slots,
+                        const at::Tensor& context, at::IntArrayRef lens) {
+  Decoder& d = decoder_of(id);
+  std::lock_guard<std::mutex> lock(d.mutex);
+  const int64_t B = hidden.size(0);
+  TORCH_CHECK(B == static_cast<int64_t>(lens.size()) && B == positions.numel() && B == slots.numel(),
+              "tandem_ggml::decoder_step: one position, slot and length per row");
+  const std::vector<int64_t> lengths(lens.begin(), lens.end());
+  const size_t graph_size = 64 * d.layers.size() + 64 * d.layers.size() * B + 64;
+  const size_t meta_size = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
+  if (d.meta.size() < meta_size) d.meta.resize(meta_size);
+  ggml_init_params params{meta_size, d.meta.data(), /*no_alloc=*/true};
+  ggml_context* ctx = ggml_init(params);
+  Inputs in{};
+  ggml_tensor* logits = build(d, ctx, lengths, in);
+  ggml_cgraph* graph = ggml_new_graph_custom(ctx, graph_size, false);
+  ggml_build_forward_expand(graph, logits);
+  TORCH_CHECK(ggml_gallocr_alloc_graph(d.galloc, graph), "tandem_ggml::decoder_step: could not allocate the graph");
+
+  const at::Tensor h = hidden.to(at::kFloat).contiguous(), pos = positions.to(at::kInt).contiguous();
+  const at::Tensor sl = slots.to(at::kLong).contiguous(), cx = context.to(at::kInt).contiguous();
+  TORCH_CHECK(cx.numel() == ggml_nelements(in.context), "tandem_ggml::decoder_step: context slots do not match lens");
+  std::memcpy(in.hidden->data, h.data_ptr(), ggml_nbytes(in.hidden));
+  std::memcpy(in.positions->data, pos.data_ptr(), ggml_nbytes(in.positions));
+  std::memcpy(in.slots->data, sl.data_ptr(), ggml_nbytes(in.slots));
+  std::memcpy(in.context->data, cx.data_ptr(), ggml_nbytes(in.context));
+
+  ggml_cplan plan = ggml_graph_plan(graph, at::get_num_threads(), nullptr);
+  if (d.work.size() < plan.work_size) d.work.resize(plan.work_size);
+  plan.work_data = d.work.data();
+  const ggml_status status = ggml_graph_compute(graph, &plan);
+  at::Tensor out = at::empty({B, d.vocab}, hidden.options().dtype(at::kFloat));
+  if (status == GGML_STATUS_SUCCESS) std::memcpy(out.data_ptr(), logits->data, ggml_nbytes(logits));
+  ggml_free(ctx);
+  TORCH_CHECK(status == GGML_STATUS_SUCCESS, "tandem_ggml::decoder_step: ggml_graph_compute failed (", status, ")");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_ggml, m) {
+  m.def("decoder_new(Tensor[] tensors, Tensor?[] biases, int[] types, Tensor[] kv_caches, int[] dims, "
+        "float[] floats) -> int");
+  m.def("decoder_free(int id) -> ()");
+  m.def("decoder_step(int id, Tensor hidden, Tensor positions, Tensor slots, Tensor context, int[] lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_ggml, CPU, m) {
+  m.impl("decoder_step", &decoder_step);
+}
+
+TORCH_LIBRARY_IMPL(tandem_ggml, CompositeExplicitAutograd, m) {
+  m.impl("decoder_new", &decoder_new);
+  m.impl("decoder_free", &decoder_free);
+}

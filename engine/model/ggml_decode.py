@@ -1,0 +1,102 @@
+"""The CPU decode step as one ggml graph: what llama.cpp computes for a token, on Tandem's weights
+and Tandem's paged KV cache (engine/model/ggml_decode.cpp).
+
+With ggml's kernels for the linears (`cpu_kernels="ggml"`), the compiled decode of
+engine/model/cpu_compile.py still pays the host for every call it makes: inductor's Python
+wrapper calls ~12 ops and loops a layer, ~100 us of a layer's time on two cores, and a 30-layer
+step of SmolLM2-135M spends ~3 ms of ~13 there. Handing the whole step to ggml makes it one call:
+ggml builds the graph (RMSNorm, the quantized linears, RoPE, the KV write, flash attention,
+SwiGLU, the residual adds, the head) and runs its nodes on its own threads, as llama.cpp does.
+Nothing is compiled, so there is nothing to warm up or cache.
+
+It covers decode steps only (one token per request, any number of requests); prefill and mixed
+steps keep the eager few-op layers. It takes a model whose projections and head are all
+`GGMLLinear` and whose KV caches are float32; `supports` says whether a model qualifies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.engine.model.ggml_kernels import load
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_ROWS = ("blocks", "ggml_type", "in_features", "out_features", "bias")
+
+
+def _on_ggml(module: nn.Module | None) -> bool:
+    """A linear whose weight is rows in a ggml type (`GGMLLinear`: `blocks`, `ggml_type`, ...)."""
+    return module is not None and all(hasattr(module, name) for name in _ROWS)
+
+
+def supports(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
+    """Whether every projection and the head are ggml rows and the caches are float32."""
+    layers = model.model.layers
+    return (_on_ggml(model.logits_proj)
+            and all(_on_ggml(getattr(layer, name, None)) for layer in layers for name in _PROJECTIONS)
+            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
+
+
+class GGMLGraphDecode:
+    """Decode steps (one token per request) of a CPU model through one ggml graph each; the same
+    interface as `CompiledCPUDecode` (`inputs`, then a call), so the runner drives either."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        if not supports(model, kv_caches):
+            raise ValueError("the ggml graph decode needs every projection and the head on ggml "
+                             "(cpu_kernels='ggml') and float32 KV caches")
+        load()
+        config = model.config
+        inner = model.model
+        tensors, biases, types = [], [], []
+        for layer in inner.layers:
+            qkv, o, gate_up, down = (getattr(layer, name) for name in _PROJECTIONS)
+            tensors += [layer.input_layernorm.weight, qkv.blocks, o.blocks, layer.post_attention_layernorm.weight,
+                        gate_up.blocks, down.blocks]
+            biases += [linear.bias for linear in (qkv, o, gate_up, down)]
+            types += [linear.ggml_type for linear in (qkv, o, gate_up, down)]
+        head = model.logits_proj
+        tensors += [inner.norm.weight, head.blocks]
+        biases.append(head.bias)
+        types.append(head.ggml_type)
+        layer = inner.layers[0]
+        dims = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                layer.intermediate_size, head.out_features]
+        floats = [float(layer.input_layernorm.eps), float(config.rope_theta), float(layer.scale)]
+        self._embed = inner.embed_tokens
+        self._id = torch.ops.tandem_ggml.decoder_new(tensors, biases, types, kv_caches, dims, floats)
+        self._keep = (tensors, kv_caches)  # the graph reads these tensors' memory
+        self.block_size = block_size
+        self.compile_s = 0.0
+
+    def __del__(self) -> None:
+        try:
+            torch.ops.tandem_ggml.decoder_free(self._id)
+        except Exception:  # interpreter shutdown
+            pass
+
+    def inputs(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+               ) -> tuple[torch.Tensor, ...]:
+        """The step's tensors from host lists: ids, positions, the new tokens' slots, every
+        request's context slots (oldest first, the new token last), and the context lengths."""
+        bs = self.block_size
+        offsets = torch.arange(bs, dtype=torch.int64)
+        context = [(torch.tensor(t, dtype=torch.int64)[:, None] * bs + offsets).flatten()[: p + 1]
+                   for t, p in zip(block_tables, positions)]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
+        return (torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int32),
+                torch.tensor(slots, dtype=torch.int64), torch.cat(context).to(torch.int32),
+                torch.tensor([p + 1 for p in positions], dtype=torch.int64))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                context: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of one decode token per request; writes their K/V."""
+        hidden = self._embed(input_ids).float()
+        return torch.ops.tandem_ggml.decoder_step(self._id, hidden, positions, slots, context, lens.tolist())
+
+    __call__ = forward
+
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> float:
+        """Nothing to compile; kept for the runner's interface."""
+        return 0.0

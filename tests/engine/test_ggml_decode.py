@@ -1,0 +1,113 @@
+"""A decode step as one ggml graph (engine/model/ggml_decode.py) computes what the eager few-op
+layers compute.
+
+With the linears' weights as float32 rows (ggml type F32), the graph's arithmetic is exact up to
+float rounding, so its logits must match the eager step's to ~1e-4 for several requests of
+different context lengths in one batch: this pins the graph's wiring (RMSNorm, the fused QKV
+split, RoPE, the KV write at the slots, the gather of each request's context, grouped-query
+flash attention, SwiGLU, the residuals, the head), for a Llama (no bias) and a Qwen2 (QKV bias).
+With quantized rows, the graph quantizes activations in its own order, so it is held to the real
+SmolLM2 weights' answer instead. ggml is built once per machine; where it cannot be, these skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tandem.engine.sampling_params import SamplingParams
+from tests.conftest import build_ggml_or_skip, greedy_tokens
+
+PROMPTS = {"a": list(range(10, 51)), "b": list(range(200, 209)), "c": list(range(100, 133))}
+
+
+class FloatRows(nn.Module):
+    """A linear whose ggml rows are its float32 weight (ggml type F32, 0)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight.contiguous(), bias
+        self.blocks = self.weight.view(torch.uint8)
+        self.ggml_type, self.out_features, self.in_features = 0, weight.shape[0], weight.shape[1]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight, self.bias)
+        return out if residual is None else out + residual
+
+
+def _float_rows(model: nn.Module) -> None:
+    """Every ggml linear of a `cpu_kernels="ggml"` model as float32 rows of its dequantized weight."""
+    from tandem.engine.model.ggml_decode import _PROJECTIONS
+
+    for layer in model.model.layers:
+        for name in _PROJECTIONS:
+            linear = getattr(layer, name)
+            setattr(layer, name, FloatRows(linear.dequantized(), linear.bias))
+    model.logits_proj = FloatRows(model.logits_proj.dequantized(), None)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-random", "tiny-qwen2-random"])
+def test_graph_step_matches_the_eager_step_on_float_rows(model):
+    build_ggml_or_skip()
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.model.cpu_compile import decode_forward
+    from tandem.engine.model.ggml_decode import GGMLGraphDecode
+
+    engine = LLMEngine(EngineConfig(model=model, dtype="int8", cpu_kernels="ggml", max_active=4))
+    runner = engine.model_runner
+    _float_rows(runner.model)
+    for req_id, prompt in PROMPTS.items():  # prefill: each request's context in the paged cache
+        engine.add_request(req_id, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    first = {o.req_id: o.new_token_ids[-1] for o in engine.step()}
+    graph = GGMLGraphDecode(runner.model, runner.kv_caches, engine.config.block_size)
+    ids = [first[r] for r in PROMPTS]
+    positions = [len(p) for p in PROMPTS.values()]
+    tables = [engine.kv_cache_manager.req_to_block_ids[r] for r in PROMPTS]
+    with torch.inference_mode():
+        got = graph(*graph.inputs(ids, positions, tables))
+        bs = engine.config.block_size
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        expected = decode_forward(runner.model, None, torch.tensor(ids), torch.tensor(positions), slots,
+                                  torch.tensor(positions) + 1, padded, runner.kv_caches)
+        alone = graph(*graph.inputs(ids[1:2], positions[1:2], tables[1:2]))  # one row: the same answer
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(alone[0], got[1], atol=2e-4, rtol=1e-4)
+
+
+def test_config_checks_ggml_graph():
+    from tandem.engine.config import EngineConfig
+
+    assert EngineConfig(dtype="int4", cpu_kernels="ggml-graph").torch_dtype == torch.float32
+    with pytest.raises(ValueError, match="int8 or int4"):
+        EngineConfig(dtype="float32", cpu_kernels="ggml-graph")
+    with pytest.raises(ValueError, match="cpu_compile"):
+        EngineConfig(dtype="int4", cpu_kernels="ggml-graph", cpu_compile=True)
+
+
+@pytest.mark.slow
+def test_smollm2_int4_on_the_ggml_graph_answers_as_eager():
+    """The real weights (the GGUF's Q4_1 blocks): the graph engine's greedy answer is the eager
+    ggml engine's, several requests decoding together."""
+    build_ggml_or_skip()
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_decode import GGMLGraphDecode
+
+    config = dict(model="smollm2-135m", dtype="int4", max_active=4)
+    engine, graph_out = greedy_tokens(EngineConfig(cpu_kernels="ggml-graph", **config), _prompts(), 12)
+    assert isinstance(engine.model_runner.cpu_decode, GGMLGraphDecode)
+    engine, eager_out = greedy_tokens(EngineConfig(cpu_kernels="ggml", **config), _prompts(), 12)
+    text = [engine.tokenizer.decode(ids) for ids in graph_out]
+    assert "Paris" in text[0], text
+    assert [o[:4] for o in graph_out] == [o[:4] for o in eager_out]
+
+
+def _prompts() -> list[list[int]]:
+    from tandem.engine.model.loader import load_model
+
+    tokenizer = load_model("smollm2-135m", "cpu", torch.float32).tokenizer
+    return [tokenizer.encode(p) for p in ("The capital of France is", "Water boils at", "1, 2, 3,")]
