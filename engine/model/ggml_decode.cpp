@@ -8,13 +8,24 @@
 //
 // The paged cache stays Tandem's: each layer's cache [2, num_blocks, block_size, kv_heads,
 // head_dim] (float32) is seen as two row tables (K rows, then V rows), one row per slot. The new
-// K/V go in with ggml_set_rows at the requests' slots, each request's context comes out with
-// ggml_get_rows at its slots, and ggml_flash_attn_ext attends over it.
+// K/V go in with ggml_set_rows at the requests' slots. Attention is the one node ggml has no op
+// for: ggml's flash attention wants each request's K/V contiguous, and gathering them first
+// (ggml_get_rows) copied 1.5 KB per position per layer, which grew a step by ~14 us per context
+// position (SmolLM2, two cores) where llama.cpp's barely grows. So attention is a custom node
+// (`paged_attention`, run by ggml's threads like any other) that reads each request's K/V rows
+// where they lie, by slot: scores, softmax and the weighted sum of V, in float32.
+//
+// Building and allocating a graph costs ~0.5 ms, so a graph is reused while it fits: each
+// request's context length is rounded up to kPad positions (room in the context-slot input; the
+// attention reads only a request's true length, an input too), so a request decodes kPad tokens
+// on one graph and only the inputs (embeddings, positions, slots, context slots, lengths) change.
 // Built with ggml_linear.cpp into one library by engine/model/ggml_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -28,6 +39,8 @@
 
 namespace {
 
+constexpr int64_t kPad = 64;
+
 struct Linear {
   at::Tensor blocks;  // uint8 [out, row_bytes] in `type`'s blocks
   std::optional<at::Tensor> bias;
@@ -40,6 +53,102 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
+struct Inputs {
+  ggml_tensor *hidden, *positions, *slots, *context, *lens;
+};
+
+// What the attention node needs besides its inputs: the shapes, and where each request's context
+// slots start in the (padded) context-slot input.
+struct Attention {
+  int64_t heads, kv_heads, head_dim;
+  float scale;
+  std::vector<int64_t> offsets;
+};
+
+constexpr int64_t kMaxGroup = 16;  // query heads per K/V head
+constexpr int64_t kMaxHeadDim = 256;
+
+// The `group` query heads that share one K/V head, over one request's context: scores, softmax,
+// the weighted sum of V. Each K and V row is read once for the whole group (reading it once per
+// query head made the step ~3x slower per context position: the rows come from L3, not L1). kD is
+// the head size when known at compile time (0: `D`), so the inner loops unroll into whole vectors.
+template <int64_t kD>
+void attend(const float* query, int64_t group, const char* k_base, const char* v_base, size_t k_stride,
+            size_t v_stride, const int32_t* slots, int64_t len, int64_t D, float scale, float* scores, float* out) {
+  const int64_t dim = kD > 0 ? kD : D;
+  float max[kMaxGroup], inv[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) max[g] = -INFINITY;
+  for (int64_t l = 0; l < len; ++l) {
+    const float* key = reinterpret_cast<const float*>(k_base + slots[l] * k_stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = query + g * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * key[d];
+      const float s = dot * scale;
+      scores[g * len + l] = s;
+      max[g] = s > max[g] ? s : max[g];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float sum = 0.f;
+    for (int64_t l = 0; l < len; ++l) sum += (sg[l] = std::exp(sg[l] - max[g]));
+    inv[g] = 1.f / sum;
+  }
+  float acc[kMaxGroup][kD > 0 ? kD : kMaxHeadDim] = {};
+  for (int64_t l = 0; l < len; ++l) {
+    const float* value = reinterpret_cast<const float*>(v_base + slots[l] * v_stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + l] * inv[g];
+      float* ag = acc[g];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) std::memcpy(out + g * dim, acc[g], dim * sizeof(float));
+}
+
+// Node `dst` [heads * head_dim, B]: one query (the new token) per request over its context.
+// Sources: q [head_dim, heads, B], the K and V row tables (after the step's writes), the context
+// slots (int32) and lengths (int32 [B]). Work items are (request, K/V head), spread over ggml's
+// threads; each reads its rows straight from the cache.
+void paged_attention(ggml_tensor* dst, int ith, int nth, void* userdata) {
+  const Attention& a = *static_cast<const Attention*>(userdata);
+  const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *context = dst->src[3], *lens = dst->src[4];
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads, B = dst->ne[1];
+  thread_local std::vector<float> buffer;
+  std::vector<float>& scores = buffer;  // one TLS lookup, not one per access
+  for (int64_t unit = ith; unit < B * a.kv_heads; unit += nth) {
+    const int64_t b = unit / a.kv_heads, kv_head = unit % a.kv_heads;
+    const int64_t len = static_cast<const int32_t*>(lens->data)[b];
+    const int32_t* slots = static_cast<const int32_t*>(context->data) + a.offsets[b];
+    const float* query =
+        reinterpret_cast<const float*>(static_cast<const char*>(q->data) + b * q->nb[2] + kv_head * group * q->nb[1]);
+    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + b * dst->nb[1]) + kv_head * group * D;
+    const char* k_base = static_cast<const char*>(k->data) + kv_head * D * sizeof(float);
+    const char* v_base = static_cast<const char*>(v->data) + kv_head * D * sizeof(float);
+    if (static_cast<int64_t>(scores.size()) < group * len) scores.resize(group * len);
+    if (D == 64) {
+      attend<64>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
+    } else if (D == 128) {
+      attend<128>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
+    } else {
+      attend<0>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
+    }
+  }
+}
+
+// A built, allocated graph, reused while the batch's padded context lengths are the same.
+struct Step {
+  std::vector<int64_t> padded;
+  Attention attention;
+  ggml_context* ctx = nullptr;
+  ggml_cgraph* graph = nullptr;
+  ggml_tensor* logits = nullptr;
+  Inputs in{};
+};
+
 struct Decoder {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab;
   float eps, theta, scale;
@@ -48,6 +157,7 @@ struct Decoder {
   Linear head;
   ggml_gallocr_t galloc = nullptr;
   std::vector<uint8_t> meta, work;  // tensor/graph metadata; the graph's scratch (quantized activations)
+  Step step;
   std::mutex mutex;
 };
 
@@ -75,20 +185,22 @@ ggml_tensor* norm(ggml_context* ctx, ggml_tensor* x, const at::Tensor& weight, f
   return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), external(ctx, weight, GGML_TYPE_F32, weight.numel()));
 }
 
-struct Inputs {
-  ggml_tensor *hidden, *positions, *slots, *context;
-};
-
-// The step's graph: hidden [H, B] -> logits [V, B]; `lens` are the requests' context lengths.
-ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, Inputs& in) {
+// The step's graph: hidden [H, B] -> logits [V, B]; `lens` are the requests' padded context
+// lengths, which size the context-slot input.
+ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, Inputs& in, Attention& attention) {
   const int64_t B = static_cast<int64_t>(lens.size()), D = d.head_dim, Hq = d.heads, Hkv = d.kv_heads;
   int64_t total = 0;
-  for (int64_t len : lens) total += len;
+  attention = Attention{Hq, Hkv, D, d.scale, {}};
+  for (int64_t len : lens) {
+    attention.offsets.push_back(total);
+    total += len;
+  }
   in.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.hidden, B);
   in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
   in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, B);
   in.context = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, total);
-  for (ggml_tensor* t : {in.hidden, in.positions, in.slots, in.context}) ggml_set_input(t);
+  in.lens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
+  for (ggml_tensor* t : {in.hidden, in.positions, in.slots, in.context, in.lens}) ggml_set_input(t);
 
   ggml_tensor* x = in.hidden;
   const size_t f = sizeof(float);
@@ -106,22 +218,9 @@ ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& le
     v_rows->data = static_cast<float*>(layer.kv_cache.data_ptr()) + slots * Hkv * D;
     k_rows = ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, Hkv * D, B), in.slots);
     v_rows = ggml_set_rows(ctx, v_rows, v, in.slots);
-    ggml_tensor* keys = ggml_get_rows(ctx, k_rows, in.context);  // [Hkv * D, total]
-    ggml_tensor* values = ggml_get_rows(ctx, v_rows, in.context);
-
-    ggml_tensor* attn = nullptr;
-    int64_t offset = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t len = lens[b];
-      // [D, len, Hkv]: positions along dim 1, heads along dim 2 (flash attention's layout)
-      ggml_tensor* kb = ggml_view_3d(ctx, keys, D, len, Hkv, keys->nb[1], D * f, offset * keys->nb[1]);
-      ggml_tensor* vb = ggml_view_3d(ctx, values, D, len, Hkv, values->nb[1], D * f, offset * values->nb[1]);
-      ggml_tensor* qb = ggml_view_3d(ctx, q, D, 1, Hq, q->nb[2], q->nb[1], b * q->nb[2]);  // [D, 1, Hq]
-      ggml_tensor* out = ggml_flash_attn_ext(ctx, qb, kb, vb, nullptr, d.scale, 0.f, 0.f);  // [D, Hq, 1]
-      out = ggml_reshape_2d(ctx, out, Hq * D, 1);
-      attn = attn == nullptr ? out : ggml_concat(ctx, attn, out, 1);
-      offset += len;
-    }
+    ggml_tensor* sources[] = {q, k_rows, v_rows, in.context, in.lens};
+    ggml_tensor* attn = ggml_custom_4d(ctx, GGML_TYPE_F32, Hq * D, B, 1, 1, sources, 5, paged_attention,
+                                       GGML_N_TASKS_MAX, &attention);
     x = ggml_add(ctx, linear(ctx, layer.o, attn), x);
     ggml_tensor* gate_up = linear(ctx, layer.gate_up, norm(ctx, x, layer.ffn_norm, d.eps));
     const int64_t I = d.intermediate;
@@ -157,6 +256,8 @@ int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Te
   d->hidden = dims[0], d->heads = dims[1], d->kv_heads = dims[2], d->head_dim = dims[3];
   d->intermediate = dims[4], d->vocab = dims[5];
   d->eps = floats[0], d->theta = floats[1], d->scale = floats[2];
+  TORCH_CHECK(d->heads % d->kv_heads == 0 && d->heads / d->kv_heads <= kMaxGroup && d->head_dim <= kMaxHeadDim,
+              "tandem_ggml::decoder_new: at most ", kMaxGroup, " query heads per K/V head and a head size of ", kMaxHeadDim);
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 6 * L + 2 && static_cast<int64_t>(types.size()) == 4 * L + 1 &&
                   static_cast<int64_t>(biases.size()) == 4 * L + 1,
@@ -190,6 +291,7 @@ void decoder_free(int64_t id) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     if (id >= 0 && id < static_cast<int64_t>(registry.size())) gone = std::move(registry[id]);
   }
+  if (gone && gone->step.ctx) ggml_free(gone->step.ctx);
   if (gone && gone->galloc) ggml_gallocr_free(gone->galloc);
 }
 
@@ -203,33 +305,49 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
   const int64_t B = hidden.size(0);
   TORCH_CHECK(B == static_cast<int64_t>(lens.size()) && B == positions.numel() && B == slots.numel(),
               "tandem_ggml::decoder_step: one position, slot and length per row");
-  const std::vector<int64_t> lengths(lens.begin(), lens.end());
-  const size_t graph_size = 64 * d.layers.size() + 64 * d.layers.size() * B + 64;
-  const size_t meta_size = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
-  if (d.meta.size() < meta_size) d.meta.resize(meta_size);
-  ggml_init_params params{meta_size, d.meta.data(), /*no_alloc=*/true};
-  ggml_context* ctx = ggml_init(params);
-  Inputs in{};
-  ggml_tensor* logits = build(d, ctx, lengths, in);
-  ggml_cgraph* graph = ggml_new_graph_custom(ctx, graph_size, false);
-  ggml_build_forward_expand(graph, logits);
-  TORCH_CHECK(ggml_gallocr_alloc_graph(d.galloc, graph), "tandem_ggml::decoder_step: could not allocate the graph");
-
+  std::vector<int64_t> padded(B);
+  for (int64_t b = 0; b < B; ++b) padded[b] = (lens[b] + kPad - 1) / kPad * kPad;
+  Step& step = d.step;
+  if (padded != step.padded) {
+    if (step.ctx) ggml_free(step.ctx);
+    const size_t graph_size = 64 * d.layers.size() + 64 * d.layers.size() * B + 64;
+    const size_t meta_size = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
+    if (d.meta.size() < meta_size) d.meta.resize(meta_size);
+    ggml_init_params params{meta_size, d.meta.data(), /*no_alloc=*/true};
+    step.ctx = ggml_init(params);
+    step.logits = build(d, step.ctx, padded, step.in, step.attention);
+    step.graph = ggml_new_graph_custom(step.ctx, graph_size, false);
+    ggml_build_forward_expand(step.graph, step.logits);
+    step.padded = padded;
+    if (!ggml_gallocr_alloc_graph(d.galloc, step.graph)) {
+      step.padded.clear();
+      TORCH_CHECK(false, "tandem_ggml::decoder_step: could not allocate the graph");
+    }
+  }
+  const Inputs& in = step.in;
   const at::Tensor h = hidden.to(at::kFloat).contiguous(), pos = positions.to(at::kInt).contiguous();
   const at::Tensor sl = slots.to(at::kLong).contiguous(), cx = context.to(at::kInt).contiguous();
-  TORCH_CHECK(cx.numel() == ggml_nelements(in.context), "tandem_ggml::decoder_step: context slots do not match lens");
   std::memcpy(in.hidden->data, h.data_ptr(), ggml_nbytes(in.hidden));
   std::memcpy(in.positions->data, pos.data_ptr(), ggml_nbytes(in.positions));
   std::memcpy(in.slots->data, sl.data_ptr(), ggml_nbytes(in.slots));
-  std::memcpy(in.context->data, cx.data_ptr(), ggml_nbytes(in.context));
+  int32_t* context_slots = static_cast<int32_t*>(in.context->data);
+  int32_t* lengths = static_cast<int32_t*>(in.lens->data);
+  const int32_t* source = cx.data_ptr<int32_t>();
+  int64_t read = 0;
+  for (int64_t b = 0; b < B; ++b) {  // each request's slots, at its offset in the padded input
+    TORCH_CHECK(read + lens[b] <= cx.numel(), "tandem_ggml::decoder_step: context slots do not match lens");
+    std::memcpy(context_slots, source + read, lens[b] * sizeof(int32_t));
+    lengths[b] = static_cast<int32_t>(lens[b]);
+    context_slots += padded[b], read += lens[b];
+  }
+  TORCH_CHECK(read == cx.numel(), "tandem_ggml::decoder_step: context slots do not match lens");
 
-  ggml_cplan plan = ggml_graph_plan(graph, at::get_num_threads(), nullptr);
+  ggml_cplan plan = ggml_graph_plan(step.graph, at::get_num_threads(), nullptr);
   if (d.work.size() < plan.work_size) d.work.resize(plan.work_size);
   plan.work_data = d.work.data();
-  const ggml_status status = ggml_graph_compute(graph, &plan);
+  const ggml_status status = ggml_graph_compute(step.graph, &plan);
   at::Tensor out = at::empty({B, d.vocab}, hidden.options().dtype(at::kFloat));
-  if (status == GGML_STATUS_SUCCESS) std::memcpy(out.data_ptr(), logits->data, ggml_nbytes(logits));
-  ggml_free(ctx);
+  if (status == GGML_STATUS_SUCCESS) std::memcpy(out.data_ptr(), step.logits->data, ggml_nbytes(step.logits));
   TORCH_CHECK(status == GGML_STATUS_SUCCESS, "tandem_ggml::decoder_step: ggml_graph_compute failed (", status, ")");
   return out;
 }

@@ -157,7 +157,7 @@ def _build_locked(library: Path) -> None:
     op_dir = library.parent
     op_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="tandem_ggml", sources=[str(source) for source in _SOURCES], extra_include_paths=[str(tree / "include")],
-                       extra_cflags=["-O3", "-fopenmp"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"],  # like ggml: this machine's build
                        extra_ldflags=[f"-L{libs}", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-fopenmp"],
                        build_directory=str(op_dir), is_python_module=False, verbose=False)
 
