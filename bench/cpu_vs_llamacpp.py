@@ -153,13 +153,13 @@ def llama_files(bin_dir: Path, source: Path, cache: Path, types: tuple[str, ...]
     return files
 
 
-def _llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int) -> tuple[float, bool]:
-    """tok/s of one `llama-bench` test, and whether weight repacking was on. This build's repacked
-    Q8_0/Q4_1 kernels crash in prompt processing on the 2-core Sapphire Rapids VM (SIGSEGV), so a
-    crashed test is rerun with `--repack 0` and says so."""
+def _llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int, depth: int = 0) -> tuple[float, bool]:
+    """tok/s of one `llama-bench` test (`depth` tokens already in the context), and whether weight
+    repacking was on. This build's repacked Q8_0/Q4_1 kernels crash in prompt processing on the
+    2-core Sapphire Rapids VM (SIGSEGV), so a crashed test is rerun with `--repack 0` and says so."""
     for repack in (1, 0):
         cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
-               "-r", "1", "--repack", str(repack), "-o", "json"]
+               "-d", str(depth), "-r", "1", "--repack", str(repack), "-o", "json"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode == 0:
             return json.loads(done.stdout)[0]["avg_ts"], bool(repack)
@@ -168,7 +168,8 @@ def _llama_bench(bin_dir: Path, gguf: Path, threads: int, prompt: int, gen: int)
 
 def llama_single(bin_dir: Path, gguf: Path, threads: int, decode_tokens: int) -> dict:
     prefill, prefill_repack = _llama_bench(bin_dir, gguf, threads, PREFILL_LEN, 0)
-    decode, decode_repack = _llama_bench(bin_dir, gguf, threads, 0, decode_tokens)
+    # decoded after the prompt, as Tandem's single stream is (contexts PREFILL_LEN + 1 onwards)
+    decode, decode_repack = _llama_bench(bin_dir, gguf, threads, 0, decode_tokens, depth=PREFILL_LEN)
     return {"prefill_tok_s": prefill, "decode_tok_s": decode, "prefill_repack": prefill_repack,
             "decode_repack": decode_repack}
 
