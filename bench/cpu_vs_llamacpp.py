@@ -55,7 +55,7 @@ from bench._machine import machine_info
 # "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
 TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
                 "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled",
-                "int8-ggml-graph", "int4-ggml-graph")
+                "float32-ggml-graph", "int8-ggml-graph", "int4-ggml-graph")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
 MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
 

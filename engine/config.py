@@ -25,7 +25,7 @@ DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 # (engine/model/quant.py), float32 on ggml's (engine/model/ggml_kernels.py).
 QUANTIZED_DTYPES = ("int8", "int4")
 # Whose kernels run the quantized linears: PyTorch's, or ggml's (llama.cpp's); "ggml-graph" also runs
-# each decode step as one ggml graph (engine/model/ggml_decode.py).
+# each decode step as one ggml graph (engine/model/ggml_decode.py), for float32 weights too.
 CPU_KERNELS = ("torch", "ggml", "ggml-graph")
 GGML_KERNELS = ("ggml", "ggml-graph")
 
@@ -71,9 +71,10 @@ class EngineConfig:
                              f"got device {self.device!r}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}; got {self.cpu_kernels!r}")
-        if self.cpu_kernels in GGML_KERNELS and self.dtype not in QUANTIZED_DTYPES:
-            raise ValueError(f"cpu_kernels={self.cpu_kernels!r} runs quantized weights: use dtype int8 or int4, "
-                             f"not {self.dtype!r}")
+        if self.cpu_kernels == "ggml" and self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"cpu_kernels='ggml' runs quantized weights: use dtype int8 or int4, not {self.dtype!r}")
+        if self.cpu_kernels == "ggml-graph" and self.dtype not in (*QUANTIZED_DTYPES, "float32", "auto"):
+            raise ValueError(f"cpu_kernels='ggml-graph' runs int8, int4 or float32 weights, not {self.dtype!r}")
         if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
             raise ValueError("cpu_kernels='ggml-graph' runs decode steps as ggml graphs, which cpu_compile would "
                              "replace: use one or the other")

@@ -107,7 +107,8 @@ class ModelRunner:
             from tandem.engine.model.cpu_layers import fuse_cpu_model
             from tandem.engine.model.cpu_linear import pack_model
 
-            self.num_packed_linears = pack_model(self.model)
+            if not ggml_graph:  # the graph reads plain rows: ggml's blocks, or float32 weights as they are
+                self.num_packed_linears = pack_model(self.model)
             fuse_cpu_model(self.model)  # few-call layers (engine/model/cpu_layers.py)
             if cpu_compile:
                 from tandem.engine.model.cpu_compile import CompiledCPUDecode
@@ -115,8 +116,9 @@ class ModelRunner:
                 self.cpu_decode = CompiledCPUDecode(self.model, self.kv_caches, block_size)
                 self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
             elif ggml_graph:
-                from tandem.engine.model.ggml_decode import GGMLGraphDecode
+                from tandem.engine.model.ggml_decode import GGMLGraphDecode, float_rows
 
+                float_rows(self.model)  # a float32 model's linears (quantized ones are ggml's already)
                 self.cpu_decode = GGMLGraphDecode(self.model, self.kv_caches, block_size)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,

@@ -10,8 +10,10 @@ SwiGLU, the residual adds, the head) and runs its nodes on its own threads, as l
 Nothing is compiled, so there is nothing to warm up or cache.
 
 It covers decode steps only (one token per request, any number of requests); prefill and mixed
-steps keep the eager few-op layers. It takes a model whose projections and head are all
-`GGMLLinear` and whose KV caches are float32; `supports` says whether a model qualifies.
+steps keep the eager few-op layers. It takes a model whose projections and head are ggml rows
+(`GGMLLinear`'s quantized blocks, or `FloatRows`, a float32 model's weights as they are, which
+ggml reads as its F32 type, llama.cpp's F32 GGUF) and whose KV caches are float32; `supports`
+says whether a model qualifies, `float_rows` readies a float32 model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,41 @@ def _on_ggml(module: nn.Module | None) -> bool:
     return module is not None and all(hasattr(module, name) for name in _ROWS)
 
 
+class FloatRows(nn.Module):
+    """A float32 linear whose weight rows the ggml graph reads as they are (ggml type F32); eager
+    steps (prefill) run it as `F.linear`."""
+
+    ggml_type = 0  # GGML_TYPE_F32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != torch.float32:
+            raise ValueError(f"float rows are float32, got {weight.dtype}")
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.blocks = self.weight.data.view(torch.uint8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def float_rows(model: nn.Module) -> int:
+    """Make a fused (`fuse_cpu_model`) float32 model's projections and head `FloatRows`, sharing
+    the weights' memory (a tied head reads the embedding matrix); returns how many."""
+    count = 0
+    for layer in model.model.layers:
+        for name in _PROJECTIONS:
+            linear = getattr(layer, name)
+            if isinstance(linear, nn.Linear):
+                setattr(layer, name, FloatRows(linear.weight, linear.bias))
+                count += 1
+    if model.logits_proj is None:
+        model.logits_proj = FloatRows(model.output_weight(), None)
+        count += 1
+    return count
+
+
 def supports(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
     """Whether every projection and the head are ggml rows and the caches are float32."""
     layers = model.model.layers
@@ -44,8 +81,8 @@ class GGMLGraphDecode:
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
         if not supports(model, kv_caches):
-            raise ValueError("the ggml graph decode needs every projection and the head on ggml "
-                             "(cpu_kernels='ggml') and float32 KV caches")
+            raise ValueError("the ggml graph decode needs every projection and the head as ggml rows "
+                             "(GGMLLinear or FloatRows) and float32 KV caches")
         load()
         config = model.config
         inner = model.model

@@ -83,8 +83,9 @@ def test_config_checks_ggml_graph():
     from tandem.engine.config import EngineConfig
 
     assert EngineConfig(dtype="int4", cpu_kernels="ggml-graph").torch_dtype == torch.float32
-    with pytest.raises(ValueError, match="int8 or int4"):
-        EngineConfig(dtype="float32", cpu_kernels="ggml-graph")
+    assert EngineConfig(dtype="float32", cpu_kernels="ggml-graph").torch_dtype == torch.float32
+    with pytest.raises(ValueError, match="int8, int4 or float32"):
+        EngineConfig(dtype="bfloat16", cpu_kernels="ggml-graph")
     with pytest.raises(ValueError, match="cpu_compile"):
         EngineConfig(dtype="int4", cpu_kernels="ggml-graph", cpu_compile=True)
 
@@ -104,6 +105,26 @@ def test_smollm2_int4_on_the_ggml_graph_answers_as_eager():
     text = [engine.tokenizer.decode(ids) for ids in graph_out]
     assert "Paris" in text[0], text
     assert [o[:4] for o in graph_out] == [o[:4] for o in eager_out]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-random", "tiny-qwen2-random"])
+def test_float32_engine_on_the_ggml_graph_decodes_as_eager(model):
+    """float32 weights read as ggml F32 rows, in place (no copy, a tied head reads the embedding):
+    the same arithmetic as the eager float32 engine up to rounding, so the same greedy tokens."""
+    build_ggml_or_skip()
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_decode import FloatRows, GGMLGraphDecode
+
+    prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(3)]
+    engine, graph_out = greedy_tokens(EngineConfig(model=model, dtype="float32", cpu_kernels="ggml-graph",
+                                                   max_active=4), prompts, 10)
+    model_ = engine.model_runner.model
+    assert isinstance(engine.model_runner.cpu_decode, GGMLGraphDecode)
+    assert isinstance(model_.model.layers[0].qkv_proj, FloatRows) and isinstance(model_.logits_proj, FloatRows)
+    if model_.lm_head is None:  # tied: the head's rows are the embedding matrix itself
+        assert model_.logits_proj.weight.data_ptr() == model_.model.embed_tokens.weight.data_ptr()
+    _, eager_out = greedy_tokens(EngineConfig(model=model, dtype="float32", max_active=4), prompts, 10)
+    assert graph_out == eager_out
 
 
 def _prompts() -> list[list[int]]:
