@@ -86,13 +86,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                              "Xeon (int4 8x slower) and won 1.1-1.4x per step on 2 cores (default: the config's, "
                              "else off)")
     parser.add_argument("--cpu-kernels", choices=CPU_KERNELS,
-                        help="whose kernels run every cpu backend's int8/int4 linears (needs --cpu-dtype int8 or "
+                        help="whose kernels run every cpu backend's linears (ggml needs --cpu-dtype int8 or "
                              "int4, or that dtype in the config): torch, or ggml, llama.cpp's own quantized dot "
                              "products, built once from llama-cpp-python's sources (about a minute on two cores; "
-                             "later starts reuse the build), faster per decode row on AVX2 CPUs; or ggml-graph, "
-                             "the same linears with each decode step run as one ggml graph (no compiling; not "
-                             "with --cpu-compile). Rates are profiled apart per choice (default: the config's, "
-                             "else torch)")
+                             "later starts reuse the build), faster per decode row on AVX2 CPUs; or ggml-graph "
+                             "(int8, int4 or float32), each decode step run as one ggml graph, llama.cpp's speed "
+                             "per token (no compiling; not with --cpu-compile). Rates are profiled apart per "
+                             "choice (default: the config's, else torch)")
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu with --dtype int8/int4: whose kernels run the quantized linears. ggml: "
                              "llama.cpp's own (built once from llama-cpp-python's sources, about a minute; "
                              "GGUF blocks used as they are), ~1.8x faster per decode row on an AVX2 CPU. "
-                             "ggml-graph: the same linears, and each decode step run as one ggml graph (no "
-                             "compiling; not with --cpu-compile)")
+                             "ggml-graph (int8, int4 or float32): ggml's linears, and each decode step run as "
+                             "one ggml graph, llama.cpp's speed per token (no compiling; not with --cpu-compile)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
