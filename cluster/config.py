@@ -88,9 +88,13 @@ class BackendConfig(BaseModel):
         if self.device != "cpu":
             raise ValueError(f"cpu_kernels {self.cpu_kernels} (llama.cpp's quantized dot products) is for cpu "
                              f"backends, not {self.device}; set it on a backend with device: cpu")
-        allowed = (*QUANTIZED_DTYPES, "float32", "auto") if self.cpu_kernels == "ggml-graph" else QUANTIZED_DTYPES
-        if self.dtype not in allowed:
-            raise ValueError(f"cpu_kernels {self.cpu_kernels} runs {' or '.join(allowed)} weights, not {self.dtype}")
+        if self.cpu_kernels == "ggml-graph":
+            if self.dtype not in (*QUANTIZED_DTYPES, "float32", "auto"):
+                raise ValueError(f"cpu_kernels ggml-graph runs int8, int4 or float32 weights: use one of those "
+                                 f"dtypes, not {self.dtype}")
+        elif self.dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"cpu_kernels {self.cpu_kernels} runs quantized weights: use dtype "
+                             f"{' or '.join(QUANTIZED_DTYPES)}, not {self.dtype}")
         if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
             raise ValueError("cpu_kernels ggml-graph runs decode steps as ggml graphs, which cpu_compile would "
                              "replace: use one or the other")

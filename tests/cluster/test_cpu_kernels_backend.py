@@ -38,6 +38,17 @@ def test_ggml_kernels_without_quantized_weights_is_a_clear_error(dtype):
         TandemConfig.validated({"backends": [{"device": "cpu", "dtype": dtype, "cpu_kernels": "ggml"}]})
 
 
+def test_the_ggml_graph_takes_float32_too_but_not_bfloat16_nor_the_compiled_decode():
+    for dtype in ("int4", "int8", "float32", "auto"):
+        config = TandemConfig.validated({"backends": [{"device": "cpu", "dtype": dtype, "cpu_kernels": "ggml-graph"}]})
+        assert config.backends[0].cpu_kernels == "ggml-graph"
+    with pytest.raises(ConfigError, match="ggml-graph runs int8, int4 or float32 weights"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "dtype": "bfloat16", "cpu_kernels": "ggml-graph"}]})
+    with pytest.raises(ConfigError, match="use one or the other"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "dtype": "int4", "cpu_kernels": "ggml-graph",
+                                              "cpu_compile": True}]})
+
+
 def test_torch_kernels_suit_every_backend_and_other_names_are_refused():
     config = TandemConfig.validated({"backends": [{"device": "cuda", "cpu_kernels": "torch"}, {"device": "cpu"}]})
     assert [b.cpu_kernels for b in config.backends] == ["torch", "torch"]
