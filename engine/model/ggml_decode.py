@@ -5,9 +5,9 @@ With ggml's kernels for the linears (`cpu_kernels="ggml"`), the compiled decode 
 engine/model/cpu_compile.py still pays the host for every call it makes: inductor's Python
 wrapper calls ~12 ops and loops a layer, ~100 us of a layer's time on two cores, and a 30-layer
 step of SmolLM2-135M spends ~3 ms of ~13 there. Handing the whole step to ggml makes it one call:
-ggml builds the graph (RMSNorm, the quantized linears, RoPE, the KV write, flash attention,
-SwiGLU, the residual adds, the head) and runs its nodes on its own threads, as llama.cpp does.
-Nothing is compiled, so there is nothing to warm up or cache.
+ggml builds the graph (RMSNorm, the quantized linears, RoPE, the KV write, attention over the
+paged cache, SwiGLU, the residual adds, the head) and runs its nodes on its own threads, as
+llama.cpp does. Nothing is compiled, so there is nothing to warm up or cache.
 
 It covers decode steps only (one token per request, any number of requests); prefill and mixed
 steps keep the eager few-op layers. It takes a model whose projections and head are ggml rows
