@@ -171,7 +171,8 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
                         help="whose kernels run the cpu backends' int8/int4 linears (with --cpu-dtype int8/int4; "
                              "tandem serve --cpu-kernels): torch (default), or ggml, llama.cpp's own quantized dot "
                              "products, built once from llama-cpp-python's sources (about a minute on two cores), "
-                             "faster per decode row on AVX2 CPUs; the profile step measures their rates")
+                             "faster per decode row on AVX2 CPUs; or ggml-graph (int8, int4 or float32), each decode "
+                             "step run as one ggml graph; the profile step measures their rates")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
     parser.add_argument("--temperature", type=float,
