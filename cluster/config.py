@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, QUANTIZED_DTYPES, cache_root
+from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, cache_root, check_cpu_kernels
 from tandem.routing.errors import ConfigError, format_validation_errors
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
@@ -88,16 +88,7 @@ class BackendConfig(BaseModel):
         if self.device != "cpu":
             raise ValueError(f"cpu_kernels {self.cpu_kernels} (llama.cpp's quantized dot products) is for cpu "
                              f"backends, not {self.device}; set it on a backend with device: cpu")
-        if self.cpu_kernels == "ggml-graph":
-            if self.dtype not in (*QUANTIZED_DTYPES, "float32", "auto"):
-                raise ValueError(f"cpu_kernels ggml-graph runs int8, int4 or float32 weights: use one of those "
-                                 f"dtypes, not {self.dtype}")
-        elif self.dtype not in QUANTIZED_DTYPES:
-            raise ValueError(f"cpu_kernels {self.cpu_kernels} runs quantized weights: use dtype "
-                             f"{' or '.join(QUANTIZED_DTYPES)}, not {self.dtype}")
-        if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
-            raise ValueError("cpu_kernels ggml-graph runs decode steps as ggml graphs, which cpu_compile would "
-                             "replace: use one or the other")
+        check_cpu_kernels(self.cpu_kernels, self.dtype, self.cpu_compile)
 
 
 class TandemConfig(BaseModel):

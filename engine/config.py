@@ -30,6 +30,20 @@ CPU_KERNELS = ("torch", "ggml", "ggml-graph")
 GGML_KERNELS = ("ggml", "ggml-graph")
 
 
+def check_cpu_kernels(kernels: str, dtype: str, cpu_compile: bool) -> None:
+    """What each choice of CPU kernels can run (asked by the engine's config and, before Ray starts
+    anything, by the cluster's); raises ValueError for a pair that cannot work."""
+    if kernels == "ggml" and dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"cpu_kernels ggml runs quantized weights: use dtype {' or '.join(QUANTIZED_DTYPES)}, "
+                         f"not {dtype}")
+    if kernels == "ggml-graph" and dtype not in (*QUANTIZED_DTYPES, "float32", "auto"):
+        raise ValueError(f"cpu_kernels ggml-graph runs int8, int4 or float32 weights: use one of those dtypes, "
+                         f"not {dtype}")
+    if kernels == "ggml-graph" and cpu_compile:
+        raise ValueError("cpu_kernels ggml-graph runs decode steps as ggml graphs, which cpu_compile would replace: "
+                         "use one or the other")
+
+
 def cache_root() -> Path:
     """Tandem's one cache directory: converted models (`models/`) and measured rates
     (`rates-cache.json`). `$TANDEM_CACHE_DIR` if set, else `$XDG_CACHE_HOME/tandem`, else
@@ -71,13 +85,7 @@ class EngineConfig:
                              f"got device {self.device!r}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}; got {self.cpu_kernels!r}")
-        if self.cpu_kernels == "ggml" and self.dtype not in QUANTIZED_DTYPES:
-            raise ValueError(f"cpu_kernels='ggml' runs quantized weights: use dtype int8 or int4, not {self.dtype!r}")
-        if self.cpu_kernels == "ggml-graph" and self.dtype not in (*QUANTIZED_DTYPES, "float32", "auto"):
-            raise ValueError(f"cpu_kernels='ggml-graph' runs int8, int4 or float32 weights, not {self.dtype!r}")
-        if self.cpu_kernels == "ggml-graph" and self.cpu_compile:
-            raise ValueError("cpu_kernels='ggml-graph' runs decode steps as ggml graphs, which cpu_compile would "
-                             "replace: use one or the other")
+        check_cpu_kernels(self.cpu_kernels, self.dtype, self.cpu_compile)
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
