@@ -310,7 +310,7 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
   Step& step = d.step;
   if (padded != step.padded) {
     if (step.ctx) ggml_free(step.ctx);
-    const size_t graph_size = 64 * d.layers.size() + 64 * d.layers.size() * B + 64;
+    const size_t graph_size = 64 * d.layers.size() + 64;  // a layer makes ~30 tensors, whatever B is
     const size_t meta_size = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
     if (d.meta.size() < meta_size) d.meta.resize(meta_size);
     ggml_init_params params{meta_size, d.meta.data(), /*no_alloc=*/true};
