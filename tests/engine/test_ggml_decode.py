@@ -22,23 +22,9 @@ from tests.conftest import build_ggml_or_skip, greedy_tokens
 PROMPTS = {"a": list(range(10, 51)), "b": list(range(200, 209)), "c": list(range(100, 133))}
 
 
-class FloatRows(nn.Module):
-    """A linear whose ggml rows are its float32 weight (ggml type F32, 0)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight, self.bias = weight.contiguous(), bias
-        self.blocks = self.weight.view(torch.uint8)
-        self.ggml_type, self.out_features, self.in_features = 0, weight.shape[0], weight.shape[1]
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = nn.functional.linear(x, self.weight, self.bias)
-        return out if residual is None else out + residual
-
-
 def _float_rows(model: nn.Module) -> None:
     """Every ggml linear of a `cpu_kernels="ggml"` model as float32 rows of its dequantized weight."""
-    from tandem.engine.model.ggml_decode import _PROJECTIONS
+    from tandem.engine.model.ggml_decode import _PROJECTIONS, FloatRows
 
     for layer in model.model.layers:
         for name in _PROJECTIONS:
