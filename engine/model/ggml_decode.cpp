@@ -18,7 +18,8 @@
 // Building and allocating a graph costs ~0.5 ms, so a graph is reused while it fits: each
 // request's context length is rounded up to kPad positions (room in the context-slot input; the
 // attention reads only a request's true length, an input too), so a request decodes kPad tokens
-// on one graph and only the inputs (embeddings, positions, slots, context slots, lengths) change.
+// on one graph and only the inputs change: embeddings and positions, and the slots (the new
+// tokens', every request's context) that the step derives from the block tables it is given.
 // Built with ggml_linear.cpp into one library by engine/model/ggml_kernels.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -150,7 +151,7 @@ struct Step {
 };
 
 struct Decoder {
-  int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab;
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size;
   float eps, theta, scale;
   std::vector<Layer> layers;
   at::Tensor final_norm;
@@ -247,18 +248,19 @@ at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
 // tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head];
 // biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
-// head_dim, intermediate, vocab; floats: rms eps, rope theta, attention scale.
+// head_dim, intermediate, vocab, block_size; floats: rms eps, rope theta, attention scale.
 int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
                     at::TensorList kv_caches, at::IntArrayRef dims, at::ArrayRef<double> floats) {
   ggml_cpu_init();
-  TORCH_CHECK(dims.size() == 6 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
+  TORCH_CHECK(dims.size() == 7 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
   auto d = std::make_unique<Decoder>();
   d->hidden = dims[0], d->heads = dims[1], d->kv_heads = dims[2], d->head_dim = dims[3];
-  d->intermediate = dims[4], d->vocab = dims[5];
+  d->intermediate = dims[4], d->vocab = dims[5], d->block_size = dims[6];
   d->eps = floats[0], d->theta = floats[1], d->scale = floats[2];
   TORCH_CHECK(d->heads % d->kv_heads == 0 && d->heads / d->kv_heads <= kMaxGroup && d->head_dim <= kMaxHeadDim,
               "tandem_ggml::decoder_new: at most ", kMaxGroup, " query heads per K/V head and a head size of ", kMaxHeadDim);
   const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(L > 0 && d->block_size > 0, "tandem_ggml::decoder_new: a model with layers and a block size");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 6 * L + 2 && static_cast<int64_t>(types.size()) == 4 * L + 1 &&
                   static_cast<int64_t>(biases.size()) == 4 * L + 1,
               "tandem_ggml::decoder_new: expected 6 tensors and 4 linears a layer, plus the final norm and head");
@@ -295,18 +297,44 @@ void decoder_free(int64_t id) {
   if (gone && gone->galloc) ggml_gallocr_free(gone->galloc);
 }
 
-// hidden [B, H] float32 (the tokens' embeddings), positions [B] int32, slots [B] int64 (where each
-// token's K/V go), context [sum of lens] int32 (each request's slots, oldest first, its new token
-// last) -> logits [B, vocab] float32.
-at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& slots,
-                        const at::Tensor& context, at::IntArrayRef lens) {
+// Each request's context slots (oldest first, its new token last) from its block table, at its
+// offset in the padded context-slot input; its length; the new token's slot.
+void fill_slots(const Decoder& d, const Inputs& in, const std::vector<int64_t>& padded, const int32_t* positions,
+                const at::Tensor& tables) {
+  const int64_t B = tables.size(0), width = tables.size(1), bs = d.block_size;
+  const int64_t rows = d.layers.front().kv_cache.numel() / (2 * d.kv_heads * d.head_dim);
+  int32_t* context = static_cast<int32_t*>(in.context->data);
+  int32_t* lengths = static_cast<int32_t*>(in.lens->data);
+  int64_t* new_slots = static_cast<int64_t*>(in.slots->data);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* table = tables.data_ptr<int32_t>() + b * width;
+    const int64_t len = positions[b] + 1, blocks = (len + bs - 1) / bs;
+    TORCH_CHECK(positions[b] >= 0 && blocks <= width, "tandem_ggml::decoder_step: position ", positions[b],
+                " is past its block table's ", width, " blocks");
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t first = static_cast<int64_t>(table[i]) * bs, n = std::min(bs, len - i * bs);
+      TORCH_CHECK(first >= 0 && first + bs <= rows, "tandem_ggml::decoder_step: block ", table[i], " is not in the cache");
+      for (int64_t j = 0; j < n; ++j) context[i * bs + j] = static_cast<int32_t>(first + j);
+    }
+    new_slots[b] = context[len - 1];
+    lengths[b] = static_cast<int32_t>(len);
+    context += padded[b];
+  }
+}
+
+// hidden [B, H] float32 (the tokens' embeddings), positions [B] int32, block tables [B, width]
+// int32 (each request's blocks, padded on the right) -> logits [B, vocab] float32; writes the
+// tokens' K/V at their positions' slots.
+at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& block_tables) {
   Decoder& d = decoder_of(id);
   std::lock_guard<std::mutex> lock(d.mutex);
   const int64_t B = hidden.size(0);
-  TORCH_CHECK(B == static_cast<int64_t>(lens.size()) && B == positions.numel() && B == slots.numel(),
-              "tandem_ggml::decoder_step: one position, slot and length per row");
+  const at::Tensor pos = positions.to(at::kInt).contiguous(), tables = block_tables.to(at::kInt).contiguous();
+  TORCH_CHECK(B == pos.numel() && tables.dim() == 2 && B == tables.size(0),
+              "tandem_ggml::decoder_step: one position and one block table per row");
+  const int32_t* p = pos.data_ptr<int32_t>();
   std::vector<int64_t> padded(B);
-  for (int64_t b = 0; b < B; ++b) padded[b] = (lens[b] + kPad - 1) / kPad * kPad;
+  for (int64_t b = 0; b < B; ++b) padded[b] = (p[b] + 1 + kPad - 1) / kPad * kPad;
   Step& step = d.step;
   if (padded != step.padded) {
     if (step.ctx) ggml_free(step.ctx);
@@ -325,22 +353,10 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
     }
   }
   const Inputs& in = step.in;
-  const at::Tensor h = hidden.to(at::kFloat).contiguous(), pos = positions.to(at::kInt).contiguous();
-  const at::Tensor sl = slots.to(at::kLong).contiguous(), cx = context.to(at::kInt).contiguous();
+  const at::Tensor h = hidden.to(at::kFloat).contiguous();
   std::memcpy(in.hidden->data, h.data_ptr(), ggml_nbytes(in.hidden));
-  std::memcpy(in.positions->data, pos.data_ptr(), ggml_nbytes(in.positions));
-  std::memcpy(in.slots->data, sl.data_ptr(), ggml_nbytes(in.slots));
-  int32_t* context_slots = static_cast<int32_t*>(in.context->data);
-  int32_t* lengths = static_cast<int32_t*>(in.lens->data);
-  const int32_t* source = cx.data_ptr<int32_t>();
-  int64_t read = 0;
-  for (int64_t b = 0; b < B; ++b) {  // each request's slots, at its offset in the padded input
-    TORCH_CHECK(read + lens[b] <= cx.numel(), "tandem_ggml::decoder_step: context slots do not match lens");
-    std::memcpy(context_slots, source + read, lens[b] * sizeof(int32_t));
-    lengths[b] = static_cast<int32_t>(lens[b]);
-    context_slots += padded[b], read += lens[b];
-  }
-  TORCH_CHECK(read == cx.numel(), "tandem_ggml::decoder_step: context slots do not match lens");
+  std::memcpy(in.positions->data, p, ggml_nbytes(in.positions));
+  fill_slots(d, in, padded, p, tables);
 
   ggml_cplan plan = ggml_graph_plan(step.graph, at::get_num_threads(), nullptr);
   if (d.work.size() < plan.work_size) d.work.resize(plan.work_size);
@@ -358,7 +374,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_ggml, m) {
   m.def("decoder_new(Tensor[] tensors, Tensor?[] biases, int[] types, Tensor[] kv_caches, int[] dims, "
         "float[] floats) -> int");
   m.def("decoder_free(int id) -> ()");
-  m.def("decoder_step(int id, Tensor hidden, Tensor positions, Tensor slots, Tensor context, int[] lens) -> Tensor");
+  m.def("decoder_step(int id, Tensor hidden, Tensor positions, Tensor block_tables) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_ggml, CPU, m) {

@@ -45,7 +45,11 @@ class FloatRows(nn.Module):
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
-        self.blocks = self.weight.data.view(torch.uint8)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The weight's bytes, as ggml reads them (wherever the weight lives now)."""
+        return self.weight.data.view(torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -99,7 +103,7 @@ class GGMLGraphDecode:
         types.append(head.ggml_type)
         layer = inner.layers[0]
         dims = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                layer.intermediate_size, head.out_features]
+                layer.intermediate_size, head.out_features, block_size]
         floats = [float(layer.input_layernorm.eps), float(config.rope_theta), float(layer.scale)]
         self._embed = inner.embed_tokens
         self._id = torch.ops.tandem_ggml.decoder_new(tensors, biases, types, kv_caches, dims, floats)
@@ -115,22 +119,17 @@ class GGMLGraphDecode:
 
     def inputs(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
                ) -> tuple[torch.Tensor, ...]:
-        """The step's tensors from host lists: ids, positions, the new tokens' slots, every
-        request's context slots (oldest first, the new token last), and the context lengths."""
-        bs = self.block_size
-        offsets = torch.arange(bs, dtype=torch.int64)
-        context = [(torch.tensor(t, dtype=torch.int64)[:, None] * bs + offsets).flatten()[: p + 1]
-                   for t, p in zip(block_tables, positions)]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
+        """The step's tensors from host lists: ids, positions and the block tables (padded on the
+        right); the graph derives every slot it reads and writes from the tables."""
+        width = max(map(len, block_tables))
+        tables = [table + [0] * (width - len(table)) for table in block_tables]
         return (torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int32),
-                torch.tensor(slots, dtype=torch.int64), torch.cat(context).to(torch.int32),
-                torch.tensor([p + 1 for p in positions], dtype=torch.int64))
+                torch.tensor(tables, dtype=torch.int32))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                context: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode token per request; writes their K/V."""
         hidden = self._embed(input_ids).float()
-        return torch.ops.tandem_ggml.decoder_step(self._id, hidden, positions, slots, context, lens.tolist())
+        return torch.ops.tandem_ggml.decoder_step(self._id, hidden, positions, block_tables)
 
     __call__ = forward
 
