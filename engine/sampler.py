@@ -1,7 +1,8 @@
 """Turns the last-position logits of each request into its next token, batched on the device.
 
 An all-greedy batch with nothing else to apply takes one argmax over the batch: the fast path,
-no other per-step cost. Any other batch goes through one batched pipeline, in vLLM's order:
+no other per-step cost. On the CPU that argmax is numpy's: torch's CPU argmax is not vectorized
+and took ~120 us over SmolLM2's 49,152 logits (numpy's: ~6 us), about 1% of a CPU decode step. Any other batch goes through one batched pipeline, in vLLM's order:
 
 1. penalties, for rows that have any: repetition (vLLM's: a logit of a token seen in the
    prompt or the output is divided by the penalty if positive, multiplied if negative), then
@@ -104,7 +105,7 @@ class Sampler:
         if self.sampling_vocab_size is not None:
             logits = logits[:, : self.sampling_vocab_size]
         if all(row.plain_greedy and not row.banned_token_ids and row.grammar is None for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(_argmax(logits))
         return self._sample_processed(self.processed_logits(logits, rows), rows)
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -126,7 +127,7 @@ class Sampler:
         greedy = [row.greedy for row in rows]
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
-        sampled = logits.argmax(dim=-1) if any(greedy) else None
+        sampled = _argmax(logits) if any(greedy) else None
         if not all(greedy):
             drawn = _draw(_filter(logits, rows), rows)
             sampled = drawn if sampled is None else torch.where(
@@ -198,6 +199,14 @@ class Sampler:
         in_prompt[:num_slots] = self._in_prompt
         self._counts, self._in_prompt = counts, in_prompt
         self._free_slots.extend(range(2 * num_slots - 1, num_slots - 1, -1))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first highest logit (int64 [B]); float32 CPU logits through numpy's vectorized
+    argmax, which picks the same index (the first maximum, a NaN before any number)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

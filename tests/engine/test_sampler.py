@@ -2,7 +2,7 @@
 
 import torch
 
-from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.sampler import Sampler, SamplingRow, _argmax
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -28,3 +28,15 @@ def test_banned_tokens_are_never_picked():
     rows[1].banned_token_ids = (3,)
     tokens = Sampler()(logits, rows)
     assert 3 not in tokens and tokens[0] == 0
+
+
+def test_cpu_argmax_picks_what_torch_picks():
+    # ties (the first maximum), NaN (taken before any number), a row slice of a wider vocab
+    logits = torch.randn(4, 1000)
+    logits[1, 5] = logits[1, 7] = 50.0
+    logits[2, 9] = logits[2, 3] = float("nan")
+    logits[3, 998] = 60.0
+    for view in (logits, logits[:, :900], logits[1:3]):
+        got = _argmax(view)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, view.argmax(dim=-1))
