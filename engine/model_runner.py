@@ -117,8 +117,10 @@ class ModelRunner:
                 self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
             elif ggml_graph:
                 from tandem.engine.model.ggml_decode import GGMLGraphDecode, float_rows
+                from tandem.engine.model.huge_pages import move_to_huge_pages
 
                 float_rows(self.model)  # a float32 model's linears (quantized ones are ggml's already)
+                move_to_huge_pages(self.model)  # the steps stream every weight (engine/model/huge_pages.py)
                 self.cpu_decode = GGMLGraphDecode(self.model, self.kv_caches, block_size)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
