@@ -13,7 +13,11 @@
 // (ggml_get_rows) copied 1.5 KB per position per layer, which grew a step by ~14 us per context
 // position (SmolLM2, two cores) where llama.cpp's barely grows. So attention is a custom node
 // (`paged_attention`, run by ggml's threads like any other) that reads each request's K/V rows
-// where they lie, by slot: scores, softmax and the weighted sum of V, in float32.
+// where they lie, by slot: scores, softmax and the weighted sum of V, in float32. Its work items
+// are (request, K/V head); when they are too few to share evenly among the threads (one request,
+// SmolLM2's 3 K/V heads on 2 threads left one thread idle for a third of it), each item's context
+// is cut into pieces computed apart and combined by a second node, as flash-decoding does
+// (in-process A/B, int4 SmolLM2, 2 threads: -2% a step at 160 positions, -5.6% at 1000).
 //
 // Building and allocating a graph costs ~0.5 ms, so a graph is reused while it fits: each
 // request's context length is rounded up to kPad positions (room in the context-slot input; the
@@ -58,27 +62,35 @@ struct Inputs {
   ggml_tensor *hidden, *positions, *slots, *context, *lens;
 };
 
-// What the attention node needs besides its inputs: the shapes, and where each request's context
-// slots start in the (padded) context-slot input.
+// What the attention nodes need besides their inputs: the shapes, where each request's context
+// slots start in the (padded) context-slot input, and how many pieces each (request, K/V head)'s
+// context is cut into (`chunks`; 1: one node, no partial results).
 struct Attention {
   int64_t heads, kv_heads, head_dim;
   float scale;
   std::vector<int64_t> offsets;
+  int64_t chunks = 1;
 };
 
 constexpr int64_t kMaxGroup = 16;  // query heads per K/V head
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMinChunk = 32;  // context positions: shorter pieces cost more to combine than they save
 
-// The `group` query heads that share one K/V head, over one request's context: scores, softmax,
-// the weighted sum of V. Each K and V row is read once for the whole group (reading it once per
-// query head made the step ~3x slower per context position: the rows come from L3, not L1). kD is
-// the head size when known at compile time (0: `D`), so the inner loops unroll into whole vectors.
+// The `group` query heads that share one K/V head, over `len` context slots: scores, softmax
+// numerators and the weighted sum of V, left unnormalized: `acc` [group, D] with each head's
+// running `max` and `sum` (flash-decoding's partial result, combined over pieces by `combine`).
+// Each K and V row is read once for the whole group (reading it once per query head made the step
+// ~3x slower per context position: the rows come from L3, not L1). kD is the head size when known
+// at compile time (0: `D`), so the inner loops unroll into whole vectors.
 template <int64_t kD>
 void attend(const float* query, int64_t group, const char* k_base, const char* v_base, size_t k_stride,
-            size_t v_stride, const int32_t* slots, int64_t len, int64_t D, float scale, float* scores, float* out) {
+            size_t v_stride, const int32_t* slots, int64_t len, int64_t D, float scale, float* scores, float* acc_out,
+            float* max_out, float* sum_out) {
   const int64_t dim = kD > 0 ? kD : D;
-  float max[kMaxGroup], inv[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) max[g] = -INFINITY;
+  // Locals, not the outputs: the compiler keeps them apart from the rows it reads (no aliasing).
+  float max[kMaxGroup], sum[kMaxGroup];
+  float acc[kMaxGroup][kD > 0 ? kD : kMaxHeadDim] = {};
+  for (int64_t g = 0; g < group; ++g) max[g] = -INFINITY, sum[g] = 0.f;
   for (int64_t l = 0; l < len; ++l) {
     const float* key = reinterpret_cast<const float*>(k_base + slots[l] * k_stride);
     for (int64_t g = 0; g < group; ++g) {
@@ -93,21 +105,47 @@ void attend(const float* query, int64_t group, const char* k_base, const char* v
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * len;
-    float sum = 0.f;
-    for (int64_t l = 0; l < len; ++l) sum += (sg[l] = std::exp(sg[l] - max[g]));
-    inv[g] = 1.f / sum;
+    float total = 0.f;
+    for (int64_t l = 0; l < len; ++l) total += (sg[l] = std::exp(sg[l] - max[g]));
+    sum[g] = total;
   }
-  float acc[kMaxGroup][kD > 0 ? kD : kMaxHeadDim] = {};
   for (int64_t l = 0; l < len; ++l) {
     const float* value = reinterpret_cast<const float*>(v_base + slots[l] * v_stride);
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + l] * inv[g];
+      const float p = scores[g * len + l];
       float* ag = acc[g];
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
     }
   }
-  for (int64_t g = 0; g < group; ++g) std::memcpy(out + g * dim, acc[g], dim * sizeof(float));
+  for (int64_t g = 0; g < group; ++g) std::memcpy(acc_out + g * dim, acc[g], dim * sizeof(float));
+  std::memcpy(max_out, max, group * sizeof(float));
+  std::memcpy(sum_out, sum, group * sizeof(float));
+}
+
+// One (request, K/V head, piece) of the attention: its slice of the context, unnormalized.
+void attend_unit(const Attention& a, const ggml_tensor* dst, int64_t unit, float* acc, float* max, float* sum) {
+  const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *context = dst->src[3], *lens = dst->src[4];
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads;
+  const int64_t chunk = unit % a.chunks, kv_head = unit / a.chunks % a.kv_heads, b = unit / (a.chunks * a.kv_heads);
+  const int64_t len = static_cast<const int32_t*>(lens->data)[b];
+  const int64_t begin = len * chunk / a.chunks, end = len * (chunk + 1) / a.chunks;
+  const int32_t* slots = static_cast<const int32_t*>(context->data) + a.offsets[b] + begin;
+  const float* query =
+      reinterpret_cast<const float*>(static_cast<const char*>(q->data) + b * q->nb[2] + kv_head * group * q->nb[1]);
+  const char* k_base = static_cast<const char*>(k->data) + kv_head * D * sizeof(float);
+  const char* v_base = static_cast<const char*>(v->data) + kv_head * D * sizeof(float);
+  thread_local std::vector<float> buffer;
+  std::vector<float>& scores = buffer;  // one TLS lookup, not one per access
+  if (static_cast<int64_t>(scores.size()) < group * (end - begin)) scores.resize(group * (end - begin));
+  const size_t ks = k->nb[1], vs = v->nb[1];
+  if (D == 64) {
+    attend<64>(query, group, k_base, v_base, ks, vs, slots, end - begin, D, a.scale, scores.data(), acc, max, sum);
+  } else if (D == 128) {
+    attend<128>(query, group, k_base, v_base, ks, vs, slots, end - begin, D, a.scale, scores.data(), acc, max, sum);
+  } else {
+    attend<0>(query, group, k_base, v_base, ks, vs, slots, end - begin, D, a.scale, scores.data(), acc, max, sum);
+  }
 }
 
 // Node `dst` [heads * head_dim, B]: one query (the new token) per request over its context.
@@ -116,33 +154,75 @@ void attend(const float* query, int64_t group, const char* k_base, const char* v
 // threads; each reads its rows straight from the cache.
 void paged_attention(ggml_tensor* dst, int ith, int nth, void* userdata) {
   const Attention& a = *static_cast<const Attention*>(userdata);
-  const ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *context = dst->src[3], *lens = dst->src[4];
   const int64_t D = a.head_dim, group = a.heads / a.kv_heads, B = dst->ne[1];
-  thread_local std::vector<float> buffer;
-  std::vector<float>& scores = buffer;  // one TLS lookup, not one per access
+  float acc[kMaxGroup * kMaxHeadDim], max[kMaxGroup], sum[kMaxGroup];
   for (int64_t unit = ith; unit < B * a.kv_heads; unit += nth) {
+    attend_unit(a, dst, unit, acc, max, sum);
     const int64_t b = unit / a.kv_heads, kv_head = unit % a.kv_heads;
-    const int64_t len = static_cast<const int32_t*>(lens->data)[b];
-    const int32_t* slots = static_cast<const int32_t*>(context->data) + a.offsets[b];
-    const float* query =
-        reinterpret_cast<const float*>(static_cast<const char*>(q->data) + b * q->nb[2] + kv_head * group * q->nb[1]);
     float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + b * dst->nb[1]) + kv_head * group * D;
-    const char* k_base = static_cast<const char*>(k->data) + kv_head * D * sizeof(float);
-    const char* v_base = static_cast<const char*>(v->data) + kv_head * D * sizeof(float);
-    if (static_cast<int64_t>(scores.size()) < group * len) scores.resize(group * len);
-    if (D == 64) {
-      attend<64>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
-    } else if (D == 128) {
-      attend<128>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
-    } else {
-      attend<0>(query, group, k_base, v_base, k->nb[1], v->nb[1], slots, len, D, a.scale, scores.data(), out);
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / sum[g];
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
     }
   }
+}
+
+// With fewer (request, K/V head) items than threads to share them evenly (one request, 2-3 K/V
+// heads, 2-16 threads), each item's context is cut into `chunks` pieces, as flash-decoding does:
+// `partial_attention` computes every piece's unnormalized result, a row [group * (head_dim + 2)]
+// of `dst` per (request, K/V head, piece): acc, then each query head's max, then its sum;
+// `combine_attention` rescales the pieces to their common max and normalizes.
+void partial_attention(ggml_tensor* dst, int ith, int nth, void* userdata) {
+  const Attention& a = *static_cast<const Attention*>(userdata);
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads;
+  for (int64_t unit = ith; unit < dst->ne[1]; unit += nth) {
+    float* row = reinterpret_cast<float*>(static_cast<char*>(dst->data) + unit * dst->nb[1]);
+    attend_unit(a, dst, unit, row, row + group * D, row + group * (D + 1));
+  }
+}
+
+// Node `dst` [heads * head_dim, B] from `partial_attention`'s rows (its only source).
+void combine_attention(ggml_tensor* dst, int ith, int nth, void* userdata) {
+  const Attention& a = *static_cast<const Attention*>(userdata);
+  const ggml_tensor* parts = dst->src[0];
+  const int64_t D = a.head_dim, group = a.heads / a.kv_heads, B = dst->ne[1], C = a.chunks;
+  for (int64_t item = ith; item < B * a.heads; item += nth) {  // (request, query head)
+    const int64_t b = item / a.heads, head = item % a.heads, kv_head = head / group, g = head % group;
+    auto part = [&](int64_t c) {
+      return reinterpret_cast<const float*>(static_cast<const char*>(parts->data) +
+                                            ((b * a.kv_heads + kv_head) * C + c) * parts->nb[1]);
+    };
+    float top = -INFINITY;
+    for (int64_t c = 0; c < C; ++c) top = std::max(top, part(c)[group * D + g]);
+    float* out = reinterpret_cast<float*>(static_cast<char*>(dst->data) + b * dst->nb[1]) + head * D;
+    std::fill(out, out + D, 0.f);
+    float total = 0.f;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* row = part(c);
+      if (row[group * (D + 1) + g] == 0.f) continue;  // an empty piece
+      const float w = std::exp(row[group * D + g] - top);
+      total += w * row[group * (D + 1) + g];
+      for (int64_t d = 0; d < D; ++d) out[d] += w * row[g * D + d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
+}
+
+// How many pieces each (request, K/V head)'s context is cut into: enough items for about two per
+// thread, none shorter than kMinChunk positions (at the shortest padded context); `forced` > 0
+// overrides (tests).
+int64_t attention_chunks(int64_t items, int64_t threads, int64_t shortest, int64_t forced) {
+  if (forced > 0) return forced;
+  if (items >= 2 * threads || items % threads == 0) return 1;
+  const int64_t wanted = (2 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min(wanted, shortest / kMinChunk));
 }
 
 // A built, allocated graph, reused while the batch's padded context lengths are the same.
 struct Step {
   std::vector<int64_t> padded;
+  int threads = 0;
   Attention attention;
   ggml_context* ctx = nullptr;
   ggml_cgraph* graph = nullptr;
@@ -152,6 +232,7 @@ struct Step {
 
 struct Decoder {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size;
+  int64_t chunks;  // attention pieces per (request, K/V head); 0: chosen per graph
   float eps, theta, scale;
   std::vector<Layer> layers;
   at::Tensor final_norm;
@@ -188,10 +269,12 @@ ggml_tensor* norm(ggml_context* ctx, ggml_tensor* x, const at::Tensor& weight, f
 
 // The step's graph: hidden [H, B] -> logits [V, B]; `lens` are the requests' padded context
 // lengths, which size the context-slot input.
-ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, Inputs& in, Attention& attention) {
+ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, int threads, Inputs& in,
+                   Attention& attention) {
   const int64_t B = static_cast<int64_t>(lens.size()), D = d.head_dim, Hq = d.heads, Hkv = d.kv_heads;
   int64_t total = 0;
   attention = Attention{Hq, Hkv, D, d.scale, {}};
+  attention.chunks = attention_chunks(B * Hkv, threads, *std::min_element(lens.begin(), lens.end()), d.chunks);
   for (int64_t len : lens) {
     attention.offsets.push_back(total);
     total += len;
@@ -220,8 +303,16 @@ ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& le
     k_rows = ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, Hkv * D, B), in.slots);
     v_rows = ggml_set_rows(ctx, v_rows, v, in.slots);
     ggml_tensor* sources[] = {q, k_rows, v_rows, in.context, in.lens};
-    ggml_tensor* attn = ggml_custom_4d(ctx, GGML_TYPE_F32, Hq * D, B, 1, 1, sources, 5, paged_attention,
-                                       GGML_N_TASKS_MAX, &attention);
+    ggml_tensor* attn;
+    if (attention.chunks == 1) {
+      attn = ggml_custom_4d(ctx, GGML_TYPE_F32, Hq * D, B, 1, 1, sources, 5, paged_attention, GGML_N_TASKS_MAX,
+                            &attention);
+    } else {
+      ggml_tensor* parts = ggml_custom_4d(ctx, GGML_TYPE_F32, (Hq / Hkv) * (D + 2), B * Hkv * attention.chunks, 1, 1,
+                                          sources, 5, partial_attention, GGML_N_TASKS_MAX, &attention);
+      attn = ggml_custom_4d(ctx, GGML_TYPE_F32, Hq * D, B, 1, 1, &parts, 1, combine_attention, GGML_N_TASKS_MAX,
+                            &attention);
+    }
     x = ggml_add(ctx, linear(ctx, layer.o, attn), x);
     ggml_tensor* gate_up = linear(ctx, layer.gate_up, norm(ctx, x, layer.ffn_norm, d.eps));
     const int64_t I = d.intermediate;
@@ -248,14 +339,14 @@ at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
 // tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head];
 // biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
-// head_dim, intermediate, vocab, block_size; floats: rms eps, rope theta, attention scale.
+// head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph); floats: rms eps, rope theta, attention scale.
 int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
                     at::TensorList kv_caches, at::IntArrayRef dims, at::ArrayRef<double> floats) {
   ggml_cpu_init();
-  TORCH_CHECK(dims.size() == 7 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
+  TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
   auto d = std::make_unique<Decoder>();
   d->hidden = dims[0], d->heads = dims[1], d->kv_heads = dims[2], d->head_dim = dims[3];
-  d->intermediate = dims[4], d->vocab = dims[5], d->block_size = dims[6];
+  d->intermediate = dims[4], d->vocab = dims[5], d->block_size = dims[6], d->chunks = dims[7];
   d->eps = floats[0], d->theta = floats[1], d->scale = floats[2];
   TORCH_CHECK(d->heads % d->kv_heads == 0 && d->heads / d->kv_heads <= kMaxGroup && d->head_dim <= kMaxHeadDim,
               "tandem_ggml::decoder_new: at most ", kMaxGroup, " query heads per K/V head and a head size of ", kMaxHeadDim);
@@ -336,17 +427,18 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
   std::vector<int64_t> padded(B);
   for (int64_t b = 0; b < B; ++b) padded[b] = (p[b] + 1 + kPad - 1) / kPad * kPad;
   Step& step = d.step;
-  if (padded != step.padded) {
+  const int threads = at::get_num_threads();
+  if (padded != step.padded || threads != step.threads) {
     if (step.ctx) ggml_free(step.ctx);
-    const size_t graph_size = 64 * d.layers.size() + 64;  // a layer makes ~30 tensors, whatever B is
+    const size_t graph_size = 64 * d.layers.size() + 64;  // a layer makes ~32 tensors, whatever B is
     const size_t meta_size = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
     if (d.meta.size() < meta_size) d.meta.resize(meta_size);
     ggml_init_params params{meta_size, d.meta.data(), /*no_alloc=*/true};
     step.ctx = ggml_init(params);
-    step.logits = build(d, step.ctx, padded, step.in, step.attention);
+    step.logits = build(d, step.ctx, padded, threads, step.in, step.attention);
     step.graph = ggml_new_graph_custom(step.ctx, graph_size, false);
     ggml_build_forward_expand(step.graph, step.logits);
-    step.padded = padded;
+    step.padded = padded, step.threads = threads;
     if (!ggml_gallocr_alloc_graph(d.galloc, step.graph)) {
       step.padded.clear();
       TORCH_CHECK(false, "tandem_ggml::decoder_step: could not allocate the graph");
@@ -358,7 +450,7 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
   std::memcpy(in.positions->data, p, ggml_nbytes(in.positions));
   fill_slots(d, in, padded, p, tables);
 
-  ggml_cplan plan = ggml_graph_plan(step.graph, at::get_num_threads(), nullptr);
+  ggml_cplan plan = ggml_graph_plan(step.graph, threads, nullptr);
   if (d.work.size() < plan.work_size) d.work.resize(plan.work_size);
   plan.work_data = d.work.data();
   const ggml_status status = ggml_graph_compute(step.graph, &plan);

@@ -83,7 +83,10 @@ class GGMLGraphDecode:
     """Decode steps (one token per request) of a CPU model through one ggml graph each; the same
     interface as `CompiledCPUDecode` (`inputs`, then a call), so the runner drives either."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 attention_chunks: int = 0) -> None:
+        """`attention_chunks`: pieces each (request, K/V head)'s context is cut into across threads
+        (0: chosen per step from the batch, the threads and the context; see ggml_decode.cpp)."""
         if not supports(model, kv_caches):
             raise ValueError("the ggml graph decode needs every projection and the head as ggml rows "
                              "(GGMLLinear or FloatRows) and float32 KV caches")
@@ -103,7 +106,7 @@ class GGMLGraphDecode:
         types.append(head.ggml_type)
         layer = inner.layers[0]
         dims = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                layer.intermediate_size, head.out_features, block_size]
+                layer.intermediate_size, head.out_features, block_size, attention_chunks]
         floats = [float(layer.input_layernorm.eps), float(config.rope_theta), float(layer.scale)]
         self._embed = inner.embed_tokens
         self._id = torch.ops.tandem_ggml.decoder_new(tensors, biases, types, kv_caches, dims, floats)

@@ -33,8 +33,11 @@ def _float_rows(model: nn.Module) -> None:
     model.logits_proj = FloatRows(model.logits_proj.dequantized(), None)
 
 
-@pytest.mark.parametrize("model", ["tiny-llama-random", "tiny-qwen2-random"])
-def test_graph_step_matches_the_eager_step_on_float_rows(model):
+@pytest.mark.parametrize("model,chunks", [("tiny-llama-random", 0), ("tiny-qwen2-random", 0),
+                                          ("tiny-llama-random", 3), ("tiny-llama-random", 16)])
+def test_graph_step_matches_the_eager_step_on_float_rows(model, chunks):
+    """chunks: each (request, K/V head)'s context cut into pieces combined afterwards (16: more
+    pieces than the shortest context has positions, so some are empty); 0: as the engine picks."""
     build_ggml_or_skip()
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -47,7 +50,7 @@ def test_graph_step_matches_the_eager_step_on_float_rows(model):
     for req_id, prompt in PROMPTS.items():  # prefill: each request's context in the paged cache
         engine.add_request(req_id, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     first = {o.req_id: o.new_token_ids[-1] for o in engine.step()}
-    graph = GGMLGraphDecode(runner.model, runner.kv_caches, engine.config.block_size)
+    graph = GGMLGraphDecode(runner.model, runner.kv_caches, engine.config.block_size, attention_chunks=chunks)
     ids = [first[r] for r in PROMPTS]
     positions = [len(p) for p in PROMPTS.values()]
     tables = [engine.kv_cache_manager.req_to_block_ids[r] for r in PROMPTS]
