@@ -6,7 +6,10 @@ alternating rounds so that drift on a shared machine hits every contender. Per r
 
   prefill     one 128-token prompt: Tandem, time to its first token; llama.cpp, `llama-bench -p 128`
   decode      one stream: Tandem, wall time of `--decode-tokens` engine steps after the prefill;
-              llama.cpp, `llama-bench -n` (both start from a short context)
+              llama.cpp, `llama-bench -n` after the same 128 tokens (`-d 128`). The matched
+              llama.cpp decode is also measured right after each Tandem mode's, and the table
+              gives those paired ratios round by round (median, min-max): on a shared VM whose
+              speed drifts within minutes, a pair seconds apart compares like with like.
   concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 output tokens each (greedy,
               EOS ignored), submitted at once: output tokens / wall time. Tandem's `LLMEngine`
               (max_active 8, prefix caching); llama.cpp's `llama-server` with 8 slots, 8
@@ -252,11 +255,19 @@ def collect(args) -> dict:
         print(skipped, flush=True)
     rounds = []
     for r in range(args.rounds):
-        row = {"round": r, "load_avg_start": load_avg(), "tandem": {}, "llama.cpp": {}}
+        row = {"round": r, "load_avg_start": load_avg(), "tandem": {}, "llama.cpp": {}, "paired": {}}
         for mode, runner in runners.items():
-            row["tandem"][mode] = dict(runner.single(100 + r, args.decode_tokens), **runner.concurrent(1000 + r),
-                                       load_avg=load_avg())
-            print(f"round {r} tandem {mode}: {_brief(row['tandem'][mode])}", flush=True)
+            single = runner.single(100 + r, args.decode_tokens)
+            kind = MATCHED[mode_parts(mode)[0]]
+            if kind in files:  # the matched llama.cpp decode right after Tandem's, so drift hits both alike
+                theirs, _ = _llama_bench(Path(args.llama_bin), files[kind], args.threads, 0, args.decode_tokens,
+                                         depth=PREFILL_LEN)
+                row["paired"][mode] = {"kind": kind, "tandem_decode_tok_s": single["decode_tok_s"],
+                                       "llama_decode_tok_s": theirs, "ratio": single["decode_tok_s"] / theirs}
+            row["tandem"][mode] = dict(single, **runner.concurrent(1000 + r), load_avg=load_avg())
+            print(f"round {r} tandem {mode}: {_brief(row['tandem'][mode])}"
+                  + (f", paired decode ratio {row['paired'][mode]['ratio']:.2f}x" if mode in row["paired"] else ""),
+                  flush=True)
         for kind, gguf in files.items():
             result = llama_single(Path(args.llama_bin), gguf, args.threads, args.decode_tokens)
             if (Path(args.llama_bin) / "llama-server").is_file() and not args.no_server:
@@ -274,7 +285,18 @@ def collect(args) -> dict:
             "load_s": {m: r.load_s for m, r in runners.items()},
             "compile_s": {m: r.compile_s for m, r in runners.items() if r.compile_s is not None},
             "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "rounds": rounds,
-            "median": medians(rounds)}
+            "median": medians(rounds), "paired": paired_ratios(rounds)}
+
+
+def paired_ratios(rounds: list[dict]) -> dict:
+    """Per mode: Tandem's decode over the matched llama.cpp decode measured right after it, round by
+    round, and their median, min and max."""
+    out: dict = {}
+    for mode in rounds[0].get("paired", {}):
+        ratios = [r["paired"][mode]["ratio"] for r in rounds if mode in r.get("paired", {})]
+        out[mode] = {"kind": rounds[0]["paired"][mode]["kind"], "ratios": ratios, "median": statistics.median(ratios),
+                     "min": min(ratios), "max": max(ratios)}
+    return out
 
 
 def collect_rates(args) -> dict:
@@ -387,11 +409,15 @@ def medians(rounds: list[dict]) -> dict:
 
 
 def render(result: dict) -> str:
-    med = result["median"]
+    med, paired = result["median"], result.get("paired", {})
     lines = ["| engine | prefill tok/s (128) | decode tok/s (1 stream) | 8 × (516 → 128) output tok/s | "
-             "decode vs llama.cpp | 8-concurrent vs llama.cpp server |", "|---|---|---|---|---|---|"]
+             "decode vs llama.cpp | decode vs llama.cpp, paired by round: median (min-max) | "
+             "8-concurrent vs llama.cpp server |", "|---|---|---|---|---|---|---|"]
     for name, m in med.items():
-        ratio_decode = ratio_conc = ""
+        ratio_decode = ratio_conc = ratio_paired = ""
+        pair = paired.get(name.split(" ", 1)[1]) if name.startswith("tandem ") else None
+        if pair:
+            ratio_paired = f"{pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f}, {len(pair['ratios'])} rounds)"
         if name.startswith("tandem "):
             kind = MATCHED[mode_parts(name.split()[1])[0]]
             other = med.get("llama.cpp " + kind)
@@ -400,7 +426,7 @@ def render(result: dict) -> str:
                 if other["concurrent_tok_s"]:
                     ratio_conc = f"{m['concurrent_tok_s'] / other['concurrent_tok_s']:.2f}x"
         cells = [_fmt(m[k], d) for k, d in (("prefill_tok_s", 0), ("decode_tok_s", 1), ("concurrent_tok_s", 1))]
-        lines.append(f"| {name} | {' | '.join(cells)} | {ratio_decode} | {ratio_conc} |")
+        lines.append(f"| {name} | {' | '.join(cells)} | {ratio_decode} | {ratio_paired} | {ratio_conc} |")
     return "\n".join(lines)
 
 
