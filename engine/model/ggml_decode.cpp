@@ -59,7 +59,7 @@ struct Layer {
 };
 
 struct Inputs {
-  ggml_tensor *hidden, *positions, *slots, *context, *lens;
+  ggml_tensor *ids, *positions, *slots, *context, *lens;
 };
 
 // What the attention nodes need besides their inputs: the shapes, where each request's context
@@ -235,7 +235,7 @@ struct Decoder {
   int64_t chunks;  // attention pieces per (request, K/V head); 0: chosen per graph
   float eps, theta, scale;
   std::vector<Layer> layers;
-  at::Tensor final_norm;
+  at::Tensor final_norm, embedding;  // embedding: float32 [vocab, hidden], read by row
   Linear head;
   ggml_gallocr_t galloc = nullptr;
   std::vector<uint8_t> meta, work;  // tensor/graph metadata; the graph's scratch (quantized activations)
@@ -267,7 +267,7 @@ ggml_tensor* norm(ggml_context* ctx, ggml_tensor* x, const at::Tensor& weight, f
   return ggml_mul(ctx, ggml_rms_norm(ctx, x, eps), external(ctx, weight, GGML_TYPE_F32, weight.numel()));
 }
 
-// The step's graph: hidden [H, B] -> logits [V, B]; `lens` are the requests' padded context
+// The step's graph: token ids [B] -> logits [V, B]; `lens` are the requests' padded context
 // lengths, which size the context-slot input.
 ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& lens, int threads, Inputs& in,
                    Attention& attention) {
@@ -279,14 +279,14 @@ ggml_tensor* build(Decoder& d, ggml_context* ctx, const std::vector<int64_t>& le
     attention.offsets.push_back(total);
     total += len;
   }
-  in.hidden = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, d.hidden, B);
+  in.ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
   in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
   in.slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, B);
   in.context = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, total);
   in.lens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B);
-  for (ggml_tensor* t : {in.hidden, in.positions, in.slots, in.context, in.lens}) ggml_set_input(t);
+  for (ggml_tensor* t : {in.ids, in.positions, in.slots, in.context, in.lens}) ggml_set_input(t);
 
-  ggml_tensor* x = in.hidden;
+  ggml_tensor* x = ggml_get_rows(ctx, external(ctx, d.embedding, GGML_TYPE_F32, d.hidden, d.embedding.size(0)), in.ids);
   const size_t f = sizeof(float);
   for (const Layer& layer : d.layers) {
     ggml_tensor* qkv = linear(ctx, layer.qkv, norm(ctx, x, layer.attn_norm, d.eps));
@@ -337,7 +337,7 @@ Linear make_linear(const at::Tensor& blocks, const std::optional<at::Tensor>& bi
 
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
-// tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head];
+// tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head, embedding];
 // biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
 // head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph); floats: rms eps, rope theta, attention scale.
 int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
@@ -352,9 +352,9 @@ int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Te
               "tandem_ggml::decoder_new: at most ", kMaxGroup, " query heads per K/V head and a head size of ", kMaxHeadDim);
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(L > 0 && d->block_size > 0, "tandem_ggml::decoder_new: a model with layers and a block size");
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 6 * L + 2 && static_cast<int64_t>(types.size()) == 4 * L + 1 &&
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 6 * L + 3 && static_cast<int64_t>(types.size()) == 4 * L + 1 &&
                   static_cast<int64_t>(biases.size()) == 4 * L + 1,
-              "tandem_ggml::decoder_new: expected 6 tensors and 4 linears a layer, plus the final norm and head");
+              "tandem_ggml::decoder_new: expected 6 tensors and 4 linears a layer, plus the final norm, head and embedding");
   const int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* t = &tensors[6 * i];
@@ -372,6 +372,10 @@ int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Te
   }
   d->final_norm = f32(tensors[6 * L]);
   d->head = make_linear(tensors[6 * L + 1], biases.get(4 * L), types[4 * L], d->hidden);
+  d->embedding = tensors[6 * L + 2];
+  TORCH_CHECK(d->embedding.scalar_type() == at::kFloat && d->embedding.is_contiguous() && d->embedding.dim() == 2 &&
+                  d->embedding.size(1) == d->hidden,
+              "tandem_ggml::decoder_new: the embedding must be contiguous float32 [vocab, hidden]");
   d->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.push_back(std::move(d));
@@ -390,20 +394,20 @@ void decoder_free(int64_t id) {
 
 // Each request's context slots (oldest first, its new token last) from its block table, at its
 // offset in the padded context-slot input; its length; the new token's slot.
-void fill_slots(const Decoder& d, const Inputs& in, const std::vector<int64_t>& padded, const int32_t* positions,
-                const at::Tensor& tables) {
-  const int64_t B = tables.size(0), width = tables.size(1), bs = d.block_size;
+void fill_slots(const Decoder& d, const Inputs& in, const std::vector<int64_t>& padded, at::IntArrayRef positions,
+                at::IntArrayRef tables, int64_t width) {
+  const int64_t B = static_cast<int64_t>(positions.size()), bs = d.block_size;
   const int64_t rows = d.layers.front().kv_cache.numel() / (2 * d.kv_heads * d.head_dim);
   int32_t* context = static_cast<int32_t*>(in.context->data);
   int32_t* lengths = static_cast<int32_t*>(in.lens->data);
   int64_t* new_slots = static_cast<int64_t*>(in.slots->data);
   for (int64_t b = 0; b < B; ++b) {
-    const int32_t* table = tables.data_ptr<int32_t>() + b * width;
+    const int64_t* table = tables.data() + b * width;
     const int64_t len = positions[b] + 1, blocks = (len + bs - 1) / bs;
     TORCH_CHECK(positions[b] >= 0 && blocks <= width, "tandem_ggml::decoder_step: position ", positions[b],
                 " is past its block table's ", width, " blocks");
     for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t first = static_cast<int64_t>(table[i]) * bs, n = std::min(bs, len - i * bs);
+      const int64_t first = table[i] * bs, n = std::min(bs, len - i * bs);
       TORCH_CHECK(first >= 0 && first + bs <= rows, "tandem_ggml::decoder_step: block ", table[i], " is not in the cache");
       for (int64_t j = 0; j < n; ++j) context[i * bs + j] = static_cast<int32_t>(first + j);
     }
@@ -413,19 +417,24 @@ void fill_slots(const Decoder& d, const Inputs& in, const std::vector<int64_t>& 
   }
 }
 
-// hidden [B, H] float32 (the tokens' embeddings), positions [B] int32, block tables [B, width]
-// int32 (each request's blocks, padded on the right) -> logits [B, vocab] float32; writes the
-// tokens' K/V at their positions' slots.
-at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& block_tables) {
+// ids [B] (the new tokens), positions [B], block tables [B * width] (each request's blocks,
+// padded on the right to `width`) -> logits [B, vocab] float32; writes the tokens' K/V at their
+// positions' slots. Positions and tables come as plain lists: no tensors to build per step.
+at::Tensor decoder_step(int64_t id, const at::Tensor& ids, at::IntArrayRef positions, at::IntArrayRef block_tables,
+                        int64_t width) {
   Decoder& d = decoder_of(id);
   std::lock_guard<std::mutex> lock(d.mutex);
-  const int64_t B = hidden.size(0);
-  const at::Tensor pos = positions.to(at::kInt).contiguous(), tables = block_tables.to(at::kInt).contiguous();
-  TORCH_CHECK(B == pos.numel() && tables.dim() == 2 && B == tables.size(0),
-              "tandem_ggml::decoder_step: one position and one block table per row");
-  const int32_t* p = pos.data_ptr<int32_t>();
+  const int64_t B = ids.numel();
+  TORCH_CHECK(B > 0 && B == static_cast<int64_t>(positions.size()) && width > 0 &&
+                  static_cast<int64_t>(block_tables.size()) == B * width,
+              "tandem_ggml::decoder_step: one position and one block table (of `width` blocks) per token");
+  const at::Tensor tokens = ids.to(at::kInt).contiguous();
+  const int32_t* t = tokens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(t[b] >= 0 && t[b] < d.embedding.size(0), "tandem_ggml::decoder_step: token id ", t[b], " out of range");
+  }
   std::vector<int64_t> padded(B);
-  for (int64_t b = 0; b < B; ++b) padded[b] = (p[b] + 1 + kPad - 1) / kPad * kPad;
+  for (int64_t b = 0; b < B; ++b) padded[b] = (positions[b] + 1 + kPad - 1) / kPad * kPad;
   Step& step = d.step;
   const int threads = at::get_num_threads();
   if (padded != step.padded || threads != step.threads) {
@@ -445,16 +454,16 @@ at::Tensor decoder_step(int64_t id, const at::Tensor& hidden, const at::Tensor& 
     }
   }
   const Inputs& in = step.in;
-  const at::Tensor h = hidden.to(at::kFloat).contiguous();
-  std::memcpy(in.hidden->data, h.data_ptr(), ggml_nbytes(in.hidden));
-  std::memcpy(in.positions->data, p, ggml_nbytes(in.positions));
-  fill_slots(d, in, padded, p, tables);
+  std::memcpy(in.ids->data, t, ggml_nbytes(in.ids));
+  int32_t* pos = static_cast<int32_t*>(in.positions->data);
+  for (int64_t b = 0; b < B; ++b) pos[b] = static_cast<int32_t>(positions[b]);
+  fill_slots(d, in, padded, positions, block_tables, width);
 
   ggml_cplan plan = ggml_graph_plan(step.graph, threads, nullptr);
   if (d.work.size() < plan.work_size) d.work.resize(plan.work_size);
   plan.work_data = d.work.data();
   const ggml_status status = ggml_graph_compute(step.graph, &plan);
-  at::Tensor out = at::empty({B, d.vocab}, hidden.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, d.vocab}, ids.options().dtype(at::kFloat));
   if (status == GGML_STATUS_SUCCESS) std::memcpy(out.data_ptr(), step.logits->data, ggml_nbytes(step.logits));
   TORCH_CHECK(status == GGML_STATUS_SUCCESS, "tandem_ggml::decoder_step: ggml_graph_compute failed (", status, ")");
   return out;
@@ -466,7 +475,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_ggml, m) {
   m.def("decoder_new(Tensor[] tensors, Tensor?[] biases, int[] types, Tensor[] kv_caches, int[] dims, "
         "float[] floats) -> int");
   m.def("decoder_free(int id) -> ()");
-  m.def("decoder_step(int id, Tensor hidden, Tensor positions, Tensor block_tables) -> Tensor");
+  m.def("decoder_step(int id, Tensor ids, int[] positions, int[] block_tables, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_ggml, CPU, m) {

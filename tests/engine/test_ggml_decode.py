@@ -66,12 +66,15 @@ def test_graph_step_matches_the_eager_step_on_float_rows(model, chunks):
     assert got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(alone[0], got[1], atol=2e-4, rtol=1e-4)
-    # the graph derives its slots from the block tables: one too short, or naming a block the
-    # cache does not have, is an error, not a read out of bounds
+    # the graph derives its slots from the block tables and embeds the ids itself: a table too
+    # short, a block the cache does not have or an id past the vocabulary is an error, not a read
+    # out of bounds
     with pytest.raises(RuntimeError, match="past its block table"):
         graph(*graph.inputs(ids[:1], [len(tables[0]) * bs], tables[:1]))
     with pytest.raises(RuntimeError, match="not in the cache"):
         graph(*graph.inputs(ids[:1], positions[:1], [[runner.kv_caches[0].shape[1]] * len(tables[0])]))
+    with pytest.raises(RuntimeError, match="out of range"):  # the embedding is the graph's: ids are checked
+        graph(*graph.inputs([runner.model.config.vocab_size], positions[:1], tables[:1]))
 
 
 def test_config_checks_ggml_graph():
