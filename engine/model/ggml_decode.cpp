@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -51,6 +52,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
   ggml_type type;
   int64_t in, out;
+  ggml_tensor* packed = nullptr;  // the weight in a layout of ggml's own (`repack`), if one suits it
 };
 
 struct Layer {
@@ -233,11 +235,14 @@ struct Step {
 struct Decoder {
   int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, block_size;
   int64_t chunks;  // attention pieces per (request, K/V head); 0: chosen per graph
+  int64_t repacked = 0;  // linears read from a layout of ggml's own
   float eps, theta, scale;
   std::vector<Layer> layers;
   at::Tensor final_norm, embedding;  // embedding: float32 [vocab, hidden], read by row
   Linear head;
   ggml_gallocr_t galloc = nullptr;
+  std::vector<ggml_context*> packed_ctxs;  // the repacked weights' tensors and buffers
+  std::vector<ggml_backend_buffer_t> packed_buffers;
   std::vector<uint8_t> meta, work;  // tensor/graph metadata; the graph's scratch (quantized activations)
   Step step;
   std::mutex mutex;
@@ -259,7 +264,8 @@ ggml_tensor* external(ggml_context* ctx, const at::Tensor& t, ggml_type type, in
 }
 
 ggml_tensor* linear(ggml_context* ctx, const Linear& w, ggml_tensor* x) {
-  ggml_tensor* out = ggml_mul_mat(ctx, external(ctx, w.blocks, w.type, w.in, w.out), x);
+  ggml_tensor* weight = w.packed ? w.packed : external(ctx, w.blocks, w.type, w.in, w.out);
+  ggml_tensor* out = ggml_mul_mat(ctx, weight, x);
   return w.bias ? ggml_add(ctx, out, external(ctx, *w.bias, GGML_TYPE_F32, w.out)) : out;
 }
 
@@ -337,13 +343,93 @@ Linear make_linear(const at::Tensor& blocks, const std::optional<at::Tensor>& bi
 
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
+// ggml's CPU backend has faster layouts for some weight types on some CPUs, its "extra buffer
+// types" (llama.cpp's `--repack`, on by default there): AMX tiles for Q4_0/Q4_1/Q8_0 on Xeons
+// with AMX, rows interleaved 8 at a time for Q4_0 on AVX2, and more on ARM. A weight in such a
+// buffer is multiplied by that buffer's kernels. Which one suits a weight is asked the way
+// llama.cpp asks: a matmul by the weight placed (as a dummy) in each buffer type in turn, and the
+// CPU device says whether it supports it.
+ggml_backend_buffer_type_t layout_for(const Linear& w, ggml_backend_dev_t dev,
+                                      const std::vector<ggml_backend_buffer_type_t>& extras) {
+  ggml_init_params params{4 * ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
+  ggml_context* ctx = ggml_init(params);
+  ggml_tensor* weight = ggml_new_tensor_2d(ctx, w.type, w.in, w.out);
+  ggml_tensor* op = ggml_mul_mat(ctx, weight, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w.in, 1));
+  ggml_backend_buffer_type_t chosen = nullptr;
+  for (ggml_backend_buffer_type_t buft : extras) {
+    ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(buft, 0);
+    if (!dummy) continue;
+    weight->buffer = dummy;
+    const bool supported = ggml_backend_dev_supports_op(dev, op);
+    weight->buffer = nullptr;
+    ggml_backend_buffer_free(dummy);
+    if (supported) {
+      chosen = buft;
+      break;
+    }
+  }
+  ggml_free(ctx);
+  return chosen;
+}
+
+// Copy each linear whose type has a faster layout here into a buffer of that layout (ggml converts
+// it as it copies); the graph then reads that copy. Returns how many were repacked.
+int64_t repack(Decoder& d) {
+  ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+  ggml_backend_dev_t dev = ggml_backend_reg_dev_get(reg, 0);
+  auto get_extras = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+      ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+  std::vector<ggml_backend_buffer_type_t> extras;
+  for (ggml_backend_buffer_type_t* b = get_extras ? get_extras(dev) : nullptr; b && *b; ++b) extras.push_back(*b);
+  if (extras.empty()) return 0;
+  std::vector<Linear*> linears{&d.head};
+  for (Layer& layer : d.layers) {
+    for (Linear* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) linears.push_back(w);
+  }
+  std::vector<std::pair<ggml_backend_buffer_type_t, std::vector<Linear*>>> groups;
+  for (Linear* w : linears) {
+    if (w->type == GGML_TYPE_F32) continue;  // float rows are read in place
+    ggml_backend_buffer_type_t buft = layout_for(*w, dev, extras);
+    if (!buft) continue;
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == buft; });
+    if (group == groups.end()) group = groups.insert(groups.end(), {buft, {}});
+    group->second.push_back(w);
+  }
+  int64_t count = 0;
+  for (auto& [buft, members] : groups) {
+    ggml_init_params params{members.size() * ggml_tensor_overhead(), nullptr, /*no_alloc=*/true};
+    ggml_context* ctx = ggml_init(params);
+    for (Linear* w : members) w->packed = ggml_new_tensor_2d(ctx, w->type, w->in, w->out);
+    ggml_backend_buffer_t buffer = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+    if (!buffer) {  // out of memory for the copy: keep reading the weights in place
+      for (Linear* w : members) w->packed = nullptr;
+      ggml_free(ctx);
+      continue;
+    }
+    ggml_backend_buffer_set_usage(buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (Linear* w : members) ggml_backend_tensor_set(w->packed, w->blocks.data_ptr(), 0, ggml_nbytes(w->packed));
+    d.packed_ctxs.push_back(ctx);
+    d.packed_buffers.push_back(buffer);
+    count += static_cast<int64_t>(members.size());
+  }
+  return count;
+}
+
 // tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head, embedding];
 // biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
-// head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph); floats: rms eps, rope theta, attention scale.
+// head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph), repack (1:
+// weights in ggml's faster layouts where there are any); floats: rms eps, rope theta, attention scale.
+// ggml's own messages: warnings and errors to stderr, not its per-tensor debug lines ("repack:
+// repack tensor ...").
+void log_quietly(ggml_log_level level, const char* text, void*) {
+  if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
 int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
                     at::TensorList kv_caches, at::IntArrayRef dims, at::ArrayRef<double> floats) {
   ggml_cpu_init();
-  TORCH_CHECK(dims.size() == 8 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
+  ggml_log_set(log_quietly, nullptr);
+  TORCH_CHECK(dims.size() == 9 && floats.size() == 3, "tandem_ggml::decoder_new: bad dims");
   auto d = std::make_unique<Decoder>();
   d->hidden = dims[0], d->heads = dims[1], d->kv_heads = dims[2], d->head_dim = dims[3];
   d->intermediate = dims[4], d->vocab = dims[5], d->block_size = dims[6], d->chunks = dims[7];
@@ -376,11 +462,14 @@ int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Te
   TORCH_CHECK(d->embedding.scalar_type() == at::kFloat && d->embedding.is_contiguous() && d->embedding.dim() == 2 &&
                   d->embedding.size(1) == d->hidden,
               "tandem_ggml::decoder_new: the embedding must be contiguous float32 [vocab, hidden]");
+  if (dims[8]) d->repacked = repack(*d);
   d->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.push_back(std::move(d));
   return static_cast<int64_t>(registry.size()) - 1;
 }
+
+int64_t decoder_repacked(int64_t id) { return decoder_of(id).repacked; }
 
 void decoder_free(int64_t id) {
   std::unique_ptr<Decoder> gone;
@@ -390,6 +479,10 @@ void decoder_free(int64_t id) {
   }
   if (gone && gone->step.ctx) ggml_free(gone->step.ctx);
   if (gone && gone->galloc) ggml_gallocr_free(gone->galloc);
+  if (gone) {
+    for (ggml_backend_buffer_t buffer : gone->packed_buffers) ggml_backend_buffer_free(buffer);
+    for (ggml_context* ctx : gone->packed_ctxs) ggml_free(ctx);
+  }
 }
 
 // Each request's context slots (oldest first, its new token last) from its block table, at its
@@ -475,6 +568,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_ggml, m) {
   m.def("decoder_new(Tensor[] tensors, Tensor?[] biases, int[] types, Tensor[] kv_caches, int[] dims, "
         "float[] floats) -> int");
   m.def("decoder_free(int id) -> ()");
+  m.def("decoder_repacked(int id) -> int");
   m.def("decoder_step(int id, Tensor ids, int[] positions, int[] block_tables, int width) -> Tensor");
 }
 
@@ -485,4 +579,5 @@ TORCH_LIBRARY_IMPL(tandem_ggml, CPU, m) {
 TORCH_LIBRARY_IMPL(tandem_ggml, CompositeExplicitAutograd, m) {
   m.impl("decoder_new", &decoder_new);
   m.impl("decoder_free", &decoder_free);
+  m.impl("decoder_repacked", &decoder_repacked);
 }

@@ -26,10 +26,14 @@ says whether a model qualifies, `float_rows` readies a float32 model.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from tandem.engine.model.ggml_kernels import load
+
+logger = logging.getLogger(__name__)
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ROWS = ("blocks", "ggml_type", "in_features", "out_features", "bias")
@@ -93,9 +97,13 @@ class GGMLGraphDecode:
     interface as `CompiledCPUDecode` (`inputs`, then a call), so the runner drives either."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 attention_chunks: int = 0) -> None:
+                 attention_chunks: int = 0, repack: bool = True) -> None:
         """`attention_chunks`: pieces each (request, K/V head)'s context is cut into across threads
-        (0: chosen per step from the batch, the threads and the context; see ggml_decode.cpp)."""
+        (0: chosen per step from the batch, the threads and the context; see ggml_decode.cpp).
+        `repack`: quantized weights that have a faster layout of ggml's on this CPU (AMX tiles on
+        Xeons with AMX, interleaved Q4_0 rows on AVX2; llama.cpp's `--repack`, on by default there
+        too) are copied into it for the graph, which then holds them twice (eager prefill steps
+        keep reading the originals); `repacked` says how many linears were."""
         if not supports(model, kv_caches):
             raise ValueError("the ggml graph decode needs every projection and the head as ggml rows "
                              "(GGMLLinear or FloatRows) and float32 KV caches")
@@ -115,10 +123,13 @@ class GGMLGraphDecode:
         types.append(head.ggml_type)
         layer = inner.layers[0]
         dims = [config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                layer.intermediate_size, head.out_features, block_size, attention_chunks]
+                layer.intermediate_size, head.out_features, block_size, attention_chunks, int(repack)]
         floats = [float(layer.input_layernorm.eps), float(config.rope_theta), float(layer.scale)]
         self._id = torch.ops.tandem_ggml.decoder_new(tensors, biases, types, kv_caches, dims, floats)
         self._keep = (tensors, kv_caches)  # the graph reads these tensors' memory
+        self.repacked = torch.ops.tandem_ggml.decoder_repacked(self._id)
+        if self.repacked:
+            logger.info("ggml graph decode: %d linears in ggml's repacked layouts", self.repacked)
         self.block_size = block_size
         self.compile_s = 0.0
 

@@ -77,6 +77,36 @@ def test_graph_step_matches_the_eager_step_on_float_rows(model, chunks):
         graph(*graph.inputs([runner.model.config.vocab_size], positions[:1], tables[:1]))
 
 
+def test_repacked_weights_give_the_same_logits():
+    """Weights in ggml's own faster layout (Q4_0 rows interleaved 8 at a time, on AVX2 and ARM)
+    are what the graph reads when `repack` is on; the logits must not change."""
+    build_ggml_or_skip()
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.model.ggml_decode import _PROJECTIONS, GGMLGraphDecode
+    from tandem.engine.model.ggml_kernels import Q4_0, GGMLLinear
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama-random", dtype="int4", cpu_kernels="ggml", max_active=4))
+    runner = engine.model_runner
+    for layer in runner.model.model.layers:  # Q4_0: the type with a repacked layout on x86 (AVX2)
+        for name in _PROJECTIONS:
+            linear = getattr(layer, name)
+            setattr(layer, name, GGMLLinear.from_float(linear.dequantized(), linear.bias, Q4_0))
+    prompts = {"a": list(range(10, 51)), "b": list(range(200, 209))}
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    first = {o.req_id: o.new_token_ids[-1] for o in engine.step()}
+    step = ([first[r] for r in prompts], [len(p) for p in prompts.values()],
+            [engine.kv_cache_manager.req_to_block_ids[r] for r in prompts])
+    packed = GGMLGraphDecode(runner.model, runner.kv_caches, engine.config.block_size, repack=True)
+    plain = GGMLGraphDecode(runner.model, runner.kv_caches, engine.config.block_size, repack=False)
+    assert plain.repacked == 0
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert packed.repacked == 4 * len(runner.model.model.layers)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(*packed.inputs(*step)), plain(*plain.inputs(*step)), atol=1e-4, rtol=1e-4)
+
+
 def test_config_checks_ggml_graph():
     from tandem.engine.config import EngineConfig
 
