@@ -80,7 +80,7 @@ constexpr int64_t kMinChunk = 32;  // context positions: shorter pieces cost mor
 
 // The `group` query heads that share one K/V head, over `len` context slots: scores, softmax
 // numerators and the weighted sum of V, left unnormalized: `acc` [group, D] with each head's
-// running `max` and `sum` (flash-decoding's partial result, combined over pieces by `combine`).
+// running `max` and `sum` (flash-decoding's partial result, combined over pieces by `combine_attention`).
 // Each K and V row is read once for the whole group (reading it once per query head made the step
 // ~3x slower per context position: the rows come from L3, not L1). kD is the head size when known
 // at compile time (0: `D`), so the inner loops unroll into whole vectors.

@@ -106,7 +106,7 @@ class GGMLGraphDecode:
         keep reading the originals); `repacked` says how many linears were."""
         if not supports(model, kv_caches):
             raise ValueError("the ggml graph decode needs every projection and the head as ggml rows "
-                             "(GGMLLinear or FloatRows) and float32 KV caches")
+                             "(GGMLLinear or FloatRows), a float32 embedding and float32 KV caches")
         load()
         config = model.config
         inner = model.model
