@@ -51,8 +51,9 @@ def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
 def move_to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Copy each CPU parameter and buffer of at least `min_bytes` onto huge pages, in place
     (tensors that share memory, like a tied embedding and head, share the copy); returns the bytes
-    moved (0 where huge pages are not available). Run it before anything keeps a raw pointer to a
-    weight (a ggml graph, packed kernels)."""
+    moved (0 where huge pages are not available; a tensor whose mapping cannot be made stays
+    where it is). Run it before anything keeps a raw pointer to a weight (a ggml graph, packed
+    kernels)."""
     if not available():
         return 0
     copies: dict[tuple, torch.Tensor] = {}  # by (address, dtype, shape) before the move
@@ -67,7 +68,10 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
                 if key in placed:  # a parameter seen under another name (tied), moved already
                     continue
                 if key not in copies:
-                    copies[key] = huge_page_copy(tensor.detach())
+                    try:
+                        copies[key] = huge_page_copy(tensor.detach())
+                    except OSError:  # no memory for the mapping: this tensor stays where it is
+                        continue
                     placed.add((copies[key].data_ptr(), tensor.dtype, tuple(tensor.shape)))
                 if isinstance(tensor, nn.Parameter):
                     tensor.data = copies[key]

@@ -44,3 +44,14 @@ def test_nothing_moves_without_thp(monkeypatch):
     layer = nn.Linear(1024, 1024)
     ptr = layer.weight.data_ptr()
     assert move_to_huge_pages(layer) == 0 and layer.weight.data_ptr() == ptr
+
+
+@needs_thp
+def test_a_failed_mapping_leaves_the_tensor_where_it_is(monkeypatch):
+    def no_memory(tensor):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "huge_page_copy", no_memory)
+    layer = nn.Linear(1024, 1024)
+    ptr = layer.weight.data_ptr()
+    assert move_to_huge_pages(layer) == 0 and layer.weight.data_ptr() == ptr
