@@ -415,16 +415,16 @@ int64_t repack(Decoder& d) {
   return count;
 }
 
-// tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head, embedding];
-// biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
-// head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph), repack (1:
-// weights in ggml's faster layouts where there are any); floats: rms eps, rope theta, attention scale.
 // ggml's own messages: warnings and errors to stderr, not its per-tensor debug lines ("repack:
 // repack tensor ...").
 void log_quietly(ggml_log_level level, const char* text, void*) {
   if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
 }
 
+// tensors: per layer [attn_norm, qkv, o, ffn_norm, gate_up, down], then [final_norm, head, embedding];
+// biases and types: per linear (4 a layer, then the head); dims: hidden, heads, kv_heads,
+// head_dim, intermediate, vocab, block_size, attention chunks (0: chosen per graph), repack (1:
+// weights in ggml's faster layouts where there are any); floats: rms eps, rope theta, attention scale.
 int64_t decoder_new(at::TensorList tensors, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef types,
                     at::TensorList kv_caches, at::IntArrayRef dims, at::ArrayRef<double> floats) {
   ggml_cpu_init();
