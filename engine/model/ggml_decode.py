@@ -130,7 +130,6 @@ class GGMLGraphDecode:
         self.repacked = torch.ops.tandem_ggml.decoder_repacked(self._id)
         if self.repacked:
             logger.info("ggml graph decode: %d linears in ggml's repacked layouts", self.repacked)
-        self.block_size = block_size
         self.compile_s = 0.0
 
     def __del__(self) -> None:
