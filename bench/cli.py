@@ -124,9 +124,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.tenants import ARMS
+
     _cluster_options(parser)
-    parser.add_argument("--arms", type=_policies, default=["cost", "prefix-affinity", "least-requests", "round-robin"],
-                        help="routing policies to compare (default cost,prefix-affinity,least-requests,round-robin)")
+    parser.add_argument("--arms", type=_policies, default=list(ARMS),
+                        help=f"routing policies to compare (default {','.join(ARMS)})")
     parser.add_argument("--tenants", type=_ints, default=[4, 16], help="tenant counts (default 4,16)")
     parser.add_argument("--prefix-tokens", type=_ints, default=[1024],
                         help="shared prefix tokens per tenant (default 1024; a list runs each)")

@@ -41,7 +41,7 @@ from tandem.routing.simulator import simulate
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = REPO / "docs" / "route-sim-examples" / "tenants-2gpu.yaml"
 HYBRID_ARM = "cost"
-DEFAULT_ARMS = (HYBRID_ARM, "prefix-affinity", "least-requests", "round-robin")
+DEFAULT_ARMS = (HYBRID_ARM, "prefix-affinity", "least-requests", "round-robin", "random")
 TTFT_TOLERANCE_S = 50e-6
 THROUGHPUT_TOLERANCE = 0.001
 HIT_RATE_POINTS = 0.05

@@ -10,7 +10,7 @@ OUT/scenarios/, with the backends' rates and cache sizes) describe the same requ
 token ids are new (printable ids, as in bench/workload.py).
 
 Arms are routing policies (default `cost`, `prefix-affinity`, `least-requests`,
-`round-robin`), all on one cluster started once (bench/harness.py), switched between
+`round-robin`, `random`), all on one cluster started once (bench/harness.py), switched between
 measurements as the sweep does. Each arm gets prefixes of its own (the same lengths and arrival
 times), so no arm finds another's blocks in a cache; what an earlier arm left there only takes
 room, which LRU eviction gives back. A cell is (tenants, prefix tokens, arrival rate); each run
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 from bench.client import CUT_OFF
 from bench.workload import Workload, WorkloadRequest, random_tokens
 
-ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin")
+ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin", "random")
 HYBRID_ARM = "cost"
 # metric -> True if higher is better; the verdict judges cost on the first three
 METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p95_s": False, "output_tok_s": True,

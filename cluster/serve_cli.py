@@ -18,7 +18,7 @@ from tandem.engine.config import CPU_KERNELS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
-                        "round-robin, least-requests, prefix-affinity")
+                        "round-robin, random (uniform, llm-d's baseline), least-requests, prefix-affinity")
     parser.add_argument("--calibration-alpha", type=float,
                         help="EWMA weight of each observed engine step when calibrating the router's rates "
                              "online (default 0.2; 0 turns calibration off and keeps the profiled rates)")

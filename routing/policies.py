@@ -10,6 +10,8 @@ that order, which is how ties go to the accelerator and then to the lower id.
 - `accelerator-only` / `cpu-only`: lowest rank among non-CPU / CPU backends (with a single
   backend of that kind, simply that backend). The design's "all requests forced to the GPU" arm.
 - `round-robin`: the next backend after the previously chosen one, in preference order.
+- `random`: a uniformly random routable backend, CPU included (seeded, default 0, so
+  route-sim runs repeat); llm-d's baseline, a floor no load- or cache-aware policy should lose to.
 - `least-requests`: fewest active + queued requests, the count-based baseline of other routers.
 - `prefix-affinity`: a home backend per prompt prefix by rendezvous hashing, spilling to the
   least-loaded backend when the home is over a bound (below). The scheme of SGLang's
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -149,6 +152,19 @@ class RoundRobinPolicy:
         return self.last_key[1]
 
 
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
+        # Every routable backend alike, whatever its device kind (llm-d's random picker).
+        if not scores:
+            raise NoBackendError(f"policy {self.name!r} has no backend")
+        return self.rng.choice(scores).backend_id
+
+
 class LeastRequestsPolicy:
     name = "least-requests"
 
@@ -209,14 +225,14 @@ class PrefixAffinityPolicy:
 
 POLICIES: dict[str, type] = {
     cls.name: cls
-    for cls in (CostPolicy, AcceleratorOnlyPolicy, CpuOnlyPolicy, RoundRobinPolicy, LeastRequestsPolicy,
-                PrefixAffinityPolicy)
+    for cls in (CostPolicy, AcceleratorOnlyPolicy, CpuOnlyPolicy, RoundRobinPolicy, RandomPolicy,
+                LeastRequestsPolicy, PrefixAffinityPolicy)
 }
 
 
 def make_policy(name: str, guard: SpillGuard | None = None,
                 prefix_affinity: PrefixAffinityConfig | None = None) -> Policy:
-    """A fresh policy instance (round-robin keeps state). Unknown names raise ValueError.
+    """A fresh policy instance (round-robin and random keep state). Unknown names raise ValueError.
     `guard` applies to `cost` only and `prefix_affinity` to `prefix-affinity` only."""
     if name not in POLICIES:
         raise ValueError(f"policy: unknown policy {name!r}; choose one of {sorted(POLICIES)}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RATES = {"prefill_tok_s": 2000.0, "decode_tok_s": 200.0, "decode_tok_s_by_batch": {1: 200.0, 2: 380.0}}
-ARMS = ["cost", "prefix-affinity", "least-requests", "round-robin"]
+ARMS = ["cost", "prefix-affinity", "least-requests", "round-robin", "random"]  # the default arms
 
 
 def test_tenants_bench_on_two_cpu_backends(tmp_path):
@@ -70,8 +70,10 @@ def test_tenants_bench_on_two_cpu_backends(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     (cell,) = summary["cells"]
     assert sorted(cell["arms"]) == sorted(ARMS) and "ttft_p95_s" in cell["verdict"]
+    assert cell["arms"]["random"]["ttft_p95_s"]["n"] == 1 and cell["arms"]["random"]["hit_rate"]["n"] == 1
     assert cell["verdict"]["ttft_p95_s"]["ok"] is None  # one run: no spread to judge by
     text = report.read_text()
-    assert "| 2 | 128 | 20 | **cost** |" in text and "cost against the best other arm" in text
+    assert "| 2 | 128 | 20 | **cost** |" in text and "| 2 | 128 | 20 | random |" in text
+    assert "cost against the best other arm" in text
     assert (report.parent / "tenants-cpu-ttft-p95.png").stat().st_size > 0
     assert json.loads((report.parent / "tenants-cpu.json").read_text())["cells"][0]["cell"] == "t2-p128-r20"

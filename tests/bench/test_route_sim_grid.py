@@ -17,7 +17,7 @@ def test_a_small_grid_writes_json_table_and_plot(tmp_path):
                  "--seeds", "0", "--num-requests", "40"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(c["tenants"], c["rate_per_s"], c["seed"]) for c in report["cells"]] == [(4, 10.0, 0), (4, 40.0, 0)]
-    assert all(list(c["arms"]) == ["cost", "prefix-affinity", "least-requests", "round-robin"] for c in report["cells"])
+    assert all(list(c["arms"]) == ["cost", "prefix-affinity", "least-requests", "round-robin", "random"] for c in report["cells"])
     assert all(sum(a["num_requests_by_backend"].values()) == 40 for c in report["cells"] for a in c["arms"].values())
     assert report["meta"]["spec"]["scenario"] == "docs/route-sim-examples/tenants-2gpu.yaml"
     markdown = out.with_suffix(".md").read_text()

@@ -12,7 +12,7 @@ def req(n: int) -> RouteRequest:
 
 
 def test_policy_names():
-    assert set(POLICIES) == {"cost", "accelerator-only", "cpu-only", "round-robin", "least-requests",
+    assert set(POLICIES) == {"cost", "accelerator-only", "cpu-only", "round-robin", "random", "least-requests",
                              "prefix-affinity"}
 
 
@@ -47,6 +47,32 @@ def test_round_robin_cycles_in_preference_order_and_survives_removal():
     assert [router.route(req(n)).backend_id for n in range(4)] == ["cuda0", "cuda1", "cpu0", "cuda0"]
     router.remove_backend("cuda1")
     assert [router.route(req(n)).backend_id for n in range(4, 7)] == ["cpu0", "cuda0", "cpu0"]
+
+
+def test_random_is_seeded_and_uniform_over_every_backend():
+    from tandem.routing import BackendScore
+    from tandem.routing.policies import RandomPolicy, make_policy
+
+    # A busy accelerator, an idle one and a slow CPU: random looks at none of it.
+    backends = (("cuda0", "cuda", 1.0, 4), ("cuda1", "cuda", 1.0, 0), ("cpu0", "cpu", 9.0, 0))
+    scores = [BackendScore(b, kind, 0, 0, 0, 0.0, score, score, active, 0) for b, kind, score, active in backends]
+    policy, again = make_policy("random"), RandomPolicy()  # seed 0 by default
+    picks = [policy.choose(scores, req(n)) for n in range(9000)]
+    assert picks == [again.choose(scores) for _ in range(9000)]
+    for backend_id in ("cuda0", "cpu0", "cuda1"):
+        assert 0.25 < picks.count(backend_id) / len(picks) < 0.40
+    assert [RandomPolicy(seed=1).choose(scores) for _ in range(20)] != picks[:20]
+
+
+def test_random_routes_through_the_router_and_errors_without_backends():
+    from tandem.routing.policies import RandomPolicy
+
+    backends = [BackendSpec("cpu0", "cpu", SAME), BackendSpec("cuda0", "cuda", RateProfile(1e6, 1e6))]
+    runs = [Router(backends, policy="random") for _ in range(2)]
+    first, second = ([router.route(req(n)).backend_id for n in range(40)] for router in runs)
+    assert first == second and set(first) == {"cpu0", "cuda0"}  # the slow CPU too
+    with pytest.raises(NoBackendError, match="random"):
+        RandomPolicy().choose([])
 
 
 def test_least_requests_counts_active_and_queued():

@@ -41,7 +41,8 @@ def test_policy_all_without_decisions(capsys):
     code, out, _ = run_cli(capsys, EXAMPLE, "--policy", "all", "--no-decisions", "--no-oracle")
     assert code == 0
     names = [l["name"] for l in json_lines(out)]
-    assert names == ["accelerator-only", "cost", "cpu-only", "round-robin", "least-requests", "prefix-affinity"]
+    assert names == ["accelerator-only", "cost", "cpu-only", "round-robin", "random", "least-requests",
+                     "prefix-affinity"]
 
 
 def test_errors_exit_2_and_name_the_problem(capsys, tmp_path):

@@ -145,7 +145,7 @@ def test_cli_runs_a_tenants_scenario_with_overrides(capsys):
     assert sim_cli.run(args) == 0
     out = capsys.readouterr().out
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [l["name"] for l in lines] == ["accelerator-only", "cost", "round-robin", "least-requests",
+    assert [l["name"] for l in lines] == ["accelerator-only", "cost", "round-robin", "random", "least-requests",
                                           "prefix-affinity"]  # no cpu-only without a CPU
     assert all(0 < l["cache_hit_rate"] < 1 for l in lines)
     assert "oracle: skipped" in out and "hit_rate" in out
