@@ -21,9 +21,9 @@ below is one small job:
   touched. xgrammar's kernel does the masking where it has one (C++ on CPU, Triton on CUDA);
   `apply_token_bitmask_torch` is the reference any device can run, and a test says they agree.
 
-xgrammar is optional (`pip install 'tandem[structured]'`): without it, this module still
+xgrammar is one of Tandem's dependencies; should an installation lack it, this module still
 imports, and a request asking for structured output is refused with `InvalidRequestError`
-(a 400) that says what to install. torch and xgrammar are imported inside the functions that
+(a 400) saying the installation is broken and how to repair it. torch and xgrammar are imported inside the functions that
 use them, so `SamplingParams` (and the scheduler's request state) stay torch-free.
 
 The output is always held to the whole schema (xgrammar's strict mode: an object schema
@@ -46,7 +46,9 @@ from tandem.engine.sampling_params import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-INSTALL_HINT = "structured outputs need the xgrammar package: pip install 'tandem[structured]'"
+INSTALL_HINT = ("structured outputs need the xgrammar package, a dependency of tandem that this server's "
+                "installation lacks or cannot import: the install is broken; reinstall tandem, or "
+                "pip install 'xgrammar>=0.2.9' into its environment")
 MAX_CACHED_GRAMMARS = 256
 # Keywords xgrammar accepts without enforcing them: refused, so no constraint is dropped silently.
 UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "dependentRequired", "dependentSchemas")
@@ -153,7 +155,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutputParams, Any] = OrderedDict()
 
     def make_grammar(self, params: StructuredOutputParams) -> RequestGrammar:
-        compiled = self.compile(params)  # first: it says what to install if xgrammar is missing
+        compiled = self.compile(params)  # first: it says the install is broken if xgrammar is missing
         import xgrammar
 
         return RequestGrammar(xgrammar.GrammarMatcher(compiled))
@@ -189,8 +191,8 @@ class GrammarCompiler:
         if self._compiler is None:
             try:
                 import xgrammar
-            except ImportError:
-                raise InvalidRequestError(INSTALL_HINT) from None
+            except ImportError as exc:
+                raise InvalidRequestError(f"{INSTALL_HINT} ({exc})") from None
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=list(self.stop_token_ids))
             # Our cache is bounded; xgrammar's own would keep every schema ever sent.

@@ -98,12 +98,24 @@ def test_compile_errors_are_invalid_requests(compiler, params, match):
         compiler.make_grammar(params)
 
 
-def test_without_xgrammar_a_structured_request_says_what_to_install(monkeypatch):
+def test_without_xgrammar_a_structured_request_says_the_install_is_broken(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import raises ImportError
     fresh = GrammarCompiler(build_byte_tokenizer(), BYTE_VOCAB_SIZE, tuple(EOS))
-    with pytest.raises(InvalidRequestError, match=r"pip install 'tandem\[structured\]'") as info:
+    with pytest.raises(InvalidRequestError, match="the install is broken") as info:
         fresh.make_grammar(StructuredOutputParams(json_object=True))
-    assert str(info.value) == INSTALL_HINT
+    assert str(info.value).startswith(INSTALL_HINT) and "xgrammar" in str(info.value)
+    assert "[structured]" not in str(info.value)  # a default dependency, not an extra to install
+
+
+def test_xgrammar_is_a_default_dependency():
+    """Structured outputs work on a plain `pip install tandem`: the grammar library is no extra."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"xgrammar\b", dep) for dep in project["dependencies"])
+    assert "structured" in project["optional-dependencies"]  # old install commands keep working
 
 
 # -- a grammar, token by token ---------------------------------------------------------------
