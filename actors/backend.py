@@ -148,9 +148,11 @@ class BackendActor:
         ready = self.core.wait_ready(CORE_START_TIMEOUT_S)
         self.engine_info = ready
         logger.warning(  # warning: shown under Python's default log level, and said once per start
-            "backend %s: device %s (%s), dtype %s, %d torch threads, model %s loaded in %.1f s (engine core pid %d)",
-            backend_id, ready["device"], device_reason or f"requested {requested_device}", ready["dtype"], threads,
-            ready["model_name"], ready["load_s"], ready["pid"])
+            "backend %s: device %s (%s), dtype %s, %s kernels, %d torch threads, max_active %d, KV cache %d tokens, "
+            "model %s loaded in %.1f s (engine core pid %d)",
+            backend_id, ready["device"], device_reason or f"requested {requested_device}", ready["dtype"],
+            ready["cpu_kernels"] if ready["device_kind"] == "cpu" else ready["device_kind"], threads,
+            ready["max_active"], ready["num_kv_tokens"], ready["model_name"], ready["load_s"], ready["pid"])
         self.max_active = ready["max_active"]
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
         # The outputs' text and stop strings, made here rather than on the core's step loop

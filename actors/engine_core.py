@@ -136,7 +136,8 @@ class EngineCore:
         conn.send((READY, dict(
             device=str(engine.device), device_kind=engine.device.type,
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
-            block_size=cfg.block_size, model_name=engine.model_name, max_model_len=engine.max_model_len,
+            block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
+            model_name=engine.model_name, max_model_len=engine.max_model_len,
             tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid())))
 
     # -- the loop ----------------------------------------------------------------------------

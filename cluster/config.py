@@ -9,14 +9,16 @@ Example file::
 
     model: smollm2-135m
     policy: cost
-    max_active: 4
+    gpu_memory_utilization: 0.9  # share of each GPU its engines use together (weights, activations, KV)
     backends:
       - device: cpu
         threads: 1
         cpu_compile: false  # cpu: decode through torch.compile'd graphs (opt-in; measure first)
         cpu_kernels: torch  # cpu, dtype int8/int4: torch, ggml (llama.cpp's dot products) or ggml-graph (decode steps as ggml graphs)
       - device: auto        # cuda, else mps, else a second cpu backend
-        count: all          # one per free GPU (cuda: 2 is two cuda backends)
+        count: all          # one per free GPU (cuda: 2 is two cuda backends, sharing a GPU if there is one)
+        # max_active: 128         # None: by device (cpu 4, a GPU 256 split among its engines)
+        # gpu_memory_share: 0.45  # cuda: this engine's share of its GPU's memory
     port: 8000
     routing_log: routing.jsonl   # off unless set
 
@@ -32,7 +34,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE, DEFAULT_MODEL, cache_root, check_cpu_kernels
+from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, cache_root, check_cpu_kernels
+from tandem.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from tandem.routing.errors import ConfigError, format_validation_errors
 
 DEVICES = ("cpu", "cuda", "mps", "auto")
@@ -59,6 +62,9 @@ class BackendConfig(BaseModel):
     max_active: int | None = Field(default=None, ge=1)  # None: the cluster's max_active
     num_kv_blocks: int | None = Field(default=None, ge=2)
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
+    # cuda: this engine's share of its GPU's total memory; None: gpu_memory_utilization split
+    # among the engines on that GPU (cluster/plan.py)
+    gpu_memory_share: float | None = Field(default=None, gt=0, le=1)
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
     # Opt-in: faster per step on the 2-core development VM, 8x slower on a 14-thread Xeon.
     cpu_compile: bool = False
@@ -73,6 +79,8 @@ class BackendConfig(BaseModel):
                              f"{' and '.join(EVERY_GPU_DEVICES)}, not {self.device}")
         if self.dtype in ("int8", "int4") and self.device != "cpu":
             raise ValueError(f"dtype {self.dtype} (quantized weights) is for cpu backends, not {self.device}")
+        if self.gpu_memory_share is not None and self.device not in ("cuda", "auto"):
+            raise ValueError(f"gpu_memory_share is a share of a GPU's memory, for cuda backends, not {self.device}")
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile (torch.compile'd CPU decode) is for cpu backends, not {self.device}; "
                              "set it on a backend with device: cpu")
@@ -104,7 +112,10 @@ class TandemConfig(BaseModel):
     spill_allow_queue: bool = False  # let a CPU queue requests while an accelerator could take them
     warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
-    max_active: int = Field(default=DEFAULT_MAX_ACTIVE, ge=1)
+    # Running requests per backend; None: by device (engine/memory.py: cpu 4, a GPU 256 split
+    # among the engines that share it, mps 32).
+    max_active: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)

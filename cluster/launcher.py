@@ -289,7 +289,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
-        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads{_cpu_notes(plan)}")
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads, "
+            f"max_active {plan.max_active}{_gpu_notes(plan)}{_cpu_notes(plan)}")
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
         scheduling_strategy=_this_node(),
@@ -311,7 +312,23 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
     if serve_http:
         tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0], plans)
+        log(f"HTTP: {http_replicas(config)} ingress replica(s), up to {pending_limit(config, plans)} pending "
+            "requests before 429 (max_pending_requests in the config)")
     return tandem
+
+
+def _gpu_notes(plan: BackendPlan) -> str:
+    if plan.device != "cuda":
+        return ""
+    kv = (f"{plan.num_kv_blocks} KV blocks" if plan.num_kv_blocks else f"{plan.kv_cache_memory_gb:g} GiB of KV cache"
+          if plan.kv_cache_memory_gb else "KV cache from the rest of the share")
+    return f", {plan.gpu_memory_share:.2f} of the GPU's memory ({kv})"
+
+
+def pending_limit(config: TandemConfig, plans: list[BackendPlan]) -> int:
+    """Admitted and unfinished requests the ingress takes before answering 429: as configured,
+    else 4 x what the backends run at once (at least 64), so the limit follows their capacity."""
+    return config.max_pending_requests or max(64, 4 * sum(p.max_active for p in plans))
 
 
 def _cpu_notes(plan: BackendPlan) -> str:
@@ -344,7 +361,8 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
                          block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
                          kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
                          max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-                         cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
+                         cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels,
+                         gpu_memory_share=plan.gpu_memory_share)
     options: dict[str, Any] = dict(
         name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
         max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
@@ -448,7 +466,7 @@ def _start_serve(config: TandemConfig, router: Any, backend: Any, info: Any, pla
 
     tokenizer = ray.get(backend.tokenizer.remote())
     replicas = http_replicas(config)
-    pending = config.max_pending_requests or max(64, 4 * sum(p.max_active for p in plans))
+    pending = pending_limit(config, plans)
     direct = config.ingress == "direct"
     settings = IngressSettings(
         served_model_name=config.served_model_name or info.model_name, max_model_len=info.max_model_len,

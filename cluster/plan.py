@@ -4,8 +4,19 @@ size threads.
 Several accelerators are one shape among others: `cuda*2` (YAML `count: 2`) is two cuda
 backends, each taking one GPU; `cuda*all` is one cuda backend per GPU the Ray cluster has left
 once the explicit cuda backends took theirs, and `auto*all` the same, or one `auto` backend when
-no GPU is left. Asking for more cuda backends than the Ray cluster has GPUs is an error here,
-at once, rather than backend actors Ray can never place.
+no GPU is left.
+
+More cuda backends than GPUs share them: `cuda*2` on one GPU is two engines on it, each in its
+own engine-core process with its own scheduler and KV cache. Engines are spread evenly, k =
+ceil(cuda backends / GPUs) to a GPU at most, and each asks Ray for 1/k of a GPU, so Ray's
+accounting places them (and never a (k+1)-th) on one device. The device's memory is split
+explicitly rather than left to whoever allocates first: each engine owns
+`gpu_memory_utilization / k` of its GPU's total memory (or its own `gpu_memory_share`), sizes its
+KV cache from that share (engine/memory.py), and runs `256 / k` requests at once unless told
+(so one engine at 256 and two at 128 hold the same total batch). Shares that add up to more
+than the device are an error here; a share the device cannot give is the engine's start-up
+error. For a small model an engine's step loop is host-bound, so two engines on one GPU can
+deliver more than one.
 
 `auto` means "the accelerator if there is one": cuda when the Ray cluster has a GPU that no
 explicit cuda backend already claims, else mps when this machine has Apple's GPU, else a second
@@ -22,10 +33,12 @@ both backends down. Accelerator backends only need a thread for the host-side Py
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from tandem.cluster.config import BackendConfig, ConfigError, TandemConfig
+from tandem.engine.memory import default_max_active
 
 
 @dataclass(frozen=True)
@@ -41,10 +54,31 @@ class BackendPlan:
     kv_cache_memory_gb: float | None = None
     cpu_compile: bool = False  # cpu: decode through torch.compile'd graphs (EngineConfig.cpu_compile)
     cpu_kernels: str = "torch"  # cpu int8/int4: torch or ggml kernels (EngineConfig.cpu_kernels)
+    engines_per_gpu: int = 1  # cuda: how many engines share this backend's GPU
+    gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
 
     @property
     def num_gpus(self) -> float:
-        return 1.0 if self.device == "cuda" else 0.0
+        """Ray's GPU request: a whole GPU, or 1/k of one where k engines share it."""
+        return 1.0 / self.engines_per_gpu if self.device == "cuda" else 0.0
+
+
+def engines_per_gpu(num_cuda_backends: int, num_gpus: int) -> int:
+    """Engines to a GPU when `num_cuda_backends` spread evenly over `num_gpus` (0 GPUs: 0)."""
+    return math.ceil(num_cuda_backends / num_gpus) if num_gpus and num_cuda_backends else 0
+
+
+def gpu_memory_shares(backends: list[tuple[BackendConfig, str]], per_gpu: int,
+                      utilization: float) -> list[float | None]:
+    """Each backend's share of its GPU's memory (None off cuda): its own, else `utilization`
+    split among the engines of one GPU. Shares that overcommit a GPU are an error."""
+    shares = [None if device != "cuda" else (b.gpu_memory_share or utilization / per_gpu) for b, device in backends]
+    cuda_shares = sorted((s for s in shares if s is not None), reverse=True)
+    worst = sum(cuda_shares[:per_gpu])
+    if worst > 1.0 + 1e-9:
+        raise ConfigError(f"backends: {per_gpu} engines share a GPU and their memory shares add up to {worst:.2f} "
+                          "of it; lower gpu_memory_share or --gpu-memory-utilization so they fit in 1.0")
+    return shares
 
 
 def resolve_auto(num_free_gpus: int, mps_available: bool) -> tuple[str, str]:
@@ -63,17 +97,22 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
     num_reserved = 1 + (len(resolved) - num_cpu)  # serving, and each accelerator's step loop
     default_cpu_threads = config.cpu_threads or max(1, (num_cores - num_reserved) // max(1, num_cpu))
     used_ids = {b.id for b, _, _ in resolved if b.id}
+    per_gpu = engines_per_gpu(sum(device == "cuda" for _, device, _ in resolved), num_gpus)
+    shares = gpu_memory_shares([(b, device) for b, device, _ in resolved], per_gpu, config.gpu_memory_utilization)
     counters: dict[str, int] = {}
     plans = []
-    for backend, device, reason in resolved:
+    for (backend, device, reason), share in zip(resolved, shares):
         backend_id = backend.id or _next_id(device, counters, used_ids)
         threads = backend.threads or (default_cpu_threads if device == "cpu" else 1)
+        sharing = per_gpu if device == "cuda" else 1
         plans.append(BackendPlan(
-            backend_id=backend_id, device=device, requested=backend.device, reason=reason,
+            backend_id=backend_id, device=device, requested=backend.device,
+            reason=reason + (f", {sharing} engines on its GPU" if sharing > 1 else ""),
             dtype=backend.dtype, threads=threads,
-            max_active=backend.max_active or config.max_active,
+            max_active=backend.max_active or config.max_active or default_max_active(device, sharing),
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
-            cpu_compile=backend.cpu_compile, cpu_kernels=backend.cpu_kernels))
+            cpu_compile=backend.cpu_compile, cpu_kernels=backend.cpu_kernels,
+            engines_per_gpu=sharing, gpu_memory_share=share))
     return plans
 
 
@@ -81,11 +120,10 @@ def _resolve_devices(backends: list[BackendConfig], num_gpus: int,
                      mps_available: bool) -> list[tuple[BackendConfig, str, str]]:
     """Each backend that will run, with its device and why; counts expanded, in config order."""
     num_explicit = sum(b.count for b in backends if b.device == "cuda" and b.count != "all")
-    if num_explicit > num_gpus:
+    if num_explicit and not num_gpus:
         raise ConfigError(f"backends: {num_explicit} cuda backend{'s' if num_explicit > 1 else ''} asked for, but "
-                          f"there {'is' if num_gpus == 1 else 'are'} {_gpus(num_gpus)} (each cuda backend takes one); "
-                          "use cuda*all for one per GPU")
-    num_free_gpus = num_gpus - num_explicit
+                          "the Ray cluster has no GPU; use auto (cuda, else mps, else cpu) or cpu")
+    num_free_gpus = max(0, num_gpus - num_explicit)
     resolved: list[tuple[BackendConfig, str, str]] = []
     for backend in backends:
         if backend.device == "cuda" and backend.count == "all":

@@ -69,8 +69,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset name, local HF directory or .gguf file (default smollm2-135m)")
     parser.add_argument("--backends", help="comma-separated devices, cpu, cuda, mps or auto; id=device names "
                         "one; DEVICE*N is N alike (cuda*2), cuda*all or auto*all one per free GPU "
-                        "(default cpu,auto: auto is cuda, else mps, else a second cpu)")
-    parser.add_argument("--max-active", type=int, help="running requests per backend (default 4)")
+                        "(default cpu,auto: auto is cuda, else mps, else a second cpu); more cuda backends "
+                        "than GPUs share them (cuda*2 on one GPU: two engines, each with half its memory)")
+    parser.add_argument("--max-active", type=int, help="running requests per backend (default by device: cpu 4, "
+                        "a GPU 256 split among the engines sharing it, mps 32)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="share of each GPU's memory its engines use together for weights, activations and "
+                             "KV cache; the KV cache takes what the rest leaves (default 0.9)")
     parser.add_argument("--cpu-threads", type=int,
                         help="torch threads per cpu backend (default: the cores left after one for serving and "
                              "one per accelerator backend, shared by the cpu backends)")
@@ -97,7 +102,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
-    overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads, **extra)
+    overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads,
+                     gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None), **extra)
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
     config = config.with_overrides(**overrides)

@@ -1,8 +1,8 @@
 """One engine's settings: which model, on which device, and how big its batch and cache are.
 
-Defaults follow the experiment Tandem was designed for (16-token blocks, at most 4 active
-requests) and size themselves from the device, so `LLMEngine(EngineConfig())` works on any
-machine. They are stated here once: the cluster's config model (cluster/config.py) and the
+Defaults size themselves from the device, so `LLMEngine(EngineConfig())` works on any machine
+and runs fast there: a GPU engine runs hundreds of requests at once with a KV cache that fills
+its share of the device's memory (engine/memory.py), a CPU engine a few with a 1 GiB cache. They are stated here once: the cluster's config model (cluster/config.py) and the
 command lines refer to these names. torch is imported only where a dtype is resolved, so the
 cluster's config and `tandem serve --help` do not pay for it.
 """
@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.engine.memory import default_max_active
+
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_MAX_ACTIVE = 4
+DEFAULT_MAX_ACTIVE = 4  # the design's experiment, and a CPU backend's default (engine/memory.py)
 DEFAULT_BLOCK_SIZE = 16
 DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 # Weight-only quantized dtypes (cpu): int8 / int4 weights; bfloat16 activations on PyTorch's kernels
@@ -60,10 +62,14 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str = "cpu"  # cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 elsewhere; int8 | int4: quantized weights (cpu)
-    max_active: int = DEFAULT_MAX_ACTIVE
+    max_active: int | None = None  # None: by device (engine/memory.py's default_max_active)
     block_size: int = DEFAULT_BLOCK_SIZE
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 1 GiB on cpu/mps, 8 GiB on cuda
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb, else the memory share
+    kv_cache_memory_gb: float | None = None  # None: cuda from gpu_memory_share, else 1 GiB
+    # cuda: the share of the device's total memory this engine may use (weights, activations, KV);
+    # None: engine/memory.py's default, clamped to what is free (an engine made on its own). The
+    # cluster sets it for each engine it plans, and then a share the device cannot give is an error.
+    gpu_memory_share: float | None = None
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     max_num_batched_tokens: int | None = None  # None: 512 on cpu, 8192 on cuda, 2048 elsewhere
     num_threads: int | None = None  # torch threads for a cpu engine; None leaves torch's default
@@ -86,6 +92,10 @@ class EngineConfig:
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}; got {self.cpu_kernels!r}")
         check_cpu_kernels(self.cpu_kernels, self.dtype, self.cpu_compile)
+        if self.max_active is None:
+            self.max_active = default_max_active(self.device_type)
+        if self.gpu_memory_share is not None and not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1], got {self.gpu_memory_share}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
@@ -123,8 +133,12 @@ class EngineConfig:
         return {"cpu": 512, "cuda": 8192}.get(self.device_type, 2048)
 
     @property
+    def kv_cache_from_share(self) -> bool:
+        """True when the KV cache is sized from the GPU's memory share, not a fixed size."""
+        return self.device_type == "cuda" and self.kv_cache_memory_gb is None and self.num_kv_blocks is None
+
+    @property
     def resolved_kv_cache_bytes(self) -> int:
-        gb = self.kv_cache_memory_gb
-        if gb is None:
-            gb = 8.0 if self.device_type == "cuda" else 1.0
-        return int(gb * (1 << 30))
+        """The fixed KV size (`kv_cache_memory_gb`, else 1 GiB); a cuda engine without one sizes
+        its cache from its memory share instead (LLMEngine._num_kv_blocks)."""
+        return int((self.kv_cache_memory_gb or 1.0) * (1 << 30))

@@ -20,6 +20,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
+from tandem.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, StepShape, activation_bytes, kv_cache_bytes
 from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner, StepHandle
 from tandem.engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
@@ -114,16 +115,33 @@ class LLMEngine:
         self._child_of: dict[str, tuple[_Group, int]] = {}  # child req_id -> (its group, its index)
 
     # -- sizing ------------------------------------------------------------------------------
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV cache holds (the null block excluded)."""
+        return (len(self.kv_cache_manager.block_pool.blocks) - 1) * self.config.block_size
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
-        by_memory = cfg.resolved_kv_cache_bytes // per_block
+        kv_bytes = self._kv_bytes_from_share() if cfg.kv_cache_from_share else cfg.resolved_kv_cache_bytes
+        by_memory = kv_bytes // per_block
         # Enough for every active request at full context, four times over for the prefix
         # cache; more only costs memory and Python objects.
         by_need = 4 * cfg.max_active * cdiv(self.max_model_len, cfg.block_size)
         return int(min(by_memory, by_need)) + 1  # + the null block
+
+    def _kv_bytes_from_share(self) -> int:
+        """The KV cache a cuda engine gets from its share of the device (engine/memory.py),
+        measured now that its weights are on the device."""
+        cfg, mc = self.config, self.model_config
+        free, total = torch.cuda.mem_get_info(self.device)
+        shape = StepShape(mc.hidden_size, mc.intermediate_size, mc.q_size, mc.kv_size, mc.vocab_size,
+                          cfg.resolved_max_num_batched_tokens, cfg.max_active, self.dtype.itemsize)
+        share = cfg.gpu_memory_share or DEFAULT_GPU_MEMORY_UTILIZATION
+        return kv_cache_bytes(total, free, share, torch.cuda.memory_allocated(self.device),
+                              activation_bytes(shape), strict=cfg.gpu_memory_share is not None)
 
     def _on_evict(self, block_hash: int) -> None:
         self._evicted = True

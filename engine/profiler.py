@@ -2,8 +2,10 @@
 
 `measure_rates` drives a bare `LLMEngine` (no Ray, no other load) the way the router's cost
 model reads rates: prefill tok/s on a long prompt that cannot hit the prefix cache, and
-aggregate decode tok/s at each batch size from 1 to `max_active` (the batch-aware table; its
-batch-1 entry is the design's isolated decode rate). Times come from the engine's own per-step
+aggregate decode tok/s at batch sizes from 1 to `max_active` (the batch-aware table; its
+batch-1 entry is the design's isolated decode rate). The sizes are the powers of two up to
+`max_active` and `max_active` itself: the router interpolates between them
+(routing/rates.py), and a GPU engine at max_active 256 profiles 10 sizes instead of 256. Times come from the engine's own per-step
 timer, and a step counts as prefill or decode only if it did nothing else. Every shape is run
 once untimed first: a GPU backend compiles kernels and captures graphs on first use, and
 timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
@@ -47,10 +49,11 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
         return [rng.randrange(3, num_tokens) for _ in range(n)]
 
     _run(engine, [prompt(prompt_len)], max_tokens=2)  # warm-up: kernels for this prefill shape
-    for batch in range(1, max_active + 1):
+    sizes = profiled_batch_sizes(max_active)
+    for batch in sizes:
         _run(engine, [prompt(16) for _ in range(batch)], max_tokens=3)  # warm-up: this batch size
     prefill_runs: list[float] = []
-    decode_runs: dict[int, list[float]] = {batch: [] for batch in range(1, max_active + 1)}
+    decode_runs: dict[int, list[float]] = {batch: [] for batch in sizes}
     for _ in range(max(1, repeats)):
         prefill_runs.append(_median([tokens / seconds for tokens, seconds in
                                      (_run(engine, [prompt(prompt_len)], max_tokens=1)[0]
@@ -64,6 +67,12 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
             "decode_tok_s_by_batch": by_batch,
             "spread": {"repeats": len(prefill_runs), "prefill_tok_s": round(_spread(prefill_runs), 4),
                        "decode_tok_s_by_batch": round(max(_spread(runs) for runs in decode_runs.values()), 4)}}
+
+
+def profiled_batch_sizes(max_active: int) -> list[int]:
+    """1, 2, 4, ... up to `max_active`, and `max_active` itself."""
+    sizes = [1 << i for i in range(max(1, max_active).bit_length()) if 1 << i <= max_active]
+    return sorted({*sizes, max(1, max_active)})
 
 
 def _median(values: list[float]) -> float:

@@ -67,7 +67,10 @@ def test_engine_defaults_are_the_cluster_defaults():
     from tandem.engine.config import EngineConfig
 
     config, engine = TandemConfig(), EngineConfig()
-    assert (config.model, config.max_active, config.block_size) == (engine.model, engine.max_active, engine.block_size)
+    assert (config.model, config.block_size) == (engine.model, engine.block_size)
+    # max_active is left to the device in both: the engine resolves it where it knows the device
+    assert config.max_active is None
+    assert EngineConfig(device="cpu").max_active == 4 and EngineConfig(device="cuda").max_active == 256
 
 
 def test_one_config_error_for_every_layer():

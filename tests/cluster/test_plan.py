@@ -1,7 +1,8 @@
 """Several accelerators as a shape of their own: `cpu,cuda,cuda`, `cuda*2`, `cuda*all`, `auto*all`.
 
 Pure planning with made-up GPU counts (no Ray, no torch): which backends run, on what, named
-how, with how many threads, and the errors when more GPUs are asked for than there are.
+how, with how many threads, how GPUs are shared when there are more cuda backends than GPUs, and
+the errors when a GPU is asked for and there is none.
 """
 
 from __future__ import annotations
@@ -58,15 +59,57 @@ def test_counts_of_cpu_backends_share_the_cores():
 
 
 @pytest.mark.parametrize("spec, num_gpus, message", [
-    ("cpu,cuda,cuda", 1, "2 cuda backends asked for, but there is 1 GPU"),
-    ("cuda*3", 2, "3 cuda backends asked for, but there are 2 GPUs"),
-    ("cuda", 0, "1 cuda backend asked for, but there are 0 GPUs"),
+    ("cuda", 0, "1 cuda backend asked for, but the Ray cluster has no GPU"),
+    ("cpu,cuda*2", 0, "2 cuda backends asked for, but the Ray cluster has no GPU"),
     ("cuda*all", 0, "cuda\\*all found no free GPU"),
     ("cuda*2,cuda*all", 2, "cuda\\*all found no free GPU .* 2 taken by explicit cuda backends"),
 ])
-def test_more_cuda_backends_than_gpus_is_a_clear_error(spec, num_gpus, message):
+def test_cuda_backends_without_a_gpu_are_a_clear_error(spec, num_gpus, message):
     with pytest.raises(ConfigError, match=message):
         plan(spec, num_gpus=num_gpus)
+
+
+@pytest.mark.parametrize("spec, num_gpus, per_gpu", [
+    ("cuda*2", 1, 2), ("cpu,cuda*2", 1, 2), ("cpu,cuda,cuda", 1, 2), ("cuda*4", 1, 4),
+    ("cuda*3", 2, 2), ("cuda*2", 2, 1), ("cuda", 1, 1),
+])
+def test_more_cuda_backends_than_gpus_share_them(spec, num_gpus, per_gpu):
+    """k engines to a GPU: each asks Ray for 1/k of it, owns 0.9/k of its memory and runs 256/k."""
+    cuda = [p for p in plan(spec, num_gpus=num_gpus) if p.device == "cuda"]
+    assert {p.engines_per_gpu for p in cuda} == {per_gpu}
+    assert [p.num_gpus for p in cuda] == [1 / per_gpu] * len(cuda)
+    assert [p.gpu_memory_share for p in cuda] == [pytest.approx(0.9 / per_gpu)] * len(cuda)
+    assert [p.max_active for p in cuda] == [256 // per_gpu] * len(cuda)
+
+
+def test_shared_gpu_keeps_the_cpu_backend_as_it_was():
+    cpu, *cuda = plan("cpu,cuda*2", num_gpus=1, cores=16)
+    assert (cpu.device, cpu.num_gpus, cpu.gpu_memory_share, cpu.max_active) == ("cpu", 0.0, None, 4)
+    assert cpu.threads == 16 - 1 - 2  # a core for serving, one per accelerator's step loop
+    assert [p.backend_id for p in cuda] == ["cuda0", "cuda1"]
+    assert "2 engines on its GPU" in cuda[0].reason
+
+
+def test_explicit_settings_win_over_the_derived_defaults():
+    config = TandemConfig.validated({"max_active": 32, "gpu_memory_utilization": 0.5,
+                                     "backends": [{"device": "cuda", "count": 2},
+                                                  {"device": "cuda", "gpu_memory_share": 0.3, "max_active": 8}]})
+    plans = plan_backends(config, num_gpus=1, mps_available=False, num_cores=8)
+    assert [p.max_active for p in plans] == [32, 32, 8]
+    assert [p.gpu_memory_share for p in plans] == [pytest.approx(0.5 / 3)] * 2 + [0.3]
+    assert [p.num_gpus for p in plans] == [pytest.approx(1 / 3)] * 3
+
+
+def test_memory_shares_that_overcommit_a_gpu_are_an_error():
+    config = TandemConfig.validated({"backends": [{"device": "cuda", "gpu_memory_share": 0.6},
+                                                  {"device": "cuda", "gpu_memory_share": 0.5}]})
+    with pytest.raises(ConfigError, match="add up to 1.10"):
+        plan_backends(config, num_gpus=1, mps_available=False, num_cores=8)
+
+
+def test_gpu_memory_share_is_for_gpu_backends():
+    with pytest.raises(ConfigError, match="gpu_memory_share .* not cpu"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "gpu_memory_share": 0.5}]})
 
 
 def test_parse_counts():
