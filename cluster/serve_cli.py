@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -119,8 +120,27 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
                                   f"(backends: {', '.join(b['id'] or b['device'] for b in data['backends'])})")
         for backend in cpu_backends:
             backend.update(cpu_settings)
-        config = config.validated(data, source="flags")
+        try:
+            config = config.validated(data, source="flags")
+        except ConfigError as exc:
+            raise ConfigError(_flag_names(str(exc), typed=set(cpu_settings), config_file=bool(args.config))) from None
     return config
+
+
+# A cpu backend's setting -> the flag that sets it on every cpu backend.
+CPU_FLAGS = {"dtype": "--cpu-dtype", "cpu_kernels": "--cpu-kernels", "cpu_compile": "--cpu-compile"}
+
+
+def _flag_names(message: str, typed: set[str], config_file: bool) -> str:
+    """The config's error about cpu settings, in the flags the user types: a field is named by its
+    flag when it came from a flag, or when there is no config file (the flag is then the one way to
+    set it: `--cpu-kernels ggml` alone is told to use `--cpu-dtype int8 or int4`). A field that a
+    config file set keeps its YAML name."""
+    for field, flag in CPU_FLAGS.items():
+        if field in typed or not config_file:
+            message = re.sub(rf"(?<![\w-]){field}s(?![\w-])", f"{flag} values", message)  # "one of those dtypes"
+            message = re.sub(rf"(?<![\w-]){field}(?![\w-])", flag, message)
+    return message
 
 
 def run(args: argparse.Namespace) -> int:

@@ -75,9 +75,25 @@ def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():
         serve_config("--backends", "cuda", "--cpu-kernels", "ggml")
 
 
-def test_the_serve_flag_without_a_quantized_dtype_is_a_clear_error():
-    with pytest.raises(ConfigError, match="use dtype int8 or int4"):
+def test_the_serve_flag_without_a_quantized_dtype_is_a_clear_error_naming_the_flags():
+    """`tandem serve --cpu-kernels ggml` alone: the error names the flags the user types."""
+    with pytest.raises(ConfigError, match="--cpu-kernels ggml runs quantized weights: use --cpu-dtype int8 or int4"):
         serve_config("--backends", "cpu", "--cpu-kernels", "ggml")
+    with pytest.raises(ConfigError, match="use --cpu-dtype int8 or int4, not auto"):
+        serve_config("--cpu-kernels", "ggml")  # the default backends
+    with pytest.raises(ConfigError, match="which --cpu-compile would replace") as info:
+        serve_config("--backends", "cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml-graph", "--cpu-compile")
+    assert "cpu_compile" not in str(info.value) and "cpu_kernels" not in str(info.value)
+    with pytest.raises(ConfigError, match="use one of those --cpu-dtype values, not bfloat16"):
+        serve_config("--backends", "cpu", "--cpu-dtype", "bfloat16", "--cpu-kernels", "ggml-graph")
+
+
+def test_a_setting_from_the_config_file_keeps_its_yaml_name_beside_the_flag(tmp_path):
+    path = tmp_path / "tandem.yaml"
+    path.write_text("backends:\n  - device: cpu\n    dtype: int8\n    cpu_kernels: ggml\n")
+    with pytest.raises(ConfigError, match="cpu_kernels ggml runs quantized weights: use --cpu-dtype int8 or int4, "
+                                          "not bfloat16"):
+        serve_config("--config", str(path), "--cpu-dtype", "bfloat16")
 
 
 def test_cluster_start_takes_the_backend_key():
