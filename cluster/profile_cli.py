@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.cluster.plan import plan_backends
-    from tandem.cluster.profile import load_cache, rate_fields, resolve_profiles, store_in_cache, write_rates_file
+    from tandem.cluster.profile import (NOT_STORED_PROFILE, load_cache, rate_fields, resolve_profiles, store_in_cache,
+                                        write_rates_file)
     from tandem.engine.profiler import measure_rates
 
     try:
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cuda_index = {p.backend_id: i for i, p in enumerate(p for p in plans if p.device == "cuda")}
+    # Engines that share a GPU are packed k to a device, as Ray's fractional GPUs place them.
+    cuda_index = {p.backend_id: i // p.engines_per_gpu for i, p in enumerate(p for p in plans if p.device == "cuda")}
     plan_of = {plan.backend_id: plan for plan in plans}
     wanted = [(plan.backend_id, _plan_key(config, plan, cuda_index.get(plan.backend_id))) for plan in plans]
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     found = resolve_profiles(wanted, {}, "always", measure,
                              store=lambda key, entry: store_in_cache(config.rates_cache, key, entry),
-                             log=lambda line: print(line, flush=True), previous=load_cache(config.rates_cache))
+                             log=lambda line: print(line, flush=True), previous=load_cache(config.rates_cache),
+                             not_stored=NOT_STORED_PROFILE)
     write_rates_file(args.output, {backend_id: rate_fields(entry) for backend_id, entry in found.items()})
     print(f"wrote {args.output}; use it with: tandem serve --rates {args.output}")
     return 0
@@ -86,7 +89,8 @@ def _load_engine(config, plan, cuda_index: int):
     device = f"cuda:{cuda_index}" if plan.device == "cuda" else plan.device
     return LLMEngine(EngineConfig(
         model=config.model, device=device, dtype=plan.dtype, max_active=plan.max_active,
-        block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks, max_model_len=config.max_model_len,
+        block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks, kv_cache_memory_gb=plan.kv_cache_memory_gb,
+        gpu_memory_share=plan.gpu_memory_share, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, num_threads=plan.threads, seed=config.seed,
         cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels))
 
