@@ -11,8 +11,11 @@ Backends with the same key are identical devices running the same engine: they s
 profile (`resolve_profiles` measures the first and gives its rates to the others) rather than
 each being measured alone. Measured separately, two identical H200s had come out at 38,600 and
 28,800 prefill tok/s, and the router then treated one GPU as a third slower than its twin.
-A measurement whose repeats spread more than `MAX_SPREAD`, or a re-profile (`--profile always`)
-that moves a rate more than `MAX_SPREAD` from the cached entry, is reported as a warning.
+A measurement whose repeats spread more than `MAX_SPREAD` is used for the run that measured it
+but not cached (a noisy profile would otherwise steer the router on every later start), with a
+warning naming the flag that measures again; a cached entry that spread that much (cached before
+this rule) is measured again. A re-profile (`--profile always`) that moves a rate more than
+`MAX_SPREAD` from the cached entry is reported as a warning.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from tandem.engine.profiler import ENGINE_SPEED_VERSION
 
 RATE_FIELDS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch")  # routing's RateProfile
 MAX_SPREAD = 0.10  # repeats, or a re-profile of the same device, should agree within 10%
+# What a noisy measurement's warning adds, for `tandem serve` (cluster/launcher.py) and `tandem profile`.
+NOT_STORED_SERVE = ("not stored in the profile cache, so these rates serve this run only; measure again once "
+                    "the machine is quiet: tandem serve --profile always")
+NOT_STORED_PROFILE = ("not stored in the profile cache, only written to the rates file; measure again once the "
+                      "machine is quiet: run tandem profile again (tandem serve --profile always measures at start)")
 # How Ray names an NVIDIA GPU in its `accelerator_type:` node resource ("NVIDIA H200" -> "H200").
 _GPU_MODEL = re.compile(r"\w+\s+((?:[A-Z]+\s+)*[A-Z0-9]*\d[A-Z0-9]*)")
 
@@ -62,14 +70,25 @@ def rate_fields(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: entry[k] for k in RATE_FIELDS if k in entry}
 
 
-def spread_warning(entry: dict[str, Any]) -> str | None:
+def worst_spread(entry: dict[str, Any]) -> float:
+    """How far a measurement's repeats spread at most (0 for an entry without `spread`)."""
     spread = entry.get("spread") or {}
-    worst = max((v for k, v in spread.items() if k != "repeats"), default=0.0)
-    if worst <= MAX_SPREAD:
+    return max((v for k, v in spread.items() if k != "repeats"), default=0.0)
+
+
+def is_steady(entry: dict[str, Any]) -> bool:
+    """Whether a measurement may be cached: its repeats agree within `MAX_SPREAD`."""
+    return worst_spread(entry) <= MAX_SPREAD
+
+
+def spread_warning(entry: dict[str, Any], not_stored: str = NOT_STORED_SERVE) -> str | None:
+    if is_steady(entry):
         return None
-    return (f"warning: the profile's {spread.get('repeats')} repeats spread {100 * worst:.0f}% "
+    spread = entry["spread"]
+    return (f"warning: the profile's {spread.get('repeats')} repeats spread {100 * worst_spread(entry):.0f}% "
             f"(prefill {100 * spread.get('prefill_tok_s', 0):.0f}%, decode {100 * spread.get('decode_tok_s_by_batch', 0):.0f}%), "
-            f"more than {100 * MAX_SPREAD:.0f}%: something else was running, or the device is not steady")
+            f"more than {100 * MAX_SPREAD:.0f}%: something else was running, or the device is not steady; "
+            f"{not_stored}")
 
 
 def rate_difference(old: dict[str, Any], new: dict[str, Any]) -> float:
@@ -91,12 +110,16 @@ def describe_spread(entry: dict[str, Any]) -> str:
 
 def resolve_profiles(wanted: list[tuple[str, str]], cache: dict[str, Any], mode: str,
                      measure: Callable[[str], dict[str, Any]], store: Callable[[str, dict[str, Any]], None],
-                     log: Callable[[str], None], previous: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                     log: Callable[[str], None], previous: dict[str, Any] | None = None,
+                     not_stored: str = NOT_STORED_SERVE) -> dict[str, dict[str, Any]]:
     """Rates for each (backend_id, key) in `wanted`: the cache's entry, else one measurement per
     key (`measure(backend_id)` on its first backend, `store(key, entry)` keeps it), shared by
     every backend with that key. `mode` is --profile (auto, always, never); `previous` holds the
-    cache as it was, so a re-profile is compared with what it replaces. Returns backend_id ->
-    the entry (RateProfile fields plus `spread`, when measured)."""
+    cache as it was, so a re-profile is compared with what it replaces. A measurement whose
+    repeats spread more than `MAX_SPREAD` is used but not stored, and its warning ends with
+    `not_stored` (what happens to it, and the command that measures again); in `auto` mode a
+    cached entry that spread that much is measured again. Returns backend_id -> the entry
+    (RateProfile fields plus `spread`, when measured)."""
     previous = previous or {}
     found: dict[str, dict[str, Any]] = {}
     first_of: dict[str, str] = {}
@@ -106,10 +129,17 @@ def resolve_profiles(wanted: list[tuple[str, str]], cache: dict[str, Any], mode:
             log(f"rates for {backend_id}: the same device and engine as {first_of[key]} ({key}): shares its profile")
             continue
         first_of[key] = backend_id
-        if mode != "always" and key in cache:
-            found[backend_id] = cache[key]
-            log(f"rates for {backend_id} from the profile cache: {describe_rates(cache[key])}")
+        cached = cache.get(key) if mode != "always" else None
+        if cached is not None and (mode == "never" or is_steady(cached)):
+            found[backend_id] = cached
+            log(f"rates for {backend_id} from the profile cache: {describe_rates(cached)}")
+            if not is_steady(cached):
+                log(f"  warning: its repeats spread {100 * worst_spread(cached):.0f}%, more than "
+                    f"{100 * MAX_SPREAD:.0f}%; measure again once the machine is quiet: tandem serve --profile always")
             continue
+        if cached is not None:
+            log(f"cached rates for {backend_id} spread {100 * worst_spread(cached):.0f}% across their repeats, "
+                f"more than {100 * MAX_SPREAD:.0f}%: measuring again")
         if mode == "never":
             raise ConfigError(f"no rates for backend {backend_id} ({key}) and profiling is off; "
                               "run `tandem profile` or pass --rates FILE")
@@ -120,9 +150,10 @@ def resolve_profiles(wanted: list[tuple[str, str]], cache: dict[str, Any], mode:
         start = time.perf_counter()
         entry = measure(backend_id)
         log(f"  {backend_id}: {describe_rates(entry)}{describe_spread(entry)}, in {time.perf_counter() - start:.1f} s")
-        for warning in filter(None, [spread_warning(entry), _reprofile_warning(previous.get(key), entry)]):
+        for warning in filter(None, [spread_warning(entry, not_stored), _reprofile_warning(previous.get(key), entry)]):
             log(f"  {warning}")
-        store(key, entry)
+        if is_steady(entry):
+            store(key, entry)
         found[backend_id] = entry
     return found
 
@@ -158,7 +189,8 @@ def load_cache(path: Path) -> dict[str, Any]:
 
 
 def store_in_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
-    """Add one entry, writing atomically (a rename), so concurrent starts never see half a file."""
+    """Add one entry, writing atomically (a rename), so concurrent starts never see half a file.
+    Whether a measurement is steady enough to keep is `resolve_profiles`'s call (`is_steady`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = load_cache(path)

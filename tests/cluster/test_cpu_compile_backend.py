@@ -90,13 +90,16 @@ SCRIPT = textwrap.dedent("""
     from tandem.engine.sampling_params import SamplingParams
 
     tmp = pathlib.Path(sys.argv[1])
+    logged = []
     tandem = cluster.start(model="tiny-llama-random", backends=[{"device": "cpu", "cpu_compile": True}],
                            cpu_threads=1, max_active=1, serve_http=False, rates_cache=str(tmp / "rates-cache.json"),
-                           calibration_alpha=0, metrics_port=0, log=lambda line: None)
+                           calibration_alpha=0, metrics_port=0, log=logged.append)
     try:
         outs = list(tandem.generate(list(range(10, 40)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        cache = tmp / "rates-cache.json"
         print("RESULT " + json.dumps({"tokens": [t for o in outs for t in o.new_token_ids],
-                                      "keys": list(json.loads((tmp / "rates-cache.json").read_text()))}))
+                                      "keys": list(json.loads(cache.read_text())) if cache.exists() else [],
+                                      "noisy": any("not stored in the profile cache" in line for line in logged)}))
     finally:
         tandem.shutdown()
 """)
@@ -121,4 +124,5 @@ def test_a_compiled_backend_started_through_the_cluster_api_generates_what_eager
                              max_tokens=8)
     assert result["tokens"] == eager[0]
     assert any((tmp_path / "inductor").rglob("*.py")), "the backend compiled nothing"
-    assert result["keys"] == [profile_key("tiny-llama-random", "cpu", "float32", 1, 1, cpu_compile=True)]
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1, 1, cpu_compile=True)
+    assert result["keys"] == ([] if result["noisy"] else [key])  # a noisy profile (busy cores) is not cached

@@ -1,5 +1,6 @@
 """Identical devices share one profile: one measurement per key, repeats with a median and a
-spread, a warning past 10%, and a re-profile compared with the entry it replaces.
+spread, a warning past 10% (such a measurement is used but not cached), and a re-profile
+compared with the entry it replaces.
 
 `resolve_profiles` is what `tandem serve` (cluster/launcher.py) and `tandem profile` both call;
 the last test runs `tandem profile` in-process on two identical CPU backends of the tiny model.
@@ -70,13 +71,59 @@ def test_the_cache_serves_every_identical_backend_and_never_refuses_what_it_lack
         Recorder().resolve([("cuda0", H200)], mode="never")
 
 
-def test_a_wide_spread_is_a_warning():
+def test_a_wide_spread_is_a_warning_naming_the_flag_that_measures_again():
     assert spread_warning(entry(1.0, spread=0.08)) is None
     message = spread_warning(entry(1.0, spread=0.30))
     assert message.startswith("warning") and "30%" in message and "more than 10%" in message
+    assert "--profile always" in message and "not stored" in message
     rec = Recorder(entry(38_000.0, spread=0.30))
     rec.resolve([("cuda0", H200)])
     assert any(line.strip().startswith("warning: the profile's 3 repeats spread 30%") for line in rec.lines)
+
+
+def test_a_noisy_measurement_is_used_for_this_run_but_not_stored():
+    rec = Recorder(entry(38_000.0, spread=0.30))
+    found = rec.resolve([("cuda0", H200), ("cuda1", H200)])
+    assert found["cuda0"]["prefill_tok_s"] == 38_000.0 and found["cuda1"] is found["cuda0"]
+    assert rec.stored == {}
+    warning = next(line for line in rec.lines if "warning" in line)
+    assert "not stored in the profile cache" in warning and "this run only" in warning
+    assert "tandem serve --profile always" in warning
+
+
+def test_a_steady_measurement_is_stored():
+    rec = Recorder(entry(38_000.0, spread=0.05))
+    found = rec.resolve([("cuda0", H200)])
+    assert rec.stored == {H200: found["cuda0"]}
+    assert not any("warning" in line for line in rec.lines)
+
+
+def test_a_noisy_reprofile_keeps_the_cached_entry_and_uses_the_new_one_for_this_run():
+    cached = entry(38_000.0)
+    rec = Recorder(entry(30_000.0, spread=0.25))
+    found = rec.resolve([("cuda0", H200)], cache={H200: cached}, mode="always", previous={H200: cached})
+    assert found["cuda0"]["prefill_tok_s"] == 30_000.0 and rec.stored == {}
+
+
+def test_a_noisy_cached_entry_is_measured_again_unless_profiling_is_off():
+    noisy = entry(38_000.0, spread=0.30)
+    rec = Recorder(entry(39_000.0))
+    found = rec.resolve([("cuda0", H200)], cache={H200: noisy})
+    assert rec.measured == ["cuda0"] and found["cuda0"]["prefill_tok_s"] == 39_000.0 and list(rec.stored) == [H200]
+    assert any("measuring again" in line for line in rec.lines)
+    rec = Recorder()
+    found = rec.resolve([("cuda0", H200)], cache={H200: noisy}, mode="never")
+    assert rec.measured == [] and found["cuda0"] is noisy
+    assert any("warning" in line and "--profile always" in line for line in rec.lines)
+
+
+def test_tandem_profile_says_what_it_does_with_a_noisy_measurement():
+    from tandem.cluster.profile import NOT_STORED_PROFILE
+
+    rec = Recorder(entry(38_000.0, spread=0.30))
+    resolve_profiles([("cuda0", H200)], {}, "always", rec.measure, rec.store, rec.lines.append,
+                     not_stored=NOT_STORED_PROFILE)
+    assert rec.stored == {} and any("rates file" in line and "tandem profile" in line for line in rec.lines)
 
 
 def test_a_reprofile_is_compared_with_the_cached_entry():
@@ -114,5 +161,8 @@ def test_tandem_profile_measures_two_identical_cpu_backends_once(tmp_path, capsy
     rates = json.loads(output.read_text())
     assert rates["cpu0"] == rates["cpu1"] and "spread" not in rates["cpu0"]
     stored = load_cache(cache)
+    if "not stored in the profile cache" in printed:  # busy cores: a noisy measurement is not kept
+        assert stored == {}
+        return
     assert list(stored) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 2)]
     assert stored[profile_key("tiny-llama-random", "cpu", "float32", 1, 2)]["spread"]["repeats"] == 3

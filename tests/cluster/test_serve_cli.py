@@ -62,10 +62,13 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
             proc.kill()
             raise
     assert returncode == 0
-    cache = json.loads((tmp_path / "cache" / "tandem" / "rates-cache.json").read_text())
     from tandem.cluster.profile import profile_key
 
-    assert list(cache) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 4)]
+    cache_file = tmp_path / "cache" / "tandem" / "rates-cache.json"
+    if "not stored in the profile cache" in output:  # busy cores: a noisy profile serves this run only
+        assert not cache_file.exists()
+    else:
+        assert list(json.loads(cache_file.read_text())) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 4)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
