@@ -120,6 +120,11 @@ class TandemConfig(BaseModel):
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     cpu_threads: int | None = Field(default=None, ge=1)  # per cpu backend; None: (cores - 1 - accelerators) / cpu backends
+    # --cpu-dtype, --cpu-kernels, --cpu-compile: every backend that runs on the cpu, `auto` resolved
+    # to the cpu included, over the backend's own setting; None: each backend's own (cluster/plan.py).
+    cpu_dtype: Literal["auto", "float32", "bfloat16", "int8", "int4"] | None = None
+    cpu_kernels: Literal["torch", "ggml", "ggml-graph"] | None = None
+    cpu_compile: bool | None = None
     seed: int = 0
 
     host: str = "127.0.0.1"

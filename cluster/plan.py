@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass
 
 from tandem.cluster.config import BackendConfig, ConfigError, TandemConfig
+from tandem.engine.config import check_cpu_kernels
 from tandem.engine.memory import default_max_active
 
 
@@ -47,9 +48,9 @@ class BackendPlan:
     device: str  # cpu | cuda | mps
     requested: str  # as configured: cpu | cuda | mps | auto
     reason: str  # why this device, for the start-up log
-    dtype: str
     threads: int
     max_active: int
+    dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     cpu_compile: bool = False  # cpu: decode through torch.compile'd graphs (EngineConfig.cpu_compile)
@@ -108,12 +109,23 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
         plans.append(BackendPlan(
             backend_id=backend_id, device=device, requested=backend.device,
             reason=reason + (f", {sharing} engines on its GPU" if sharing > 1 else ""),
-            dtype=backend.dtype, threads=threads,
-            max_active=backend.max_active or config.max_active or default_max_active(device, sharing),
+            threads=threads, max_active=backend.max_active or config.max_active or default_max_active(device, sharing),
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
-            cpu_compile=backend.cpu_compile, cpu_kernels=backend.cpu_kernels,
-            engines_per_gpu=sharing, gpu_memory_share=share))
+            engines_per_gpu=sharing, gpu_memory_share=share,
+            **(cpu_settings(config, backend, backend_id) if device == "cpu" else {"dtype": backend.dtype})))
     return plans
+
+
+def cpu_settings(config: TandemConfig, backend: BackendConfig, backend_id: str) -> dict:
+    """A cpu backend's dtype and kernels: the cluster's (the --cpu-* flags) over its own, so
+    `auto` resolved to the cpu runs as every other cpu backend does."""
+    settings = dict(dtype=config.cpu_dtype or backend.dtype, cpu_kernels=config.cpu_kernels or backend.cpu_kernels,
+                    cpu_compile=backend.cpu_compile if config.cpu_compile is None else config.cpu_compile)
+    try:
+        check_cpu_kernels(settings["cpu_kernels"], settings["dtype"], settings["cpu_compile"])
+    except ValueError as exc:
+        raise ConfigError(f"backend {backend_id}: {exc}") from None
+    return settings
 
 
 def _resolve_devices(backends: list[BackendConfig], num_gpus: int,

@@ -107,24 +107,33 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
                      gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None), **extra)
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
-    config = config.with_overrides(**overrides)
-    cpu_settings = {"dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None),
+    cpu_settings = {"cpu_dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None),
                     "cpu_kernels": getattr(args, "cpu_kernels", None)}
     cpu_settings = {key: value for key, value in cpu_settings.items() if value}
-    if cpu_settings:
-        data = config.model_dump()
-        cpu_backends = [backend for backend in data["backends"] if backend["device"] == "cpu"]
-        for key, flag in (("cpu_compile", "--cpu-compile"), ("cpu_kernels", "--cpu-kernels")):
-            if cpu_settings.get(key) and not cpu_backends:
-                raise ConfigError(f"{flag} applies to backends with device cpu, and there is none "
-                                  f"(backends: {', '.join(b['id'] or b['device'] for b in data['backends'])})")
-        for backend in cpu_backends:
-            backend.update(cpu_settings)
-        try:
-            config = config.validated(data, source="flags")
-        except ConfigError as exc:
-            raise ConfigError(_flag_names(str(exc), typed=set(cpu_settings), config_file=bool(args.config))) from None
+    try:
+        config = config.with_overrides(**overrides, **cpu_settings)
+        if cpu_settings:
+            _check_cpu_settings(config)
+    except ConfigError as exc:
+        typed = {"dtype" if key == "cpu_dtype" else key for key in cpu_settings}
+        raise ConfigError(_flag_names(str(exc), typed=typed, config_file=bool(args.config))) from None
     return config
+
+
+def _check_cpu_settings(config: TandemConfig) -> None:
+    """The --cpu-* flags apply to every backend that can run on the cpu: fail now, not after Ray
+    started, when there is none or when a backend's own settings and the flags cannot go together."""
+    from tandem.cluster.plan import cpu_settings
+
+    if not any(b.device in ("cpu", "auto") for b in config.backends):
+        flags = [flag for field, flag in (("cpu_compile", "--cpu-compile"), ("cpu_kernels", "--cpu-kernels"))
+                 if getattr(config, field)]
+        if flags:
+            raise ConfigError(f"{flags[0]} applies to backends with device cpu, and there is none "
+                              f"(backends: {', '.join(b.id or b.device for b in config.backends)})")
+    for backend in config.backends:
+        if backend.device in ("cpu", "auto"):
+            cpu_settings(config, backend, backend.id or backend.device)
 
 
 # A cpu backend's setting -> the flag that sets it on every cpu backend.

@@ -40,10 +40,14 @@ def test_cpu_compile_on_a_backend_that_is_not_a_cpu_is_a_clear_error(device, tmp
 
 
 def test_the_serve_flag_compiles_every_cpu_backend_and_keeps_the_dtype():
+    from tandem.cluster.plan import plan_backends
+
+    def planned(config):
+        return [(p.device, p.dtype, p.cpu_compile) for p in plan_backends(config, 1, False, num_cores=8)]
+
     config = serve_config("--backends", "cpu,cuda,cpu", "--cpu-compile", "--cpu-dtype", "int4")
-    assert [(b.device, b.dtype, b.cpu_compile) for b in config.backends] == [
-        ("cpu", "int4", True), ("cuda", "auto", False), ("cpu", "int4", True)]
-    assert [b.cpu_compile for b in serve_config("--backends", "cpu").backends] == [False]
+    assert planned(config) == [("cpu", "int4", True), ("cuda", "auto", False), ("cpu", "int4", True)]
+    assert planned(serve_config("--backends", "cpu")) == [("cpu", "auto", False)]
 
 
 def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():

@@ -56,18 +56,31 @@ def test_torch_kernels_suit_every_backend_and_other_names_are_refused():
         TandemConfig.validated({"backends": [{"device": "cpu", "dtype": "int4", "cpu_kernels": "llamafile"}]})
 
 
+def planned(config, num_gpus: int = 1) -> list[tuple[str, str, str]]:
+    from tandem.cluster.plan import plan_backends
+
+    return [(p.device, p.dtype, p.cpu_kernels) for p in plan_backends(config, num_gpus, False, num_cores=8)]
+
+
 def test_the_serve_flag_sets_every_cpu_backend_and_keeps_the_dtype():
     config = serve_config("--backends", "cpu,cuda,cpu", "--cpu-kernels", "ggml", "--cpu-dtype", "int4")
-    assert [(b.device, b.dtype, b.cpu_kernels) for b in config.backends] == [
-        ("cpu", "int4", "ggml"), ("cuda", "auto", "torch"), ("cpu", "int4", "ggml")]
-    assert [b.cpu_kernels for b in serve_config("--backends", "cpu").backends] == ["torch"]
+    assert planned(config) == [("cpu", "int4", "ggml"), ("cuda", "auto", "torch"), ("cpu", "int4", "ggml")]
+    assert planned(serve_config("--backends", "cpu")) == [("cpu", "auto", "torch")]
+
+
+def test_the_serve_flag_sets_auto_when_it_resolves_to_the_cpu():
+    """`--cpu-dtype int4 --cpu-kernels ggml-graph` with the default backends on a machine without
+    a GPU: the second cpu backend that `auto` became runs as the first does."""
+    config = serve_config("--cpu-dtype", "int4", "--cpu-kernels", "ggml-graph")
+    assert planned(config, num_gpus=0) == [("cpu", "int4", "ggml-graph")] * 2
+    assert planned(config, num_gpus=1) == [("cpu", "int4", "ggml-graph"), ("cuda", "auto", "torch")]
 
 
 def test_the_serve_flag_overrides_the_config_file_and_leaves_it_when_unset(tmp_path):
     path = tmp_path / "tandem.yaml"
     path.write_text("backends:\n  - device: cpu\n    dtype: int8\n    cpu_kernels: ggml\n")
-    assert serve_config("--config", str(path)).backends[0].cpu_kernels == "ggml"
-    assert serve_config("--config", str(path), "--cpu-kernels", "torch").backends[0].cpu_kernels == "torch"
+    assert planned(serve_config("--config", str(path))) == [("cpu", "int8", "ggml")]
+    assert planned(serve_config("--config", str(path), "--cpu-kernels", "torch")) == [("cpu", "int8", "torch")]
 
 
 def test_the_serve_flag_without_a_cpu_backend_is_a_clear_error():
