@@ -31,7 +31,9 @@ its own prompt so prefix caching does not help):
 - fixed: N requests of a 516-token prompt -> 128 output tokens; N = max(256, 4 C) unless
   --num-requests (--prompt-len / --max-tokens change the lengths, for smoke runs);
 - nanovllm: nano-vllm's benchmark, 256 requests with prompt and output lengths each uniform in
-  [100, 1024], seeded (random.Random(0)); --num-requests changes the count.
+  [100, 1024], seeded (random.Random(0)); --num-requests changes the count;
+- w: workload W (bench/throughput.py), 512 requests, prompts uniform in [64, 2048] tokens and
+  outputs in [32, 1024], seeded.
 
 Writes DIR/serve_load.json (the command line, machine facts, each config's start-up lines, start
 time and stop outcome, one row per config x workload x C; rewritten after every row) and each row's
@@ -75,7 +77,10 @@ FIXED_MAX_TOKENS = 128
 FIXED_MIN_REQUESTS = 256
 NANOVLLM_NUM_REQUESTS = 256
 NANOVLLM_RANGE = (100, 1024)  # prompt and output lengths, each uniform in it
-WORKLOADS = ("fixed", "nanovllm")
+W_NUM_REQUESTS = 512  # workload W (bench/throughput.py): long, varied requests
+W_PROMPT_RANGE = (64, 2048)
+W_OUTPUT_RANGE = (32, 1024)
+WORKLOADS = ("fixed", "nanovllm", "w")
 MAX_CLIENT_PROCS = 8
 CLIENTS_PER_PROC = 32
 NOISE = ("pid=", "INFO", "Warning")  # log lines left out of the recorded start-up lines
@@ -103,8 +108,17 @@ def nanovllm_workload(num_requests: int = NANOVLLM_NUM_REQUESTS, seed: int = 0) 
     return [(prompt, rng.randint(low, high)) for prompt in prompts]
 
 
+def w_workload(num_requests: int = W_NUM_REQUESTS, seed: int = 0) -> list[Request]:
+    """Workload W: prompt lengths uniform in [64, 2048], output lengths in [32, 1024]."""
+    rng = random.Random(seed)
+    return [(rng.choices(TOKEN_IDS, k=rng.randint(*W_PROMPT_RANGE)), rng.randint(*W_OUTPUT_RANGE))
+            for _ in range(num_requests)]
+
+
 def default_num_requests(workload: str, clients: int) -> int:
-    return max(FIXED_MIN_REQUESTS, 4 * clients) if workload == "fixed" else NANOVLLM_NUM_REQUESTS
+    if workload == "fixed":
+        return max(FIXED_MIN_REQUESTS, 4 * clients)
+    return W_NUM_REQUESTS if workload == "w" else NANOVLLM_NUM_REQUESTS
 
 
 def default_client_procs(clients: int) -> int:
@@ -118,6 +132,8 @@ def make_workload(name: str, clients: int, num_requests: int | None = None, prom
         return fixed_workload(num, prompt_len or FIXED_PROMPT_LEN, max_tokens or FIXED_MAX_TOKENS)
     if name == "nanovllm":
         return nanovllm_workload(num)
+    if name == "w":
+        return w_workload(num)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 

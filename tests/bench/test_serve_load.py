@@ -23,6 +23,7 @@ from bench.serve_load import (
     fixed_workload,
     make_workload,
     nanovllm_workload,
+    w_workload,
     parse_config,
     percentile,
     run_load,
@@ -41,6 +42,13 @@ def test_fixed_workload_shape_and_ids():
     assert all(len(p) == FIXED_PROMPT_LEN and m == FIXED_MAX_TOKENS for p, m in reqs)
     assert all(3 <= t < 250 for p, _ in reqs for t in p)
     assert len({tuple(p) for p, _ in reqs}) == 300  # each its own prompt: no prefix-cache help
+
+
+def test_w_workload_ranges_count_and_seed():
+    reqs = w_workload()
+    assert len(reqs) == 512
+    assert all(64 <= len(p) <= 2048 and 32 <= m <= 1024 for p, m in reqs)
+    assert w_workload() == reqs
 
 
 def test_nanovllm_workload_ranges_count_and_seed():
