@@ -34,6 +34,7 @@ from tandem.engine.model.config import ModelConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
 from tandem.engine.model.weights import load_hf_weights
+from tandem.engine.progress import plain_progress
 from tandem.engine.tokenizer import build_byte_tokenizer, load_tokenizer
 
 _CONVERTED_MARKER = "tandem-source.json"
@@ -179,7 +180,8 @@ def _download_from_hub(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        with plain_progress():  # the download bars, as lines in a log (a backend actor's stderr)
+            return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:  # no network, unknown repo, gated repo: all end the same way for the user
         raise RuntimeError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); this needs "
@@ -225,7 +227,8 @@ def _ensure_converted(gguf_path: Path, hf_dir: Path) -> Path:
             return hf_dir
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
         try:
-            _convert_gguf(gguf_path, tmp_dir)
+            with plain_progress():  # transformers' conversion and loading bars, as lines in a log
+                _convert_gguf(gguf_path, tmp_dir)
             _make_readable(tmp_dir)
             if hf_dir.exists():  # a stale conversion (older package or format)
                 shutil.rmtree(hf_dir)
