@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from tandem.engine.config import cache_root
+from tandem.engine.model.file_lock import file_lock
 from tandem.engine.model.quant import gguf_projection_shards, replace_linears
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,6 @@ def build() -> Path:
     for tool in ("cmake", os.environ.get("CXX", "c++")):
         if shutil.which(tool) is None:
             raise RuntimeError(f"building ggml's kernels needs {tool} on PATH")
-    from tandem.engine.model.loader import file_lock
-
     build_dir().mkdir(parents=True, exist_ok=True)
     with file_lock(build_dir() / ".build.lock"):
         if not library.is_file():  # another process may have built it while this one waited

@@ -15,7 +15,6 @@ lock, so concurrent processes (test workers, several backends) never read a half
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -31,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.engine.config import GGML_KERNELS, cache_root
 from tandem.engine.model.config import ModelConfig
+from tandem.engine.model.file_lock import file_lock
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.presets import PRESETS, GGUFPreset, RandomPreset, get_preset, random_hf_weights
 from tandem.engine.model.weights import load_hf_weights
@@ -243,22 +243,6 @@ def _make_readable(directory: Path) -> None:
     directory.chmod(0o755)
     for file in directory.iterdir():
         file.chmod(0o644)
-
-
-@contextlib.contextmanager
-def file_lock(lock_path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock (POSIX); without fcntl the atomic rename alone guards readers."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(lock_path, "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
