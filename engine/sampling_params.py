@@ -13,16 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.engine.errors import InvalidRequestError  # re-exported: callers import it from here too
+
 if TYPE_CHECKING:
     from tandem.engine.structured_output import StructuredOutputParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_N = 16
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never serve; the message names the offending field."""
 
 
 @dataclass

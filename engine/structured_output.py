@@ -41,7 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.sampling_params import InvalidRequestError
+from tandem.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
