@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def import_subcommand(module_name: str):
     """The subcommand's module. `bench` is not installed with Tandem: it is found in the source
-    checkout this `tandem` package lives in (an editable install), else the user is told."""
+    checkout this `tandem` package lives in (an editable install), else the user is told. This is
+    the product's one import of bench, allowed by name in tests/test_layering.py's EXCEPTIONS."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
