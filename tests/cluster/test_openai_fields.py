@@ -61,7 +61,14 @@ def test_unimplemented_field_is_a_400_naming_it(cls, body, field, value):
                                           ("skip_special_tokens", True), ("metadata", {"team": "a"}),
                                           ("prompt_cache_key", "k"), ("user", "u")])
 def test_values_that_ask_for_nothing_pass(field, value):
-    CompletionRequest.model_validate({**COMPLETION, field: value})
+    """Accepted, and the request is the one without the field: nothing reaches the completion."""
+    parsed = CompletionRequest.model_validate({**COMPLETION, field: value})
+    plain = CompletionRequest.model_validate(COMPLETION)
+    if field in CompletionRequest.model_fields:  # a label Tandem keeps (user): it changes nothing else
+        assert getattr(parsed, field) == value
+        assert parsed.model_copy(update={field: None}) == plain
+    else:  # dropped at the edge
+        assert field not in parsed.model_dump() and parsed == plain
 
 
 def test_best_of_equal_to_n_is_harmless():
