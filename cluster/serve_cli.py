@@ -1,6 +1,7 @@
 """`tandem serve`: start the cluster and its OpenAI-compatible HTTP API, until Ctrl-C.
 
-Settings come from `--config FILE` (YAML, see cluster/config.py) and flags, flags winning.
+Settings come from `--config FILE` (YAML, see cluster/config.py) and flags, flags winning; every
+setting is described in docs/config.md, so --help stays one line per flag.
 """
 
 from __future__ import annotations
@@ -16,89 +17,73 @@ from tandem.cluster.config import LOG_LEVELS, ConfigError, TandemConfig, cache_r
 from tandem.engine.config import CPU_KERNELS
 
 
+CONFIG_REFERENCE = "Every setting, its YAML field, default and why: docs/config.md (--config FILE sets them all)."
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_cluster_arguments(parser)
-    parser.add_argument("--policy", help="routing policy: cost (default), accelerator-only, cpu-only, "
-                        "round-robin, random (uniform, llm-d's baseline), least-requests, prefix-affinity")
-    parser.add_argument("--calibration-alpha", type=float,
-                        help="EWMA weight of each observed engine step when calibrating the router's rates "
-                             "online (default 0.2; 0 turns calibration off and keeps the profiled rates)")
-    parser.add_argument("--spill-margin", type=float,
-                        help="with an accelerator present, a CPU backend takes a request only if its score is "
-                             "lower than the accelerator's by this fraction (default 0.05; 0: the design's rule)")
-    parser.add_argument("--spill-allow-queue", action="store_true", default=None,
-                        help="let a CPU backend queue requests beyond its max_active while an accelerator "
-                             "could take them (default: spill only to a free CPU slot, which guards p95 TTFT)")
-    parser.add_argument("--warmup-tokens", type=int,
-                        help="after start, every backend decodes a full batch at once, this many tokens per "
-                             "request on the slowest (more on faster ones), so online calibration starts from "
-                             "co-running speeds (default 48; 0: none; skipped when calibration is off)")
-    parser.add_argument("--new-token-ratio", action="store_true", default=None,
-                        help="discount queued decode budgets with SGLang's decaying new_token_ratio")
+    advanced = add_cluster_arguments(parser)
+    parser.add_argument("--policy", metavar="NAME",
+                        help="cost (default), prefix-affinity, accelerator-only, cpu-only, round-robin, random, "
+                             "least-requests")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    parser.add_argument("--ingress", choices=("auto", "direct", "proxy"),
-                        help="direct: each ingress replica serves HTTP on --port itself, the kernel spreading "
-                             "connections over them (SO_REUSEPORT; one replica off Linux); proxy: Serve's HTTP "
-                             "proxy on --port in front of the replicas (one more process hop per request); "
-                             "auto (default): direct unless --address")
-    parser.add_argument("--http-replicas", type=int,
-                        help="Serve ingress replicas, each an HTTP process of its own (default: one per 4 cores "
-                             "of this machine, 1 to 4)")
-    parser.add_argument("--metrics-port", type=int,
-                        help="Prometheus scrape port, Ray's metrics export (default 8080; /metrics on --port serves "
-                             "the same page)")
-    parser.add_argument("--dashboard-port", type=int, help="Ray dashboard port, with --dashboard (default 8265)")
-    parser.add_argument("--rates", help="rates file (tandem profile --output); default: profile cache")
-    parser.add_argument("--profile", choices=["auto", "always", "never"],
-                        help="profile backends with no cached rates (auto, default), always, or never")
-    parser.add_argument("--routing-log", help="append one JSON line per routing decision to this file (default: off)")
-    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+    parser.add_argument("--port", type=int, metavar="N", help="HTTP port (default 8000)")
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help="Prometheus scrape port (default 8080; /metrics on --port serves the same)")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("TANDEM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY, else none)")
-    parser.add_argument("--address", help="join this Ray cluster (e.g. auto or HOST:6379) instead of starting one")
-    parser.add_argument("--served-model-name", help="model name clients send (default: the model's name)")
-    parser.add_argument("--dashboard", action="store_true", default=None, help="start the Ray dashboard")
-    parser.add_argument("--log-level", choices=LOG_LEVELS,
-                        help="level of Ray's, Serve's and Tandem's log lines on this console (default warning)")
-    parser.add_argument("--access-log", action="store_true", default=None,
-                        help="log one line per HTTP request (Serve's access log; default off)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="model name clients send (default: the model's)")
+    parser.add_argument("--rates", metavar="FILE", help="rates file from tandem profile (default: profile cache)")
+    parser.add_argument("--profile", choices=["auto", "always", "never"], metavar="WHEN",
+                        help="profile backends: auto (without cached rates; default), always, never")
+    parser.add_argument("--routing-log", metavar="FILE", help="append a JSON line per routing decision (default off)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, metavar="LEVEL",
+                        help="console log level: debug, info, warning (default) or error")
+    advanced.add_argument("--calibration-alpha", type=float, metavar="A",
+                          help="observed-step weight in online rate calibration (default 0.2; 0: off)")
+    advanced.add_argument("--spill-margin", type=float, metavar="F",
+                          help="a CPU must beat the accelerator's score by this share (default 0.05)")
+    advanced.add_argument("--spill-allow-queue", action="store_true", default=None,
+                          help="let a CPU queue work an accelerator could take (default: free slots only)")
+    advanced.add_argument("--warmup-tokens", type=int, metavar="N",
+                          help="tokens of the co-running warm-up before serving (default 48; 0: none)")
+    advanced.add_argument("--new-token-ratio", action="store_true", default=None,
+                          help="discount queued decode budgets with SGLang's decaying new_token_ratio")
+    advanced.add_argument("--ingress", choices=("auto", "direct", "proxy"), metavar="MODE",
+                          help="direct (replicas share --port), proxy, or auto: direct unless --address")
+    advanced.add_argument("--http-replicas", type=int, metavar="N",
+                          help="HTTP ingress processes (default: one per 4 cores, 1 to 4)")
+    advanced.add_argument("--address", metavar="ADDR",
+                          help="join this Ray cluster (auto or HOST:6379) instead of starting one")
+    advanced.add_argument("--dashboard", action="store_true", default=None, help="start the Ray dashboard")
+    advanced.add_argument("--dashboard-port", type=int, metavar="N", help="Ray dashboard port (default 8265)")
+    advanced.add_argument("--access-log", action="store_true", default=None,
+                          help="log a line per HTTP request (Serve's access log; default off)")
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags `serve` and `profile` share."""
-    parser.add_argument("--config", help="YAML config file; flags override it")
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Flags `serve` and `profile` share; returns the "advanced" group for the caller's rare flags.
+    Help is one line per flag: the why, the measurements and the details are in docs/config.md."""
+    parser.epilog = CONFIG_REFERENCE
+    parser.add_argument("--config", metavar="FILE", help="YAML config file; flags override it")
     parser.add_argument("--model", help="preset name, local HF directory or .gguf file (default smollm2-135m)")
-    parser.add_argument("--backends", help="comma-separated devices, cpu, cuda, mps or auto; id=device names "
-                        "one; DEVICE*N is N alike (cuda*2), cuda*all or auto*all one per free GPU "
-                        "(default cpu,auto: auto is cuda, else mps, else a second cpu); more cuda backends "
-                        "than GPUs share them (cuda*2 on one GPU: two engines, each with half its memory)")
-    parser.add_argument("--max-active", type=int, help="running requests per backend (default by device: cpu 4, "
-                        "a GPU 256 split among the engines sharing it, mps 32)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        help="share of each GPU's memory its engines use together for weights, activations and "
-                             "KV cache; the KV cache takes what the rest leaves (default 0.9)")
-    parser.add_argument("--cpu-threads", type=int,
-                        help="torch threads per cpu backend (default: the cores left after one for serving and "
-                             "one per accelerator backend, shared by the cpu backends)")
-    parser.add_argument("--cpu-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"),
-                        help="dtype of every cpu backend: int8/int4 are weight-only quantized linears with bfloat16 "
-                             "activations (default: the config's, else float32)")
-    parser.add_argument("--cpu-compile", action="store_true", default=None,
-                        help="opt-in: every cpu backend decodes through torch.compile'd graphs (a few fused "
-                             "loops per layer instead of many small ops; needs a C++ compiler). The first start "
-                             "of a model, dtype and thread count compiles for a while (20 s to 2 min on 2 cores), "
-                             "later starts load the cache; its rates are profiled apart from eager ones. Measure "
-                             "before turning it on: in our measurements it lost to eager decode on a 14-thread "
-                             "Xeon (int4 8x slower) and won 1.1-1.4x per step on 2 cores (default: the config's, "
-                             "else off)")
-    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS,
-                        help="whose kernels run every cpu backend's linears (ggml needs --cpu-dtype int8 or "
-                             "int4, or that dtype in the config): torch, or ggml, llama.cpp's own quantized dot "
-                             "products, built once from llama-cpp-python's sources (about a minute on two cores; "
-                             "later starts reuse the build), faster per decode row on AVX2 CPUs; or ggml-graph "
-                             "(int8, int4 or float32), each decode step run as one ggml graph, llama.cpp's speed "
-                             "per token (no compiling; not with --cpu-compile). Rates are profiled apart per "
-                             "choice (default: the config's, else torch)")
+    parser.add_argument("--backends", metavar="LIST",
+                        help="cpu, cuda, mps, auto, ID=DEVICE, cuda*2, cuda*all (default cpu,auto)")
+    parser.add_argument("--max-active", type=int, metavar="N",
+                        help="running requests per backend (default by device: cpu 4, a GPU 256, mps 32)")
+    cpu = parser.add_argument_group("every backend on the cpu")
+    cpu.add_argument("--cpu-threads", type=int, metavar="N",
+                     help="torch threads per cpu backend (default: the cores left over, shared)")
+    cpu.add_argument("--cpu-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"), metavar="DTYPE",
+                     help="float32 (default), bfloat16, int8 or int4 (weight-only quantized), auto")
+    cpu.add_argument("--cpu-kernels", choices=CPU_KERNELS, metavar="KIND",
+                     help="whose kernels: torch (default), ggml (int8/int4) or ggml-graph")
+    cpu.add_argument("--cpu-compile", action="store_true", default=None,
+                     help="decode through torch.compile'd graphs (opt-in, measure first; default off)")
+    advanced = parser.add_argument_group("advanced")
+    advanced.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                          help="share of each GPU's memory its engines use together (default 0.9)")
+    return advanced
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:

@@ -1,6 +1,7 @@
 """`tandem serve` as a user runs it: a subprocess that profiles on first start, prints its
 URLs and nothing alarming, answers HTTP, and stops cleanly on Ctrl-C (SIGINT); and a port
-already in use, answered before Ray starts with one line naming the flag."""
+already in use, answered before Ray starts with one line naming the flag; and its --help, one
+screen that points to docs/config.md, where every setting is described."""
 
 from __future__ import annotations
 
@@ -19,13 +20,12 @@ import pytest
 
 from tests.cluster.conftest import TIMEOUT_S, free_port
 
-pytestmark = pytest.mark.slow
-
 # Lines a healthy start used to print: Ray's token-auth notice, an error-level core_worker line
 # about actor restarts, and Serve's "New http_options ... will not be applied".
 ALARMING = ("Token authentication", "core_worker.cc", "will not be applied", "Traceback", "ERROR")
 
 
+@pytest.mark.slow
 def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
@@ -73,6 +73,7 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 def test_a_port_in_use_is_named_with_its_flag_before_ray_starts(flag, tmp_path):
     ports = {"--port": free_port(), "--metrics-port": free_port()}
@@ -88,3 +89,32 @@ def test_a_port_in_use_is_named_with_its_flag_before_ray_starts(flag, tmp_path):
         f"error: port {ports[flag]} on 127.0.0.1 ({flag}) is already in use; stop what holds it or choose "
         f"another with {flag} N"]
     assert "backend cpu0" not in result.stdout  # stopped before Ray and the backends
+
+
+def test_serve_help_fits_one_screen(monkeypatch, capsys):
+    """One line per flag where it fits; the details live in docs/config.md, which the help names."""
+    from tandem.cluster.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 60, "\n".join(lines)
+    assert "docs/config.md" in lines[-1]
+
+
+def test_docs_config_names_every_field_and_flag():
+    import argparse
+    from pathlib import Path
+
+    from tandem.cluster.config import BackendConfig, TandemConfig
+    from tandem.cluster.serve_cli import add_arguments
+
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
+    fields = set(TandemConfig.model_fields) | set(BackendConfig.model_fields)
+    assert [field for field in sorted(fields) if f"`{field}`" not in reference] == []
+    assert [flag for flag in sorted(flags - {"--help", "--config"}) if f"`{flag}`" not in reference] == []
