@@ -58,29 +58,76 @@ def test_openai_completions_match_tandem_generate(openai_client, reference, stre
     assert text == reference["plain"]
 
 
+def block_size(tandem) -> int:
+    import ray
+
+    infos = ray.get([b.info.remote() for b in tandem.refresh_backends().values()], timeout=TIMEOUT_S)
+    assert len({info.block_size for info in infos}) == 1, infos
+    return infos[0].block_size
+
+
+def full_prefix_hit(num_prompt_tokens: int, block_size: int) -> int:
+    """Cached tokens of a prompt its backend has seen whole: every full block short of the last
+    token, which is always computed (engine/kv_cache/manager.py)."""
+    return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def until_a_backend_repeats(send, num_backends: int = 2) -> list[tuple[str, int, int]]:
+    """(backend, prompt tokens, cached tokens) of `send()`'s calls, one at a time, until a backend
+    serves the same prompt a second time: with two backends, the third call at the latest."""
+    served = []
+    for _ in range(num_backends + 1):
+        served.append(send())
+        if served[-1][0] in {backend for backend, _, _ in served[:-1]}:
+            return served
+    raise AssertionError(f"no backend served the prompt twice in {len(served)} calls: {served}")
+
+
+def check_cached_tokens(served: list[tuple[str, int, int]], block_size: int) -> None:
+    """Each call's cached tokens are whole blocks within the prompt; the call on a backend that
+    has served this prompt before in the test hits every one of its full blocks."""
+    num_prompt_tokens = {p for _, p, _ in served}
+    assert len(num_prompt_tokens) == 1, served
+    full = full_prefix_hit(num_prompt_tokens.pop(), block_size)
+    assert full > 0, f"the prompt must span more than a {block_size}-token block: {served}"
+    for i, (backend, _, cached) in enumerate(served):
+        if backend in {b for b, _, _ in served[:i]}:
+            assert cached == full, served
+        else:  # first on this backend here: earlier tests may have left part or all of it cached
+            assert cached % block_size == 0 and 0 <= cached <= full, served
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_openai_chat_matches_tandem_generate(openai_client, reference, stream):
+def test_openai_chat_matches_tandem_generate(tandem, openai_client, reference, stream):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0)
-    if stream:
-        chunks = list(openai_client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                            **kwargs))
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert chunks[0].choices[0].delta.role == "assistant"
-        usage = chunks[-1].usage
-        assert usage.prompt_tokens > 0 and usage.prompt_tokens_details.cached_tokens >= 0
-    else:
+    if not stream:
         response = openai_client.chat.completions.create(**kwargs)
-        text = response.choices[0].message.content
         assert response.choices[0].message.role == "assistant"
-    assert text == reference["chat"]
+        assert response.choices[0].message.content == reference["chat"]
+        return
+
+    def send() -> tuple[str, int, int]:
+        raw = openai_client.chat.completions.with_raw_response.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs)
+        chunks = list(raw.parse())
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"]
+        usage = chunks[-1].usage
+        return raw.headers["x-tandem-backend"], usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+    check_cached_tokens(until_a_backend_repeats(send), block_size(tandem))
 
 
-def test_repeated_prompt_reports_cached_tokens(http):
+def test_repeated_prompt_reports_cached_tokens(tandem, http):
     body = {"model": MODEL, "prompt": "Tell me a story. " * 8, "max_tokens": 2, "temperature": 0}
-    http.post("/v1/completions", json=body)
-    usages = [http.post("/v1/completions", json=body).json()["usage"] for _ in range(2)]
-    # Whichever backend serves the third call has seen the prompt at least once by then.
-    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+    def send() -> tuple[str, int, int]:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return r.headers["x-tandem-backend"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    check_cached_tokens(until_a_backend_repeats(send), block_size(tandem))
 
 
 def test_requests_split_across_backends_agree_with_routing_log(tandem, routing_log):
