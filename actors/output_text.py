@@ -12,10 +12,11 @@ the core; whatever the core still sends for it (a token or two already under way
 abort's last output) is dropped. Requests with several choices (`n > 1`) keep their text in
 the engine, which aborts one choice without the others; their outputs pass through untouched.
 
-Opt-in for now, with `TANDEM_FRONT_DETOKENIZE=1`: on the H200 it took 3.6% off the core's mean
-step in one A/B, and with it on, a client-disconnect test (tests/cluster/test_serve_failures.py)
-failed twice in full-suite runs, which could not be traced or reproduced alone in the session
-that added it. Until that is understood the engine makes the text by default.
+Opt-in, with `TANDEM_FRONT_DETOKENIZE=1`. The engine makes the text by default because, with
+this on, the client-disconnect test (tests/cluster/test_serve_failures.py) fails intermittently
+under load (an aborted request's blocks not freed in time) for a reason not yet found, and the
+saving is small where detokenizing is a table lookup per token (byte-level tokenizers); the
+measurement is in docs/benchmarks/served-path-h200.md, "Detokenization out of the engine core".
 """
 
 from __future__ import annotations

@@ -3,16 +3,15 @@ socket carrying length-prefixed pickles, so a batch of routing calls, a batch of
 step's batch of outputs each cost one socket write instead of a Ray call or a streamed Ray
 object.
 
-Why. A request's data hops (its routing call, its add, its admission, its outputs) used to
-ride Ray: a `place_many` call and a one-way `add_many` call per event-loop turn, and an item
-of a `subscribe` streaming generator per hand-over. Each costs a task or an object on both
-sides (serialization into Ray's object format, a gRPC message, the owner's bookkeeping, a
-cross-thread wake-up), which under a high rate of short requests made the backend actor the
-busiest process on the machine, put tens of milliseconds between the ingress and the engine,
-and capped one H200 backend at ~1,400 short requests/s with p99 over a second (2,000/s at p99
-under 11 ms on the wire; docs/benchmarks/served-path-h200.md). When the caller and the actor
-share a node none of that is needed: the actor listens on a socket, the caller learns its
-address with one Ray call (`wire_address`) and then talks to it directly. Ray stays the
+Why. Over Ray, each of a request's data hops (its routing call, its add, its admission, its
+outputs) is a call or an item of a streaming generator: a task or an object on both sides
+(serialization into Ray's object format, a gRPC message, the owner's bookkeeping, a
+cross-thread wake-up). Under a high rate of short requests that makes the backend actor the
+busiest process on the machine, puts tens of milliseconds between the ingress and the engine,
+and caps the request rate well below what the engine serves (docs/benchmarks/served-path-h200.md
+compares the two paths). When the caller and the actor share a node none of that is needed: the
+actor listens on a socket, the caller learns its address with one Ray call (`wire_address`) and
+then talks to it directly. Ray stays the
 control plane (placement, health, restarts, aborts, stats, reports); only the per-request data
 leaves it. vLLM's front end and engine core talk the same way (a local socket, not RPC).
 

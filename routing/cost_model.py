@@ -17,10 +17,10 @@ With a batch-aware profile the decode term is also at least the new request's ow
 `max_tokens` steps of that batch, `max_tokens x batch / rate(batch)`. Summed budgets over the
 aggregate rate are the time to drain the batch if it stayed that size, but it shrinks as its
 requests finish and the new request, with the largest budget, runs last at a low batch rate;
-on a GPU whose aggregate rate grows almost linearly with the batch, the plain sum made a busy
-backend look faster than an idle one and piled requests onto it (route-sim showed one GPU
-taking 3 of every 4 requests of a light multi-tenant load, with a worse E2E p95). Without a
-table the plain formula is kept, so the design's worked example is unchanged.
+on a GPU whose aggregate rate grows almost linearly with the batch, the plain sum makes a busy
+backend look faster than an idle one and piles requests onto it (docs/routing.md, "Batch-aware
+decode bound"). Without a table the plain formula is kept, so the design's worked example is
+unchanged.
 
 The queue term. The score is the new request's own completion time; it does not see what the
 new request costs the requests queued on a backend (routed there, not yet admitted by its
@@ -34,12 +34,10 @@ decode step go to different backends instead of sharing a prefill step. On a bac
 free slot the queued requests are admitted before the new one and the term is a stand-in for
 the queue the new request itself waits behind. The weight is 1 (the seconds of delay summed
 over the queued requests); 0 restores the rank without it. In the design's worked example it
-does not change a decision (request 7: GPU 3.043 s against the CPU's 3.118). On route-sim's
-tenants grid (docs/routing.md) it raised the cell-seeds where `cost` is at least as good as
-every other arm from 25 to 28 of 36 at 200 requests and kept 30 of 36 at 600 (seeds 0-2), and
-from 27 to 31 and 27 to 30 on seeds 3-5. Weight 2 met 59 and 61 of 72 (seeds 0-5, 200 and 600
-requests) against weight 1's 59 and 60, 0.5 met 56 and 57, 4 met 60 and 58; counting queued
-requests only on a backend with a free slot, the case the delay is exact for, met 56 and 59.
+does not change a decision (request 7: GPU 3.043 s against the CPU's 3.118). The term and its
+weight were chosen on route-sim's tenants grid, where the term makes `cost` at least as good as
+every other arm in more cell-seeds; the counts, and the variants tried, are in docs/routing.md,
+"The queue term".
 """
 
 from __future__ import annotations

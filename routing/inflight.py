@@ -3,7 +3,7 @@
 A backend reports the block hashes it published only after the step that scheduled their
 prefill, and the router's mirror of its prefix cache learns them from that report. A request
 routed before then, with the same prefix, saw no hit anywhere, so a burst of one tenant's
-requests used to spray over every backend, each paying the whole prefill. The router therefore
+requests would spray over every backend, each paying the whole prefill. The router therefore
 remembers the prompt blocks of every request it holds on a backend (queued or running) and
 treats them as cached there: a queued request's blocks will be published when its prefill is
 scheduled, before any later request behind it on that backend is, and a running request's

@@ -2,8 +2,9 @@
 
 One `Ledger` per backend. Each `LedgerEntry` remembers what the cost model needs:
 - the uncached prefill tokens estimated when the request was routed (prompt minus the prefix
-  that backend reported). The estimate is frozen while the request is queued: the design's
-  original bug was to drop this discount for queued requests. Only an "evicted" report
+  that backend reported). The estimate is frozen while the request is queued, since the
+  prefix it counted on stays cached there; dropping the discount would charge every queued
+  request its whole prompt. Only an "evicted" report
   replaces it, with the prompt minus the prefix still reusable (the report's value; 0, the
   default, means the full prompt), because then the prefix really is gone.
 - once the backend reports prefill progress, the remaining prefill is

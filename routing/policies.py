@@ -23,15 +23,15 @@ Policies get the request too (`choose(scores, request)`); only `prefix-affinity`
 The recompute term. The score is the new request's completion time on a backend; it does not
 see that recomputing a prefix another backend already holds is work the system did not need:
 device time that the requests running there stall for (prefill goes first) and that every
-later request on that backend queues behind. Greedy on the score alone, `cost` gave up a hit
-whenever the holder's queue was a little longer, and under saturating multi-tenant load those
-avoidable prefills were what saturated it (route-sim: TTFT p50 about 1 s against
-prefix-affinity's 0.6 s). The router therefore adds, for each backend,
+later request on that backend queues behind. Greedy on the score alone, `cost` would give up a
+hit whenever the holder's queue is a little longer, and under saturating multi-tenant load those
+avoidable prefills are what saturate the backends. The router therefore adds, for each backend,
 `recompute_weight x (largest reusable prefix among the routable backends - this backend's) /
 its prefill rate` (`BackendScore.recompute_term_s`, computed by the Router, which knows which
-backends are routable). The weight is 2 by default, the best of 1, 1.5 and 2 on the route-sim
-tenants grid (docs/routing.md); 0 restores the design's plain score. Where every backend reports
-the same prefix, as in the design's worked example, the term is zero.
+backends are routable). The weight is 2 by default, chosen on the route-sim tenants grid; 0
+restores the design's plain score (what each term is worth: docs/routing.md, "Multi-tenant
+prefixes"). Where every backend reports the same prefix, as in the design's worked example, the
+term is zero.
 
 `prefix-affinity` in detail. The prefix key is the chained hash of the prompt's first
 `num_prefix_blocks` full blocks (fewer when the prompt is shorter): chained, so it stands for
@@ -49,8 +49,9 @@ full block has no key and goes to the least-loaded candidate.
 
 The spill guard is what makes `cost` "never worse than accelerator-only" in practice, not
 only on paper. The score ranks work with rates measured in isolation; a CPU next to a busy
-accelerator shares the host's cores with the accelerator's step loop and the HTTP path and
-ran up to 2.4x slower than its profile on the H200, so a CPU that wins by 2% on paper loses.
+accelerator shares the host's cores with the accelerator's step loop and the HTTP path and runs
+slower than its profile (up to 2.4x on the H200 host; docs/routing.md, "The spill guard"), so a
+CPU that wins by a few percent on paper loses.
 With an accelerator present, a CPU backend therefore wins only if (1) its rank beats the best
 accelerator's by `margin` (a fraction of the accelerator's rank) and (2), unless
 `allow_queue`, it has a free slot: a request queued behind a slow backend's running ones

@@ -5,8 +5,8 @@ backend already holds. Under cache pressure that is right: the copy evicts anoth
 its prefill is device time nobody needed. Where every prefix fits, it keeps a hot prefix on one
 backend for good, and the score alone does the same: request by request, the backend holding a
 tenant's prefix finishes the next request sooner than one that must prefill it first, so the
-other backends never learn that tenant (route-sim, 4 tenants on two GPUs, 10 requests/s: 453 of
-600 requests on one GPU, E2E p95 4% above round-robin's). A copy on a second backend is an
+other backends never learn that tenant, and its requests crowd one backend while another idles
+(docs/routing.md, "The replication term", shows it in route-sim). A copy on a second backend is an
 investment: one prefill now, after which every later request of that prefix can go to whichever
 holder is less loaded.
 
@@ -37,8 +37,8 @@ hundreds of later requests, and a router cannot tell a short run from the start 
 (the first 200 requests of a 600-request run are a 200-request run). So such a copy is made only when
 `copy_interval` decisions (200) have passed since the last copy of any prefix; a copy that costs
 its request no more than the holder would (the holder is still prefilling the prefix, or
-others) is always allowed. route-sim, 4 tenants, 1k prefixes, 100/s, 200 requests: TTFT p95
-28.5 ms without the interval against round-robin's 4.3 ms, 4.0 ms with it.
+others) is always allowed. The decisions behind this rule, and what it costs on long runs, are
+in docs/routing.md, "Short runs: the copy interval".
 
 Cache pressure. The router does not know a backend's cache size, but it sees a backend lose a
 prefix: per prefix key it remembers what the last request with that key could reuse on each
