@@ -128,8 +128,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         # A CPU's step time grows with its tokens, so small steps keep decodes moving; an H200
-        # runs a 516-token prefill in ~10 ms of launch-bound time, so big steps pay (48 x 516-token
-        # prompts: 12.3k output tok/s with 2,048-token steps, 14.1k with 8,192).
+        # runs a 516-token prefill in ~10 ms of launch-bound time, so big steps pay
+        # (docs/benchmarks/fast-path-h200.md compares step sizes).
         return {"cpu": 512, "cuda": 8192}.get(self.device_type, 2048)
 
     @property

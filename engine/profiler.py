@@ -8,14 +8,14 @@ batch-1 entry is the design's isolated decode rate). The sizes are the powers of
 (routing/rates.py), and a GPU engine at max_active 256 profiles 10 sizes instead of 256. Times come from the engine's own per-step
 timer, and a step counts as prefill or decode only if it did nothing else. Every shape is run
 once untimed first: a GPU backend compiles kernels and captures graphs on first use, and
-timing that once made a GPU's prefill look 50x slower than it is, which sent work to the CPU
-that the GPU would have finished sooner.
+timing that would make a GPU's prefill look many times slower than it is, sending the CPU work
+the GPU would finish sooner.
 
 The whole measurement is repeated (`repeats`, 3 by default) and each rate is the median over
-the repeats, so one disturbed run does not become the profile: two identical H200s profiled
-once each had come out at 38,600 and 28,800 prefill tok/s. The result says how far the repeats
-spread (`spread`: (max - min) / median of each rate, the decode table's worst batch size), so
-a caller can warn when the measurement itself was not steady.
+the repeats, so one disturbed run does not become the profile (a single run can put two
+identical GPUs a third apart). The result says how far the repeats spread (`spread`: (max -
+min) / median of each rate, the decode table's worst batch size), so a caller can warn when
+the measurement itself was not steady.
 
 It lives in the engine layer because it needs nothing but an engine; the backend actor calls it
 and the cluster layer caches its results and shares one profile between identical devices
@@ -30,10 +30,9 @@ from typing import Any
 from tandem.engine.sampling_params import SamplingParams
 
 # Bumped when the engine gets much faster or slower, so cached rates from before are not reused
-# (2: oneDNN-packed CPU linears, ~4x faster fp32 decode on the 2-core box; 3: the CPU decode's
-# context gather by whole blocks, 3-4 ms less per step on 14 Xeon threads; 4: asynchronous
-# scheduling and graphed prefill/mixed steps on cuda, ~1.9x the output rate at 256 requests;
-# 5: few-op CPU decoder layers and the byte-table detokenizer).
+# (2: oneDNN-packed CPU linears; 3: the CPU decode's context gather by whole blocks;
+# 4: asynchronous scheduling and graphed prefill/mixed steps on cuda; 5: few-op CPU decoder
+# layers and the byte-table detokenizer).
 ENGINE_SPEED_VERSION = 5
 
 

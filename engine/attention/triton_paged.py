@@ -29,10 +29,10 @@ from tandem.engine.attention.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 
 # Launch settings (tiles of BLOCK_N context tokens, warps, pipeline stages, and how many
-# programs a decode launch aims for by splitting contexts), measured on the H200 with
+# programs a decode launch aims for by splitting contexts), chosen on the H200 with
 # `python -m bench.attention_sweep` on workload W's shapes (256 decodes of 600-3,000-token
-# contexts: 0.098 -> 0.089 ms a layer; 256 decodes plus a 1,500-token prompt: 0.151 -> 0.139
-# ms; 8 warps lost everywhere). Each launch reads them, so a sweep can change them.
+# contexts, with and without a 1,500-token prompt; results in docs/benchmarks/throughput-h200.md,
+# "Attention retuned on W's shapes"). Each launch reads them, so a sweep can change them.
 DECODE_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 4096, "max_splits": 16}
 PREFILL_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 

@@ -3,9 +3,7 @@
 `F.linear` on the CPU reads each weight in its stored layout at every call, which at decode's
 few rows is far from what the cores can do. oneDNN can reorder a weight once, at load, into its
 own blocked layout; its linear kernel then runs 2-5x faster with the same result (bit-identical
-in bf16, within ~1e-5 in fp32). Measured on the 2-core EPYC box, 2 threads, Qwen2.5-0.5B's
-gate/up projection (9728 x 896) at 4 rows: fp32 4.10 -> 0.79 ms, bf16 0.48 -> 0.18 ms; at 512
-rows (prefill) fp32 46.7 -> 18.5 ms; its tied output projection at 4 rows fp32 63 -> 12 ms.
+in bf16, within ~1e-5 in fp32; per-shape timings in docs/benchmarks/cpu-decode-2core.md).
 
 The kernels are PyTorch's own (`torch.ops.mkldnn._reorder_linear_weight` and
 `_linear_pointwise`, what torch.compile's CPU backend emits), not a public API: `available()`
@@ -15,12 +13,11 @@ stays the same); a tied output projection gets a packed copy of the embedding ma
 the embedding lookup still needs.
 
 On a CPU with AMX (Sapphire Rapids and later), oneDNN runs bf16 linears on AMX tiles. At
-decode's 4 rows those stream weights slower than its AVX-512 BF16 kernels (H200 machine's
-14-thread Xeon, bench/cpu_step.py: 17.9 vs 22.3 ms of matmuls per Qwen2.5-0.5B step), but at
-prefill's hundreds of rows AMX is 3x faster (516-token prompt 260 vs 861 ms), and on 8 x
-(516 -> 128) at max_active 4 AMX gave 90-93 output tok/s against 71-84 without it. So we leave
-oneDNN's choice alone; `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` (oneDNN's own variable, read once
-per process, inherited by Ray's workers) trades prefill for decode where outputs are long.
+decode's 4 rows those stream weights slower than its AVX-512 BF16 kernels, but at prefill's
+hundreds of rows AMX is about 3x faster, and a whole serving run (prefill and decode) comes out
+ahead with it (docs/benchmarks/fast-path-h200.md). So we leave oneDNN's choice alone;
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` (oneDNN's own variable, read once per process, inherited
+by Ray's workers) trades prefill for decode where outputs are long.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
 PyTorch's weight-only int4/int8 CPU kernels dequantize each weight to float and multiply it by
 float activations. llama.cpp instead quantizes the activations once per row (to Q8_0 / Q8_1) and
 multiplies 4- or 8-bit integers directly, which on a small model's decode is what sets the speed:
-measured on the 2-core AMD EPYC (AVX2, no AVX-512) box, one row, 2 threads, SmolLM2-135M's
-shapes, `_weight_int4pack_mm_for_cpu` (bf16 activations) against ggml's Q4_1 dot products:
-
-    qkv 960 x 576  62 -> 36 us    o 576 x 576  44 -> 23 us    gate_up 3072 x 576  202 -> 113 us
-    down 576 x 1536  126 -> 56 us    output 49152 x 576 (int8 / Q8_0)  2.47 -> 1.67 ms
-
-At four rows the two are even (each ggml dot product is one row against one row), so the engine
-keeps PyTorch's kernels unless asked (`EngineConfig.cpu_kernels = "ggml"`).
+at one row ggml's Q4_1 dot products take about half the time of `_weight_int4pack_mm_for_cpu`
+on an AVX2 CPU (per-shape timings: docs/benchmarks/cpu-vs-llamacpp-2core.md, "llama.cpp's own
+kernels in Tandem"). At four rows the two are even (each ggml dot product is one row against one
+row), so the engine keeps PyTorch's kernels unless asked (`EngineConfig.cpu_kernels = "ggml"`).
 
 With `cpu_kernels="ggml"` a GGUF model's Q4_0 / Q4_1 / Q8_0 tensors are used as they are, byte
 for byte (q and k rows reordered back to HF's RoPE layout, which moves whole rows of blocks);

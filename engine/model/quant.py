@@ -11,9 +11,9 @@ kernels (what torchao and gpt-fast call on the CPU), so nothing here is hand-wri
         and zero per `group` input columns, w = (q - 8) * scale + zero with q in 0..15.
 
 Both kernels take the activations in the scales' dtype, and their float32 paths are scalar
-(measured on 2 Sapphire Rapids cores, SmolLM2-135M's gate/up projection at one row: int8 926 us
-with float32 activations, 68 us with bfloat16; packed bf16 125 us, packed fp32 247 us), so the
-quantized modes run the rest of the model in bfloat16 (`EngineConfig.torch_dtype`).
+(an order of magnitude slower than with bfloat16 activations; see "What was measured to
+choose" in docs/benchmarks/cpu-vs-llamacpp-2core.md), so the quantized modes run the rest of
+the model in bfloat16 (`EngineConfig.torch_dtype`).
 
 GGUF files are mostly Q4_0/Q4_1 blocks of 32 weights, which are exactly this int4 layout at
 group 32: Q4_0 is d * (q - 8) (zero 0), Q4_1 is d * q + m (zero m + 8 d). `gguf_int4_linears`
