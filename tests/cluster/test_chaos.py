@@ -336,10 +336,16 @@ def test_burst_past_the_pending_limit_gets_429_with_retry_after(tiny, scale):
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_mixed_burst_loses_nothing(tiny, scale):
-    """At least twice the limit of short requests at once: each is a full completion or a 429,
-    never anything else, and nothing is left behind."""
-    body = {"model": MODEL, "prompt": "Quick one", "max_tokens": 8, "ignore_eos": True}
+    """At least twice the limit of short greedy requests at once on an idle cluster: the first
+    PENDING_LIMIT to arrive are all admitted, so at least that many complete; each is the full
+    completion, the same text as the request sent alone, or a 429 with Retry-After; never
+    anything else, and nothing is left behind."""
+    body = {"model": MODEL, "prompt": "Quick one", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     num_requests = max(2 * PENDING_LIMIT, scale.num_burst)
+    alone = httpx.post(tiny.url + COMPLETIONS, json=body, timeout=TIMEOUT_S)
+    assert alone.status_code == 200, alone.text
+    want = alone.json()["choices"][0]["text"]
+    wait_idle(tiny, "the cluster to be idle before the burst")  # every admission slot is free
 
     async def scenario():
         async with client(tiny) as http:
@@ -349,12 +355,16 @@ def test_mixed_burst_loses_nothing(tiny, scale):
     for r in responses:
         assert r.status_code in (200, 429), r.text
         if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] == 8
+            choice, usage = r.json()["choices"][0], r.json()["usage"]
+            assert (choice["text"], choice["finish_reason"], usage["completion_tokens"]) == (want, "length", 8), r.text
         else:
-            assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"]
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "too_many_pending_requests", error
+            assert r.headers["retry-after"] == "1" and error["request_id"] == r.headers["x-tandem-request-id"]
+    got_200 = sum(r.status_code == 200 for r in responses)
     wait_idle(tiny, "the cluster to be idle after the burst")
-    report("mixed burst", requests=len(responses), got_200=sum(r.status_code == 200 for r in responses),
-           got_429=sum(r.status_code == 429 for r in responses))
+    report("mixed burst", requests=len(responses), got_200=got_200, got_429=len(responses) - got_200)
+    assert got_200 >= PENDING_LIMIT, f"only {got_200} of {len(responses)} completed; the limit admits {PENDING_LIMIT}"
 
 
 def test_backend_killed_mid_stream(tiny):
