@@ -14,7 +14,11 @@ Errors are raised as one exception class per meaning (cluster/dispatch.py's, plu
 HTTP has, below) and translated into a status code, an OpenAI error type and, for 429 and 503,
 a `Retry-After` once, in `HTTP_ERRORS`. A body never carries internals (tracebacks, pids, actor
 ids): an error's `detail` goes to the server log under the request id that the body's
-`error.request_id` and the `x-tandem-request-id` header also carry. Requiring the JSON content
+`error.request_id` and the `x-tandem-request-id` header also carry. A request the engine failed
+on its own (an output finished with reason "error", engine/llm_engine.py: its grammar, its
+sampling or its detokenizing raised, and the other requests went on) is a 500 like any internal
+error, or the error event of a stream that already started; the backend's log has the trace
+under the same request id. Requiring the JSON content
 type matters beyond tidiness: browsers send `text/plain` cross-site without a preflight, so
 accepting it would let any web page drive a server that runs without a key.
 
@@ -84,6 +88,8 @@ UNAVAILABLE_RETRY_AFTER_S = 2
 MAX_ECHOED_CHARS = 64  # of a client's own value quoted back in an error message
 CLIENT_CLOSED_REQUEST = 499  # nginx's code, in the request counter only: no client reads it
 CATCH_ALL = "/{path:path}"
+# engine/llm_engine.py's FINISH_REASON_ERROR (not imported: the ingress does not load torch).
+ENGINE_ERROR_REASON = "error"
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
@@ -128,6 +134,10 @@ class UnsupportedMediaType(RequestFailed):
 
 class Overloaded(RequestFailed):
     """The admission limit is reached; the request was not queued."""
+
+
+class GenerationFailed(RequestFailed):
+    """The engine failed this request alone while generating it (a 500, as an internal error)."""
 
 
 # Every error class -> (HTTP status, OpenAI error type, Retry-After seconds or None); a class
@@ -178,6 +188,13 @@ def _log_failure(exc: RequestFailed, request_id: str, status: int) -> None:
 
 def _internal(request_id: str) -> RequestFailed:
     return RequestFailed(f"internal error; the server logged it under request id {request_id}")
+
+
+def _check_output(out: Any, request_id: str) -> None:
+    """Raise `GenerationFailed` for an output the engine ended with an error."""
+    if out.finish_reason == ENGINE_ERROR_REASON:
+        raise GenerationFailed(f"the request failed while generating; the server logged it under request id "
+                               f"{request_id}", detail=f"the engine ended choice {out.index} with an error")
 
 
 def _echo(value: str) -> str:
@@ -561,6 +578,7 @@ class TandemIngress:
         choices: dict[int, Choice] = {}
         final = None
         async for out in stream.outputs():
+            _check_output(out, stream.req_id)
             choices.setdefault(out.index, Choice()).add(out)
             final = out
         usage = UsageInfo.of(final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens)
@@ -614,6 +632,7 @@ class TandemIngress:
             final = None
             try:
                 async for out in stream.outputs():
+                    _check_output(out, stream.req_id)
                     final = out
                     logprobs = self._chunk_logprobs(out, body, chat, text_offsets) if out.logprobs else None
                     tool_stream = tool_streams.get(out.index)

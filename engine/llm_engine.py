@@ -8,11 +8,29 @@ computes; each call still returns the outputs of one forward, one call later. Ev
 a prompt over the context, a request larger than the whole cache, bad sampling settings) is
 rejected in `add_request` with an `InvalidRequestError` naming the problem, so nothing bad
 ever reaches the step loop.
+
+Should one request still fault while stepping (its grammar, its logits processing or
+sampling, its detokenizer or stop handling), that request alone ends: its last output is
+finished with the finish reason "error" (`FINISH_REASON_ERROR`; the HTTP ingress turns it into
+an error response, or an error event on a stream that started), its blocks are freed, the
+fault is logged under its id, and every other request goes on as if it had not been there. A
+failure that no one request explains (the batched forward, a device error) raises out of
+`step()` as before. `fault_injector` is a hook for tests: `fault_injector(point, req_id)` is
+called at each named point below and may raise; None (the default) costs nothing.
+
+- "sampling_row": as a request's sampling row is prepared for a step (it leaves that step);
+- "logits", "grammar_bitmask": in the sampler, per row (engine/sampler.py);
+- "grammar_accept": as a request's grammar accepts its sampled token;
+- "output": as a request's sampled token becomes its output (stops, detokenizing);
+- "step": once per launch, with req_id None, just before the batched forward: not any one
+  request's, so it raises out of `step()`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,6 +50,9 @@ from tandem.engine.structured_output import GrammarCompiler, RequestGrammar
 from tandem.engine.tokenizer import encode_chat, encode_prompt
 
 MAX_DEFAULT_MODEL_LEN = 8192
+FINISH_REASON_ERROR = "error"  # the last output of a request that failed on its own (see above)
+
+logger = logging.getLogger("tandem.engine")
 
 
 @dataclass
@@ -113,6 +134,19 @@ class LLMEngine:
         self._stats = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
         self._groups: dict[str, _Group] = {}  # n > 1 requests by id
         self._child_of: dict[str, tuple[_Group, int]] = {}  # child req_id -> (its group, its index)
+        self._failed_outputs: list[RequestOutput] = []  # requests that failed in this step (`_fail`)
+        self._fault_injector: Callable[[str, str | None], None] | None = None
+
+    @property
+    def fault_injector(self) -> Callable[[str, str | None], None] | None:
+        """A test's hook, `fault_injector(point, req_id)`, called at the named points (module
+        doc) and free to raise there; None in service."""
+        return self._fault_injector
+
+    @fault_injector.setter
+    def fault_injector(self, injector: Callable[[str, str | None], None] | None) -> None:
+        self._fault_injector = injector
+        self.model_runner.sampler.fault_injector = injector
 
     # -- sizing ------------------------------------------------------------------------------
     @property
@@ -197,7 +231,7 @@ class LLMEngine:
         self._tracked[req_id] = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params.stop) if detokenize else None,
             SamplingRow(params, self._make_generator(params.seed), grammar=grammar,
-                        prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else []),
+                        prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else [], req_id=req_id),
         )
         return request
 
@@ -275,7 +309,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
-                or self._in_flight is not None)
+                or self._in_flight is not None or bool(self._failed_outputs))
 
     def num_cached_tokens(self, prompt_token_ids: list[int]) -> int:
         """Prefix-cache hit for this prompt right now; changes no cache state (router query)."""
@@ -299,22 +333,83 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 outputs.extend(self._finish(launched))
+        if self._failed_outputs:  # last: nothing of a failed request follows its final output
+            outputs.extend(self._take_failed_outputs())
         return outputs
 
-    def _launch(self, sched) -> _InFlight:
-        """Enqueue the step on the device, then advance request state past it (placeholders)."""
+    def _launch(self, sched) -> _InFlight | None:
+        """Enqueue the step on the device, then advance request state past it (placeholders).
+        None if every request left the step (each failed preparing its sampling row)."""
         start = time.perf_counter()
+        inject = self._fault_injector
+        rows, failed = {}, None
+        for s in sched.scheduled:
+            if s.completes_prefill:
+                request = s.request
+                try:
+                    if inject is not None:
+                        inject("sampling_row", request.req_id)
+                    rows[request.req_id] = self._sampling_row(request)
+                except Exception as exc:
+                    failed = failed or []
+                    failed.append((request, exc))
+        if failed:
+            sched = self._without_failed(sched, failed)
+            if sched.is_empty:
+                return None
         num_decode = sched.num_decode_tokens
         num_prefill = sched.num_scheduled_tokens - num_decode
-        rows = {s.request.req_id: self._sampling_row(s.request) for s in sched.scheduled
-                if s.completes_prefill}
+        if inject is not None:
+            inject("step", None)
+        sampler = self.model_runner.sampler
         handle = self.model_runner.launch(sched, self.kv_cache_manager, rows)
         pending = self.scheduler.advance(sched)
         changed = self._changed
         for s in sched.scheduled:
             changed[s.request.req_id] = s.request
+        if sampler.failures:  # rows that failed on their own: their requests end, the step goes on
+            failures, sampler.failures = sampler.failures, []
+            in_step = {s.request.req_id: s.request for s in sched.scheduled}
+            for row, exc, point in failures:
+                if row.req_id in in_step:
+                    self._fail(in_step[row.req_id], exc, point)
         has_grammar = any(row.grammar is not None for row in rows.values())
         return _InFlight(handle, pending, num_prefill, num_decode, start, has_grammar)
+
+    def _without_failed(self, sched, failed: list[tuple[Request, Exception]]):
+        """The step without the requests whose sampling rows failed (each ends with an error
+        output and frees its blocks, including those just allocated for this step)."""
+        for request, exc in failed:
+            self._fail(request, exc, "sampling_row")
+        gone = {request.req_id for request, _ in failed}
+        return replace(sched, scheduled=[s for s in sched.scheduled if s.request.req_id not in gone])
+
+    def _fail(self, request: Request, exc: BaseException, point: str, num_kept: int | None = None) -> None:
+        """End one request that faulted on its own at `point`: free its blocks, keep its first
+        `num_kept` outputs (default: those known on the host) and queue its last output, finished
+        with reason "error", for the end of this step. A request already gone is left alone."""
+        req_id = request.req_id
+        if self._tracked.pop(req_id, None) is None:
+            return  # finished, aborted or failed already
+        logger.error("request %s failed in the engine (%s); it ends with an error, the others go on",
+                     req_id, point, exc_info=exc)
+        if self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED) is None:
+            request.status = RequestStatus.FINISHED_ABORTED  # finished at launch (max_tokens): drop its last token
+            if request.finished_time is None:
+                request.finished_time = time.time()
+        request.truncate_outputs(request.num_resolved_output_tokens if num_kept is None else num_kept)
+        request.num_pending_tokens = 0  # its tokens still on the device are dropped when they land
+        self._changed[req_id] = request
+        self._failed_outputs.append(RequestOutput(
+            req_id, [], "", True, FINISH_REASON_ERROR,
+            Usage(request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0)),
+            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time))
+
+    def _take_failed_outputs(self) -> list[RequestOutput]:
+        outputs, self._failed_outputs = self._failed_outputs, []
+        if self._child_of:
+            outputs = [self._group_output(out) if out.req_id in self._child_of else out for out in outputs]
+        return outputs
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and turn them into outputs."""
@@ -368,13 +463,22 @@ class LLMEngine:
 
     def _advance_grammars(self, pending: list[tuple[Request, int]], tokens: list[int]) -> None:
         """Each grammar row accepts its sampled token; a grammar that is complete (its EOS
-        accepted, even under ignore_eos) or that refuses the token stops its request there."""
+        accepted, even under ignore_eos) or that refuses the token stops its request there. A
+        grammar that raises fails its request alone."""
+        inject = self._fault_injector
         for (request, index), token in zip(pending, tokens):
             if request.status is RequestStatus.FINISHED_ABORTED or index >= len(request.output_token_ids):
                 continue
             grammar = self._tracked[request.req_id].sampling_row.grammar
-            if grammar is not None and (not grammar.accept_token(token) or grammar.is_terminated()):
-                self._stop(request, index)
+            if grammar is None:
+                continue
+            try:
+                if inject is not None:
+                    inject("grammar_accept", request.req_id)
+                if not grammar.accept_token(token) or grammar.is_terminated():
+                    self._stop(request, index)
+            except Exception as exc:
+                self._fail(request, exc, "grammar_accept", num_kept=index)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         row = self._tracked[request.req_id].sampling_row
@@ -389,33 +493,42 @@ class LLMEngine:
         strings, build the outputs. This is per-request Python on every step (hundreds of
         requests at high concurrency, while the GPU runs the next step), so it reads each value
         once and inlines the common path. A request aborted or stopped after the step was
-        launched drops its token."""
+        launched drops its token. A request whose processing raises fails alone (`_fail`),
+        without this token."""
         outputs = []
         append = outputs.append
         now = time.time()
         tracked_by_id = self._tracked
         aborted = RequestStatus.FINISHED_ABORTED
+        inject = self._fault_injector
         for (request, index), token in zip(pending, tokens):
             output_ids = request.output_token_ids
             if request.status is aborted or index >= len(output_ids):
                 continue
-            output_ids[index] = token  # resolve the placeholder
-            prompt_len = len(request.prompt_token_ids)
-            request.all_token_ids[prompt_len + index] = token
-            request.num_pending_tokens -= 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if token in request.stop_token_set and request.stop_status(token, index + 1) is RequestStatus.FINISHED_STOPPED:
-                self._stop(request, index)
-            req_id = request.req_id
-            tracked = tracked_by_id[req_id]
-            new_token_ids = [token]
-            detokenizer = tracked.detokenizer
-            if detokenizer is not None and detokenizer.add_tokens(new_token_ids):
-                self._stop(request, index)  # also on the max_tokens token: the stop string wins
-            status = request.status
-            finished = status.is_finished and not request.num_pending_tokens
-            text = detokenizer.take_new_text(finished) if detokenizer is not None else ""
+            try:  # free unless it raises (Python 3.11's zero-cost exceptions)
+                if inject is not None:
+                    inject("output", request.req_id)
+                output_ids[index] = token  # resolve the placeholder
+                prompt_len = len(request.prompt_token_ids)
+                request.all_token_ids[prompt_len + index] = token
+                request.num_pending_tokens -= 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if (token in request.stop_token_set
+                        and request.stop_status(token, index + 1) is RequestStatus.FINISHED_STOPPED):
+                    self._stop(request, index)
+                req_id = request.req_id
+                tracked = tracked_by_id[req_id]
+                new_token_ids = [token]
+                detokenizer = tracked.detokenizer
+                if detokenizer is not None and detokenizer.add_tokens(new_token_ids):
+                    self._stop(request, index)  # also on the max_tokens token: the stop string wins
+                status = request.status
+                finished = status.is_finished and not request.num_pending_tokens
+                text = detokenizer.take_new_text(finished) if detokenizer is not None else ""
+            except Exception as exc:
+                self._fail(request, exc, "output", num_kept=index)
+                continue
             if finished:
                 request.finished_time = now
                 del tracked_by_id[req_id]

@@ -33,6 +33,17 @@ request ends), so rows without penalties cost nothing.
 
 `sample` leaves everything on the device (the runner copies the ids and logprobs to the host
 once per step, asynchronously); calling the sampler reads the ids back with one `.tolist()`.
+
+One request's fault fails that request, not the batch (the engine ends it with an error output,
+engine/llm_engine.py). A grammar whose bitmask cannot be filled leaves its row unmasked and is
+recorded; a batch whose pipeline raises is sampled again one row at a time, and the rows that
+raise alone are recorded while the others keep their tokens (greedy rows the same ids, seeded
+rows the same draws: a row's draw is kept for the retry). Recorded rows are in `failures`, as
+(row, exception, point), until the next `sample`; their sampled id is a stand-in the engine
+drops. A failure no row explains (every row fails alone, or none does, or a batch of one) is
+raised as before. `fault_injector` is a test's hook (the engine's, engine/llm_engine.py),
+called as `fault_injector(point, req_id)` at the points "logits" (each row, as its sampling
+starts) and "grammar_bitmask" (each grammar row, as its mask is filled); None costs nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +69,10 @@ class SamplingRow:
     # is_terminated()), or None.
     grammar: Any | None = None
     history_slot: int | None = None  # this row's slot in the sampler's token counts
+    req_id: str | None = None  # the request's id, for fault reports (and a test's fault injector)
+    # (the sampler's attempt number, this row's uniform) of a seeded draw, so a step that is
+    # sampled again row by row after a failure draws nothing twice from the row's generator.
+    drawn: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         params = self.params
@@ -96,17 +111,54 @@ class Sampler:
         self._counts: torch.Tensor | None = None  # float32 [slots, vocab]: output-token counts
         self._in_prompt: torch.Tensor | None = None  # bool [slots, vocab]
         self._free_slots: list[int] = []
+        self.fault_injector: Any = None  # a test's hook: fault_injector(point, req_id); None in service
+        self.failures: list[tuple[SamplingRow, BaseException, str]] = []  # of the last `sample`
+        self._attempt = 0  # one per `sample` call: a seeded row draws once per attempt
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         return self.sample(logits, rows).sampled_token_ids.tolist()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """The next token of each row (and logprobs where asked), left on the logits' device."""
+        """The next token of each row (and logprobs where asked), left on the logits' device.
+        Rows that failed on their own are in `failures` afterwards (see the module's doc)."""
+        if self.failures:
+            self.failures = []
+        self._attempt += 1
+        try:
+            return self._sample(logits, rows)
+        except Exception as exc:
+            return self._sample_apart(logits, rows, exc)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if self.fault_injector is not None:
+            for row in rows:
+                self.fault_injector("logits", row.req_id)
         if self.sampling_vocab_size is not None:
             logits = logits[:, : self.sampling_vocab_size]
         if all(row.plain_greedy and not row.banned_token_ids and row.grammar is None for row in rows):
             return SamplerOutput(_argmax(logits))
         return self._sample_processed(self.processed_logits(logits, rows), rows)
+
+    def _sample_apart(self, logits: torch.Tensor, rows: list[SamplingRow], exc: Exception) -> SamplerOutput:
+        """The batch sampled again one row at a time after `exc`: the rows that fail alone are
+        recorded in `failures` (a stand-in id 0 in their place, no logprobs), the others keep
+        what they sample. `exc` is raised again when no row explains it."""
+        if len(rows) == 1:
+            raise exc
+        outs: list[SamplerOutput | None] = []
+        failed = []
+        for i, row in enumerate(rows):
+            try:
+                outs.append(self._sample(logits[i:i + 1], [row]))
+            except Exception as row_exc:
+                outs.append(None)
+                failed.append((row, row_exc, "logits"))
+        if not failed or len(failed) == len(rows):
+            raise exc
+        self.failures.extend(failed)
+        stand_in = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        sampled = torch.cat([stand_in if out is None else out.sampled_token_ids for out in outs])
+        return SamplerOutput(sampled, _concat_logprobs(outs))
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-4: the float32 logits each row samples from, before top-k/top-p/min-p (a new
@@ -117,7 +169,7 @@ class Sampler:
             self._apply_penalties(logits, rows, history)
         _apply_bias_and_bans(logits, rows)
         if any(row.grammar is not None for row in rows):
-            _apply_grammar(logits, rows)
+            self._apply_grammar(logits, rows)
         if not all(row.greedy for row in rows):
             temperature = [1.0 if row.greedy else row.params.temperature for row in rows]
             logits.div_(_tensor(temperature, torch.float32, logits.device).unsqueeze(1))
@@ -129,16 +181,32 @@ class Sampler:
         logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         sampled = _argmax(logits) if any(greedy) else None
         if not all(greedy):
-            drawn = _draw(_filter(logits, rows), rows)
+            drawn = _draw(_filter(logits, rows), rows, self._attempt)
             sampled = drawn if sampled is None else torch.where(
                 _tensor(greedy, torch.bool, logits.device), sampled, drawn)
-        history = [i for i, row in enumerate(rows) if row.needs_history]
-        if history:
-            self._count(sampled, rows, history)
         out = SamplerOutput(sampled)
         if logprobs is not None:
             out.logprobs = _gather_logprobs(logprobs, sampled, rows, logprob_rows)
+        history = [i for i, row in enumerate(rows) if row.needs_history]
+        if history:  # last: a step that fails before it counts nothing, and may be sampled again
+            self._count(sampled, rows, history)
         return out
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Rows with a grammar may only pick the tokens it allows: each grammar writes its row of
+        a token bitmask on the host, applied in place (engine/structured_output.py). A grammar
+        that fails leaves its row unmasked and is recorded in `failures`."""
+        from tandem.engine.structured_output import apply_grammars
+
+        def on_error(i: int, exc: Exception) -> None:
+            self.failures.append((rows[i], exc, "grammar_bitmask"))
+
+        grammars = [row.grammar for row in rows]
+        inject = self.fault_injector
+        if inject is not None:
+            grammars = [None if row.grammar is None else _InjectedGrammar(row.grammar, inject, row.req_id)
+                        for row in rows]
+        apply_grammars(logits, grammars, on_error=on_error)
 
     # -- penalties: device-side token history ---------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], history: list[int]) -> None:
@@ -243,12 +311,15 @@ def _apply_bias_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[_tensor(ban_rows, torch.int64, device), _tensor(ban_ids, torch.int64, device)] = float("-inf")
 
 
-def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Rows with a grammar may only pick the tokens it allows: each grammar writes its row of a
-    token bitmask on the host, applied in place (engine/structured_output.py)."""
-    from tandem.engine.structured_output import apply_grammars
+class _InjectedGrammar:
+    """A grammar whose bitmask fill first calls a test's fault injector (point "grammar_bitmask")."""
 
-    apply_grammars(logits, [row.grammar for row in rows])
+    def __init__(self, grammar: Any, inject: Any, req_id: str | None) -> None:
+        self.grammar, self.inject, self.req_id = grammar, inject, req_id
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row_index: int) -> None:
+        self.inject("grammar_bitmask", self.req_id)
+        self.grammar.fill_bitmask(bitmask, row_index)
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -289,15 +360,19 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return sorted_logits.scatter(1, sorted_ids, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, rows: list[SamplingRow], attempt: int = 0) -> torch.Tensor:
     """One token per row by inverse-CDF sampling: a uniform u in (0, 1] per row, and the first
     token whose cumulative probability reaches u (a zero-probability token never does). One
     random number a row, not one per vocabulary entry; seeded rows draw theirs from their own
-    generator, so a seeded request samples the same tokens whatever shares its batch."""
+    generator, so a seeded request samples the same tokens whatever shares its batch (and draws
+    once per `attempt`: a step sampled again row by row reuses the draw)."""
     u = torch.rand(probs.shape[0], 1, device=probs.device)
     for i, row in enumerate(rows):
         if row.generator is not None and not row.greedy:
-            u[i] = torch.rand(1, device=probs.device, generator=row.generator)
+            drawn = row.drawn
+            if drawn is None or drawn[0] != attempt:
+                drawn = row.drawn = (attempt, torch.rand(1, device=probs.device, generator=row.generator))
+            u[i] = drawn[1]
     cdf = probs.cumsum_(dim=-1)
     target = (1.0 - u) * cdf[:, -1:]
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
@@ -313,3 +388,19 @@ def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, rows: list[S
     return LogprobsTensors(logprob_rows, num_top, sampled_lp,
                            top.indices if top is not None else empty.long(),
                            top.values if top is not None else empty)
+
+
+def _concat_logprobs(outs: list[SamplerOutput | None]) -> LogprobsTensors | None:
+    """The logprobs of single-row outputs as one batch's (rows renumbered, top lists padded)."""
+    parts = [(i, out.logprobs) for i, out in enumerate(outs) if out is not None and out.logprobs is not None]
+    if not parts:
+        return None
+    width = max(lp.top_ids.shape[1] for _, lp in parts)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return LogprobsTensors([i for i, _ in parts], [lp.num_top[0] for _, lp in parts],
+                           torch.cat([lp.sampled for _, lp in parts]),
+                           torch.cat([pad(lp.top_ids, 0) for _, lp in parts]),
+                           torch.cat([pad(lp.top_logprobs, 0.0) for _, lp in parts]))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -210,25 +211,38 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(grammars: list[RequestGrammar | None], vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
-    """A CPU int32 bitmask [len(grammars), words], each grammar's row filled, the others all ones."""
+def fill_bitmask(grammars: list[RequestGrammar | None], vocab_size: int, pin_memory: bool = False,
+                 on_error: Callable[[int, Exception], None] | None = None) -> torch.Tensor:
+    """A CPU int32 bitmask [len(grammars), words], each grammar's row filled, the others all ones.
+    With `on_error`, a grammar that raises is that row's fault alone: its row is left all ones
+    and `on_error(row, exception)` is called, and the other rows are filled; without, it raises."""
     import torch
 
     bitmask = torch.full((len(grammars), bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin_memory)
     for i, grammar in enumerate(grammars):
-        if grammar is not None:
+        if grammar is None:
+            continue
+        if on_error is None:
             grammar.fill_bitmask(bitmask, i)
+            continue
+        try:
+            grammar.fill_bitmask(bitmask, i)
+        except Exception as exc:
+            bitmask[i] = -1  # whatever it wrote before failing
+            on_error(i, exc)
     return bitmask
 
 
-def apply_grammars(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+def apply_grammars(logits: torch.Tensor, grammars: list[RequestGrammar | None],
+                   on_error: Callable[[int, Exception], None] | None = None) -> torch.Tensor:
     """The sampler's call: mask, in place, each row's logits to the tokens its grammar allows
     next. The bitmask is filled on the host while the device may still be computing the logits
-    (the forward was only enqueued), then copied over in one transfer."""
+    (the forward was only enqueued), then copied over in one transfer. `on_error`: as for
+    `fill_bitmask` (a failed grammar's row is left unmasked; the caller fails its request)."""
     rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
     if not rows:
         return logits
-    bitmask = fill_bitmask(grammars, logits.shape[-1], pin_memory=logits.device.type == "cuda")
+    bitmask = fill_bitmask(grammars, logits.shape[-1], pin_memory=logits.device.type == "cuda", on_error=on_error)
     apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
     return logits
 
