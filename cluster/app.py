@@ -7,8 +7,10 @@ range-checked (400) -> model name (404) -> admission (429) -> tokenize and check
 (400) -> route and wait for the backend to admit it (400 if the engine rejects it, 503 if no
 backend can take it) -> respond. Only then does a streamed response start, so its status code
 is still meaningful; the serving backend is named in the `x-tandem-backend` header and in a
-`tandem` field of every response and chunk. Unknown routes answer 401 before 404 when a key is
-set, so they do not reveal which routes exist.
+`tandem` field of every response and chunk. With a key set, every route but `/health` and
+`/metrics` needs it, the API's own description included (`/openapi.json`, and the `/docs` and
+`/redoc` pages that read it: FastAPI's are off, these are the ingress's own routes, which check
+the key first); unknown routes answer 401 before 404, so they do not reveal which routes exist.
 
 Errors are raised as one exception class per meaning (cluster/dispatch.py's, plus the few only
 HTTP has, below) and translated into a status code, an OpenAI error type and, for 429 and 503,
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -92,7 +95,12 @@ CATCH_ALL = "/{path:path}"
 ENGINE_ERROR_REASON = "error"
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-api = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
+OPENAPI_PATH, DOCS_PATH, REDOC_PATH = "/openapi.json", "/docs", "/redoc"
+
+# FastAPI's own /openapi.json, /docs and /redoc answer without a key: off, and served by the
+# ingress's routes of the same paths, which check it (`TandemIngress.openapi_schema`).
+api = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster",
+              openapi_url=None, docs_url=None, redoc_url=None)
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,11 @@ class _DisconnectAsMessage:
 
 
 api.add_middleware(_DisconnectAsMessage)
+
+
+def _root_path(request: Request) -> str:
+    """The application's route prefix as the client sees it ("" at the root)."""
+    return request.scope.get("root_path", "").rstrip("/")
 
 
 def _route_path(scope: Any) -> str:
@@ -401,6 +414,37 @@ class TandemIngress:
     async def prometheus_metrics(self) -> Response:
         """Prometheus text of this node's metrics port, open like /health (cluster/metrics_route.py)."""
         return await metrics_response()
+
+    # -- the API's description: FastAPI's, behind the key like every route but the two above ----
+    @api.get(OPENAPI_PATH, include_in_schema=False)
+    async def openapi_schema(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
+        schema = request.app.openapi()
+        root_path = _root_path(request)
+        if root_path and request.app.root_path_in_servers:  # as FastAPI's own route: under a route prefix
+            if root_path not in {server.get("url") for server in schema.get("servers", [])}:
+                schema = {**schema, "servers": [{"url": root_path}, *schema.get("servers", [])]}
+        return JSONResponse(schema)
+
+    @api.get(DOCS_PATH, include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
+        return get_swagger_ui_html(openapi_url=_root_path(request) + OPENAPI_PATH,
+                                   title=f"{request.app.title} - Swagger UI")
+
+    @api.get(REDOC_PATH, include_in_schema=False)
+    async def redoc(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except RequestFailed as exc:
+            return error_response(exc, _new_request_id())
+        return get_redoc_html(openapi_url=_root_path(request) + OPENAPI_PATH, title=f"{request.app.title} - ReDoc")
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -208,3 +208,24 @@ def test_api_key_is_enforced(tandem):
         ok = client.post(base + "/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     wait_for(lambda: backends_idle(tandem), timeout_s=TIMEOUT_S, what="idle backends")
+
+
+def test_api_key_guards_the_api_description_too(tandem):
+    """With a key, only /health and /metrics answer without it: FastAPI's /openapi.json, /docs
+    and /redoc need it like the API itself. Without a key they stay open."""
+    secure, key = tandem.url + "/secure", {"Authorization": "Bearer sekret"}
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        for path in ("/openapi.json", "/docs", "/redoc", "/v1/models"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = client.get(secure + path, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+                assert "paths" not in r.text
+            assert client.get(secure + path, headers=key).status_code == 200, path
+        schema = client.get(secure + "/openapi.json", headers=key).json()
+        assert "/v1/chat/completions" in schema["paths"] and schema["servers"] == [{"url": "/secure"}]
+        assert "/secure/openapi.json" in client.get(secure + "/docs", headers=key).text
+        for path in ("/health", "/metrics"):
+            assert client.get(secure + path).status_code == 200, path
+        for path in ("/openapi.json", "/docs", "/redoc"):  # the app without a key
+            assert client.get(tandem.url + path).status_code == 200, path
+        assert "/v1/completions" in client.get(tandem.url + "/openapi.json").json()["paths"]
