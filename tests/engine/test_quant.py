@@ -134,12 +134,15 @@ def test_serve_flag_and_yaml_set_cpu_backends_only():
     import argparse
 
     from tandem.cluster.config import BackendConfig
+    from tandem.cluster.plan import plan_backends
     from tandem.cluster.serve_cli import add_arguments, load_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = load_config(parser.parse_args(["--backends", "cpu,cuda", "--cpu-dtype", "int4"]))
-    assert [(b.device, b.dtype) for b in config.backends] == [("cpu", "int4"), ("cuda", "auto")]
+    assert config.cpu_dtype == "int4"
+    plans = plan_backends(config, num_gpus=1, mps_available=False)
+    assert [(p.device, p.dtype) for p in plans] == [("cpu", "int4"), ("cuda", "auto")]
     assert BackendConfig(device="cpu", dtype="int8").dtype == "int8"
     with pytest.raises(ValueError, match="cpu backends"):
         BackendConfig(device="cuda", dtype="int8")
