@@ -335,7 +335,7 @@ def _cpu_notes(plan: BackendPlan) -> str:
     """What makes a cpu backend's first start slow, so a long wait in the log has its reason."""
     notes = ""
     if plan.cpu_kernels in GGML_KERNELS:
-        notes += ", ggml kernels (the first start builds ggml's kernels, about a minute)"
+        notes += ", ggml kernels (a first start on a new torch builds their op library, about a minute)"
     if plan.cpu_compile:
         notes += ", compiled decode (the first start compiles it)"
     return notes

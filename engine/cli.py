@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, opt-in: decode through torch.compile'd graphs (needs a C++ compiler; the "
                              "first run compiles for about a minute on two cores, later runs load the cache in "
                              "10-25 s). Faster per step on 2 cores, 8x slower on a 14-thread Xeon: measure first")
-    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="torch",
-                        help="cpu with --dtype int8/int4: whose kernels run the quantized linears. ggml: "
+    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                        help="cpu: whose kernels. auto: float32 decode steps through ggml's graph where ggml "
+                             "is built, the rest eager. With --dtype int8/int4, ggml: "
                              "llama.cpp's own (built once from llama-cpp-python's sources, about a minute; "
                              "GGUF blocks used as they are), ~1.8x faster per decode row on an AVX2 CPU. "
                              "ggml-graph (int8, int4 or float32): ggml's linears, and each decode step run as "
