@@ -55,10 +55,11 @@ from pathlib import Path
 from bench._machine import machine_info
 
 # A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
-# "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
+# "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile), "-auto" the
+# default kernels; a mode without a suffix is PyTorch's kernels alone (cpu_kernels torch).
 TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
                 "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled",
-                "float32-ggml-graph", "int8-ggml-graph", "int4-ggml-graph")
+                "float32-ggml-graph", "int8-ggml-graph", "int4-ggml-graph", "float32-auto")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
 MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
 
@@ -68,6 +69,8 @@ def mode_parts(mode: str) -> tuple[str, str, bool]:
     kernels "ggml-graph"."""
     dtype, *flags = mode.split("-")
     kernels = ("ggml-graph" if "graph" in flags else "ggml") if "ggml" in flags else "torch"
+    if "auto" in flags:  # the default kernels (EngineConfig.cpu_kernels): what runs depends on ggml's build
+        kernels = "auto"
     return dtype, kernels, "compiled" in flags
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"

@@ -228,7 +228,7 @@ class BenchCluster:
 
 def _dtype_suffix(backend: dict[str, Any]) -> str:
     """What the dtype alone leaves out, as the profile key spells it (`int4-ggml-compiled`)."""
-    kernels = backend.get("cpu_kernels", "auto")
+    kernels = backend.get("cpu_kernels", "auto" if backend.get("device") == "cpu" else "torch")
     return ("" if kernels == "torch" else f"-{kernels}") + ("-compiled" if backend.get("cpu_compile") else "")
 
 

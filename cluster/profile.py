@@ -48,9 +48,10 @@ def profile_key(model: str, device_kind: str, dtype: str, threads: int, max_acti
     """A compiled CPU decode (`cpu_compile`) is keyed apart from the eager one (`int4-compiled`
     beside `int4`): its decode differs by machine, 1.1-1.4x faster per step on two cores, 8x slower on a
     14-thread Xeon. ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
-    faster per decode row on an AVX2 CPU (1.8x at one row), about even at four rows."""
+    faster per decode row on an AVX2 CPU (1.8x at one row), about even at four rows. The default,
+    `auto`, keys a cpu backend apart too (`float32-auto`); other devices have no cpu kernels."""
     device = f"{device_kind}:{device_name}" if device_name else device_kind
-    if cpu_kernels != "torch":
+    if cpu_kernels != "torch" and device_kind == "cpu":
         dtype = f"{dtype}-{cpu_kernels}"
     if cpu_compile:
         dtype = f"{dtype}-compiled"
