@@ -30,7 +30,7 @@ QUANTIZED_DTYPES = ("int8", "int4")
 # "ggml-graph" also runs each decode step as one ggml graph (engine/model/ggml_decode.py), for float32
 # weights too. "auto" (the default) is ggml-graph for float32 weights when ggml is built on this
 # machine, else torch: decode steps through ggml's graph, prefill and mixed steps through PyTorch's
-# packed float32 linears, the fastest path of each at the same precision (resolve_cpu_kernels).
+# packed float32 linears, the fastest path of each at the same precision (ggml_kernels.auto_kernels).
 CPU_KERNELS = ("auto", "torch", "ggml", "ggml-graph")
 GGML_KERNELS = ("ggml", "ggml-graph")
 
@@ -120,26 +120,6 @@ class EngineConfig:
             # The activations: PyTorch's int8/int4 kernels' float32 paths are scalar; ggml's take float32.
             return torch.float32 if self.cpu_kernels in GGML_KERNELS else torch.bfloat16
         return getattr(torch, self.dtype)
-
-    def resolve_cpu_kernels(self) -> tuple[str, str]:
-        """What `cpu_kernels="auto"` runs on this machine, and why, in words for the start-up log:
-        ("ggml-graph", ...) for a cpu engine with float32 weights where ggml is built, else
-        ("torch", why not). Other choices are returned as they are. Asks ggml's build (imports torch)."""
-        if self.cpu_kernels != "auto":
-            return self.cpu_kernels, "as configured"
-        if self.device_type != "cpu":
-            return "torch", f"device {self.device}"
-        if self.dtype not in ("auto", "float32"):
-            return "torch", f"eager: ggml's graph runs {self.dtype} only when asked (cpu_kernels ggml-graph)"
-        if self.cpu_compile or not self.pack_cpu_weights:
-            return "torch", "eager: " + ("cpu_compile decodes through compiled graphs" if self.cpu_compile
-                                         else "pack_cpu_weights is off")
-        from tandem.engine.model.ggml_kernels import unavailable
-
-        reason = unavailable()
-        if reason:
-            return "torch", f"eager: {reason}"
-        return "ggml-graph", "ggml graph for decode, eager for prefill"
 
     @property
     def weight_quantization(self) -> str | None:

@@ -91,11 +91,13 @@ class _Tracked:
 
 
 def _resolved(cfg: EngineConfig) -> EngineConfig:
-    """`cfg` with `cpu_kernels="auto"` resolved to what runs here (EngineConfig.resolve_cpu_kernels),
-    said in one start-up line: a reader of the log learns which kernels run and why."""
+    """`cfg` with `cpu_kernels="auto"` resolved to what runs here (ggml_kernels.auto_kernels), said
+    in one start-up line: a reader of the log learns which kernels run and why."""
     if cfg.cpu_kernels != "auto":
         return cfg
-    kernels, why = cfg.resolve_cpu_kernels()
+    from tandem.engine.model.ggml_kernels import auto_kernels
+
+    kernels, why = auto_kernels(cfg)
     if cfg.device_type == "cpu":
         # warning: shown under Python's default log level, once per engine
         logger.warning("cpu engine: %s, kernels auto (%s)", cfg.dtype if cfg.dtype != "auto" else "float32", why)

@@ -9,7 +9,7 @@ machine may have no compiler and no package index. The torch op library that cal
 built separately, against the torch in use (engine/model/ggml_kernels.py).
 
 This module imports neither torch nor anything outside the standard library (and Tandem's cache
-directory), because the build backend runs it in pip's isolated build environment, before torch is
+directory and file lock), because the build backend runs it in pip's isolated build environment, before torch is
 installed. libggml belongs to the CPU it was built for, not to a torch version, so its folder is
 keyed by the CPU's flags only. `$TANDEM_GGML_SOURCE` names an unpacked llama.cpp (or ggml) tree
 to build from instead of downloading the sdist.
@@ -18,18 +18,21 @@ to build from instead of downloading the sdist.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from tandem.engine.config import cache_root
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+_SDIST = "llama_cpp_python-0.3.36.tar.gz"  # the pin's source distribution and its sha256 (PyPI's)
+_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 _LIBRARIES = ("libggml-base.so", "libggml-cpu.so")
 _INSTALL_NOTE = "install-note.txt"  # why the build at install time did not happen
 
@@ -85,16 +88,14 @@ def source_tree() -> Path:
 
 
 def fetch_sources() -> Path:
-    """The ggml sources, downloading and unpacking the sdist with pip the first time."""
+    """The ggml sources, downloading the pinned sdist from PyPI and unpacking its ggml folder the
+    first time. The sdist is fetched as a file, not with `pip download`, which would also build the
+    package's metadata, and which pip's isolated build environment (the build backend) hides."""
     tree = source_tree()
     if (tree / "CMakeLists.txt").is_file():
         return tree
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               LLAMA_CPP_PYTHON, "-d", tmp], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"downloading {LLAMA_CPP_PYTHON}'s sources for ggml failed: {done.stderr[-800:]}")
-        sdist = next(Path(tmp).glob("*.tar.gz"))
+        sdist = _download_sdist(Path(tmp))
         marker = "/vendor/llama.cpp/ggml/"
         staging = tree.with_name(tree.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
@@ -106,6 +107,27 @@ def fetch_sources() -> Path:
         tree.parent.mkdir(parents=True, exist_ok=True)
         staging.replace(tree)
     return tree
+
+
+def _download_sdist(folder: Path) -> Path:
+    """The pinned sdist, found through PyPI's simple index (PEP 691 JSON) and checked against its sha256."""
+    index = f"https://pypi.org/simple/{LLAMA_CPP_PYTHON.split('==')[0]}/"
+    path = folder / _SDIST
+    try:
+        request = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            url = next(f["url"] for f in json.load(response)["files"] if f["filename"] == _SDIST)
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(url, timeout=60) as response, open(path, "wb") as out:
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    except (OSError, KeyError, StopIteration, ValueError) as exc:
+        raise RuntimeError(f"downloading {_SDIST} (ggml's sources) from {index} failed ({exc!r}); "
+                           "TANDEM_GGML_SOURCE can name a llama.cpp tree to build from instead") from None
+    if digest.hexdigest() != _SDIST_SHA256:
+        raise RuntimeError(f"{_SDIST} from {index} does not have the pinned sha256; not building from it")
+    return path
 
 
 def build_ggml() -> Path:

@@ -29,6 +29,7 @@ import functools
 import hashlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from torch import nn
 from tandem.engine.model import ggml_build
 from tandem.engine.model.file_lock import file_lock
 from tandem.engine.model.quant import gguf_projection_shards, replace_linears
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,26 @@ def unavailable() -> str | None:
     if missing:
         return f"the ggml op library for torch {torch.__version__} is not built and {' and '.join(missing)} is not on PATH"
     return None
+
+
+def auto_kernels(config: EngineConfig) -> tuple[str, str]:
+    """What `cpu_kernels="auto"` runs for `config` on this machine, and why, in words for the
+    start-up log: ("ggml-graph", ...) for a cpu engine with float32 weights where ggml is built,
+    else ("torch", why not). Other choices are returned as they are."""
+    if config.cpu_kernels != "auto":
+        return config.cpu_kernels, "as configured"
+    if config.device_type != "cpu":
+        return "torch", f"device {config.device}"
+    if config.dtype not in ("auto", "float32"):
+        return "torch", f"eager: ggml's graph runs {config.dtype} only when asked (cpu_kernels ggml-graph)"
+    if config.cpu_compile:
+        return "torch", "eager: cpu_compile decodes through compiled graphs"
+    if not config.pack_cpu_weights:
+        return "torch", "eager: pack_cpu_weights is off"
+    reason = unavailable()
+    if reason:
+        return "torch", f"eager: {reason}"
+    return "ggml-graph", "ggml graph for decode, eager for prefill"
 
 
 def build() -> Path:

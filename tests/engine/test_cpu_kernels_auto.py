@@ -89,10 +89,11 @@ def test_auto_kernels_elsewhere(overrides, why):
     """auto means ggml's graph for float32 weights only: other dtypes keep their kernels (one flag
     away), and a compiled decode is not replaced."""
     from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_kernels import auto_kernels
 
     config = EngineConfig(model="tiny-llama-random", **overrides)
     expected = overrides.get("cpu_kernels", "torch")
-    assert config.resolve_cpu_kernels() == (expected, why)
+    assert auto_kernels(config) == (expected, why)
 
 
 def test_building_ggml_at_install_is_best_effort(tmp_path, monkeypatch):
