@@ -328,7 +328,8 @@ def collect_rates(args) -> dict:
 
 
 def render_rates(result: dict) -> str:
-    batches = range(1, result["max_active"] + 1)
+    # The batch sizes the profiler measured (engine/profiler.py: 1, 2, 4, ... and max_active).
+    batches = sorted({int(b) for r in result["rates"].values() for b in r["decode_tok_s_by_batch"]})
     lines = [f"| mode | prefill tok/s | {' | '.join(f'decode tok/s, batch {b}' for b in batches)} |",
              "|---|---|" + "---|" * len(batches)]
     for mode, r in result["rates"].items():
