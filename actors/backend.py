@@ -8,21 +8,21 @@ out to the request streams. Serving work (Ray calls, streams, router reports, me
 this process's GIL, so it never holds up the engine's next step.
 
 Threads of this process: the actor's event loop (Ray calls, streams) and a reader thread that
-receives the core's messages and does, per step, everything a step implies: make the outputs'
-text and check stop strings when asked to (actors/output_text.py), merge and pace the outputs, hand them to
-the event loop with one wake-up, answer the commands' futures, batch the router's progress
-report and record the metrics.
+receives the core's messages and does, per step, everything a step implies: merge and pace
+the outputs, hand them to the event loop with one wake-up, answer the commands' futures, batch
+the router's progress report and record the metrics.
 
 Two ways to stream:
 - `generate` (one Ray streaming generator per request): `Admitted`, then `RequestOutput`s.
   Used by the warm-up and benchmarks, and simple to drive by hand.
 - a channel (one multiplexed stream per caller process, see actors/channel.py): every request
   the caller adds with that channel id comes back on it, first its admission, then its
-  outputs, in one batch of every request's news per step. On this node the channel is a
-  connection to this actor's same-node wire (`wire_address`, actors/wire.py: a Unix socket, a
+  outputs, in one `ChannelBatch` of every request's news per step. On this node the channel is
+  a connection to this actor's same-node wire (`wire_address`, actors/wire.py: a Unix socket, a
   frame per batch each way); from another node it is `add_many` (sent one-way) plus one
-  `subscribe` stream, so Ray's per-call and per-item costs are paid per step and per batch of
-  adds, never per request. The serving path (cluster/dispatch.py) uses channels.
+  `subscribe` stream carrying the same messages as bytes, so Ray's per-call and per-item costs
+  are paid per step and per batch of adds, never per request. The serving path
+  (cluster/dispatch.py) uses channels.
 
 Pacing: a request's first output goes at once, and so does its last; in between, outputs are
 merged and sent at most every interval. For `generate` streams that is `stream_interval_s`;
@@ -53,9 +53,12 @@ from typing import Any
 
 from tandem.actors import engine_core as core
 from tandem.actors import wire
-from tandem.actors.messages import Admitted, BackendError, BackendInfo
+from tandem.actors.messages import (AddReply, Admitted, BackendInfo, CallReply, ChannelBatch, ChannelOpen,
+                                    EngineCoreAbort, EngineCoreCall, EngineCoreFailed, EngineCoreOutput,
+                                    EngineCoreOutputs, EngineCoreRequest, Message, Refusal, StatsTotals, decode,
+                                    encode, merge_core_outputs)
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
-from tandem.actors.output_text import OutputText, front_detokenizes
+from tandem.engine.errors import BackendError, InvalidRequestError
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.backend")
@@ -93,7 +96,7 @@ class _Channel:
     closed: bool = False
     early: list = field(default_factory=list)  # outputs that came before `subscribe` did
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Reader-thread side: each request's packed outputs not handed over yet, and when its next
+    # Reader-thread side: each request's outputs not handed over yet, and when its next
     # hand-over is due (time.monotonic; absent: its first output goes at once).
     held: dict = field(default_factory=dict)
     next_send: dict = field(default_factory=dict)
@@ -106,14 +109,14 @@ class _Channel:
         interval = min(MAX_STREAM_DELAY_S, len(self.req_ids) * CHANNEL_PACE_PER_STREAM_S)
         due = []
         for req_id, pending in list(self.held.items()):
-            finished = pending[-1][3]
+            finished = pending[-1].finished
             if finished or now >= self.next_send.get(req_id, 0.0):
                 self.held.pop(req_id, None)  # pop: the event loop may have dropped it meanwhile
                 if finished:
                     self.next_send.pop(req_id, None)
                 else:
                     self.next_send[req_id] = now + interval
-                due.extend(core.merge_packed(pending))
+                due.extend(merge_core_outputs(pending))
         return due
 
     def drop(self, req_id: str) -> None:
@@ -150,14 +153,11 @@ class BackendActor:
         logger.warning(  # warning: shown under Python's default log level, and said once per start
             "backend %s: device %s (%s), dtype %s, %s kernels, %d torch threads, max_active %d, KV cache %d tokens, "
             "model %s loaded in %.1f s (engine core pid %d)",
-            backend_id, ready["device"], device_reason or f"requested {requested_device}", ready["dtype"],
-            ready["cpu_kernels"] if ready["device_kind"] == "cpu" else ready["device_kind"], threads,
-            ready["max_active"], ready["num_kv_tokens"], ready["model_name"], ready["load_s"], ready["pid"])
-        self.max_active = ready["max_active"]
+            backend_id, ready.device, device_reason or f"requested {requested_device}", ready.dtype,
+            ready.cpu_kernels if ready.device_kind == "cpu" else ready.device_kind, threads,
+            ready.max_active, ready.num_kv_tokens, ready.model_name, ready.load_s, ready.pid)
+        self.max_active = ready.max_active
         self.metrics = Recorder(BACKEND_METRICS, {"backend": backend_id})
-        # The outputs' text and stop strings, made here rather than on the core's step loop
-        # when TANDEM_FRONT_DETOKENIZE=1 (actors/output_text.py); None: the engine makes them.
-        self._text = OutputText(ready["tokenizer"]) if front_detokenizes() else None
         self._streams: dict[str, _Stream] = {}
         self._held: dict[str, _Stream] = {}  # streams with merged outputs waiting for their turn
         self._channels: dict[str, _Channel] = {}
@@ -172,11 +172,11 @@ class BackendActor:
         self._call_ids = itertools.count()
         # Latest progress per request: reports carry absolute counts, so between two reports
         # only the last state of each request matters.
-        self._pending_progress: dict[str, tuple] = {}
-        self._pending_steps: list[tuple[int, int, int, float]] = []
+        self._pending_progress: dict[str, Any] = {}
+        self._pending_steps: list[Any] = []
         self._pending_cache_changes: dict[int, bool] = {}
         self._last_report = 0.0
-        self._stats_totals = (0, 0, 0, 0, 0)
+        self._stats_totals = StatsTotals(0, 0, 0.0, 0, 0, 0, 0, 0, 0)
         self._stopping = False
         self._wire: wire.WireServer | None = None
         self._reader = threading.Thread(target=self._read_core, name=f"core-reader-{backend_id}", daemon=True)
@@ -189,10 +189,10 @@ class BackendActor:
     def _info(self, reconstructed: bool = False) -> BackendInfo:
         e = self.engine_info
         return BackendInfo(
-            backend_id=self.backend_id, instance_id=self.instance_id, device=e["device"],
-            device_kind=e["device_kind"], requested_device=self.requested_device, dtype=e["dtype"],
-            threads=self.threads, max_active=self.max_active, block_size=e["block_size"],
-            model_name=e["model_name"], max_model_len=e["max_model_len"], node_id=wire.node_id(), rates=self.rates,
+            backend_id=self.backend_id, instance_id=self.instance_id, device=e.device,
+            device_kind=e.device_kind, requested_device=self.requested_device, dtype=e.dtype,
+            threads=self.threads, max_active=self.max_active, block_size=e.block_size,
+            model_name=e.model_name, max_model_len=e.max_model_len, node_id=wire.node_id(), rates=self.rates,
             reconstructed=reconstructed)
 
     async def info(self) -> BackendInfo:
@@ -207,14 +207,14 @@ class BackendActor:
 
     async def tokenizer(self) -> Any:
         """The engine's HF tokenizer object (picklable), so the HTTP ingress tokenizes alike."""
-        return self.engine_info["tokenizer"]
+        return self.engine_info.tokenizer
 
     async def profile(self, max_active: int | None = None, **kwargs: Any) -> dict[str, Any]:
         """Measure this backend's rates (nothing else may run meanwhile); see engine/profiler.py."""
         if self._streams or self._channel_of:
             raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
         rates, totals = await self._call("profile", max_active, kwargs)
-        self._stats_totals = totals[4:]  # profile tokens are not served tokens: not in the counters
+        self._stats_totals = totals  # profile tokens are not served tokens: not in the counters
         return rates
 
     async def register(self, rates: dict[str, Any] | None) -> BackendInfo:
@@ -256,7 +256,7 @@ class BackendActor:
         self._streams[req_id] = stream
         finished = False
         try:
-            num_prompt_tokens = await self._add(req_id, prompt_token_ids, params, arrival_time)
+            num_prompt_tokens = await self._add(EngineCoreRequest(req_id, prompt_token_ids, params, arrival_time))
             yield Admitted(req_id, self.backend_id, num_prompt_tokens)
             while not finished:
                 item = await stream.queue.get()
@@ -277,49 +277,48 @@ class BackendActor:
                 self._abort_quietly(req_id)
 
     # -- requests: one multiplexed stream per caller process ---------------------------------
-    async def add_many(self, channel_id: str, requests: list[tuple]) -> None:
-        """Admit requests `(req_id, prompt_token_ids, params, arrival_time)` whose outputs go to
-        `channel_id`'s `subscribe` stream. Nothing is returned: each request's answer is its
-        first item on that stream, `(req_id, Admitted)` with its first outputs if they come
-        within a step (see `Admitted`), or `(req_id, exception)`: InvalidRequestError if the
-        engine rejects it, BackendError if it cannot start. Callers send this one-way
-        (actors/batching.py), so an admission costs no reply of its own: it rides the channel's
-        next batch with the step's outputs."""
-        self._add_to_channel(channel_id, requests)
+    async def add_many(self, channel_id: str, adds: bytes) -> None:
+        """Admit the requests of an encoded `ChannelAdds`, whose outputs go to `channel_id`'s
+        `subscribe` stream. Nothing is returned: each request's answer is its first item on that
+        stream, `Admitted` with its first outputs if they come within a step (see `Admitted`),
+        or a `Refusal`: InvalidRequestError if the engine rejects it, BackendError if it cannot
+        start. Callers send this one-way (actors/batching.py), so an admission costs no reply of
+        its own: it rides the channel's next batch with the step's outputs."""
+        self._add_to_channel(channel_id, decode(adds).requests)
 
-    def _add_to_channel(self, channel_id: str, requests: list[tuple]) -> None:
+    def _add_to_channel(self, channel_id: str, requests: list[EngineCoreRequest]) -> None:
         channel = self._channels.setdefault(channel_id, _Channel())
         received = time.time()
         refused = []
-        for req_id, prompt_token_ids, params, arrival_time in requests:
+        for request in requests:
+            req_id = request.req_id
             try:
                 self._check_new(req_id)  # a duplicate id is refused, the running request untouched
                 if channel.closed:
                     raise BackendError(f"channel {channel_id} of backend {self.backend_id} is closed")
             except Exception as exc:
-                refused.append((req_id, exc))
+                refused.append(Refusal(req_id, exc))
                 continue
             channel.req_ids.add(req_id)
             self._channel_of[req_id] = channel
-            call_id = next(self._call_ids)
-            self._admitting[call_id] = (req_id, channel, received)
+            request.call_id = next(self._call_ids)
+            self._admitting[request.call_id] = (req_id, channel, received)
             try:
-                self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time,
-                            self._track_text(req_id, prompt_token_ids, params)))
+                self._send(request)
             except BackendError as exc:  # the engine core is gone
                 self._forget(req_id)
-                refused.append((req_id, exc))
+                refused.append(Refusal(req_id, exc))
         if refused:
             _dispatch([], [(channel, refused)])
 
-    async def subscribe(self, channel_id: str) -> AsyncIterator[list]:
-        """The outputs of every request added with `channel_id`, as one list of `RequestOutput`s
-        (or `(req_id, BackendError)` pairs) per hand-over. Ends when the caller closes it, which
-        aborts that channel's unfinished requests."""
+    async def subscribe(self, channel_id: str) -> AsyncIterator[bytes]:
+        """The admissions and outputs of every request added with `channel_id`, one encoded
+        `ChannelBatch` per hand-over. Ends when the caller closes it, which aborts that
+        channel's unfinished requests."""
         channel = self._open_channel(channel_id)
         try:
             while (batch := await self._next_batch(channel)) is not None:
-                yield batch
+                yield encode(ChannelBatch(batch))
         finally:
             self._close_channel(channel_id, channel)
 
@@ -361,22 +360,28 @@ class BackendActor:
         return wire.node_id(), self._wire.address
 
     async def _serve_wire(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One caller's channel: its first frame names the channel, the others are batches of
-        adds; the channel's hand-overs go back as frames. The caller closing the socket closes
-        the channel, which aborts its unfinished requests."""
+        """One caller's channel: its first frame is a `ChannelOpen`, the others `ChannelAdds`;
+        the channel's hand-overs go back as `ChannelBatch` frames. The caller closing the socket
+        closes the channel, which aborts its unfinished requests."""
         try:
-            channel_id = await wire.read_frame(reader)
+            opened = await wire.read_frame(reader)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
             return
+        if not isinstance(opened, ChannelOpen):
+            logger.error("backend %s: a wire opened with %s, not a ChannelOpen", self.backend_id,
+                         type(opened).__name__)
+            writer.close()
+            return
+        channel_id = opened.channel_id
         channel = self._open_channel(channel_id)
         sender = asyncio.get_running_loop().create_task(self._send_channel(channel, writer))
         try:
             while True:
-                self._add_to_channel(channel_id, await wire.read_frame(reader))
+                self._add_to_channel(channel_id, (await wire.read_frame(reader)).requests)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the caller is gone
-        except Exception:  # a frame that does not unpickle: this caller's wire is broken
+        except Exception:  # a frame that does not decode: this caller's wire is broken
             logger.exception("backend %s: bad frame on channel %s", self.backend_id, channel_id)
         finally:
             sender.cancel()
@@ -386,18 +391,16 @@ class BackendActor:
     async def _send_channel(self, channel: _Channel, writer: asyncio.StreamWriter) -> None:
         try:
             while (batch := await self._next_batch(channel)) is not None:
-                writer.write(wire.encode(batch))
+                writer.write(wire.frame(ChannelBatch(batch)))
                 await writer.drain()
         except ConnectionError:
             pass  # the caller is gone; the reading side closes the channel
-        except Exception:  # a batch that does not pickle: end the wire rather than stall its requests
+        except Exception:  # a batch that does not encode: end the wire rather than stall its requests
             logger.exception("backend %s: could not send a channel batch; closing the wire", self.backend_id)
             writer.close()
 
     def _check_new(self, req_id: str) -> None:
         if req_id in self._streams or req_id in self._channel_of:
-            from tandem.engine.sampling_params import InvalidRequestError
-
             raise InvalidRequestError(f"request id {req_id!r} is already running on {self.backend_id}")
         if self._stopping:
             raise BackendError(f"backend {self.backend_id} is shutting down")
@@ -409,8 +412,6 @@ class BackendActor:
         if channel is not None:
             channel.drop(req_id)
         self._awaiting_first.pop(req_id, None)
-        if self._text is not None:
-            self._text.forget(req_id)
 
     def _leave_channel(self, req_id: str) -> None:
         """A finished request leaves its channel's count; its held outputs still go out."""
@@ -432,26 +433,16 @@ class BackendActor:
         return await self._call("stats")
 
     # -- talking to the core -----------------------------------------------------------------
-    async def _add(self, req_id: str, prompt_token_ids: list[int], params: Any, arrival_time: float | None) -> int:
-        call_id, future = self._new_call()
-        try:
-            self._send((core.ADD, call_id, req_id, prompt_token_ids, params, arrival_time,
-                        self._track_text(req_id, prompt_token_ids, params)))
-            num_prompt_tokens, _ = await future
-        except BaseException:
-            if self._text is not None:
-                self._text.forget(req_id)
-            raise
-        return num_prompt_tokens
-
-    def _track_text(self, req_id: str, prompt_token_ids: list[int], params: Any) -> bool:
-        """The engine's `detokenize` flag for a request about to be added."""
-        return True if self._text is None else self._text.track(req_id, prompt_token_ids, params)
+    async def _add(self, request: EngineCoreRequest) -> int:
+        request.call_id, future = self._new_call()
+        self._send(request)
+        added = await future
+        return added.num_prompt_tokens
 
     async def _call(self, name: str, *args: Any) -> Any:
         """Run the core's `call_<name>(*args)` between two steps and return its result."""
         call_id, future = self._new_call()
-        self._send((core.CALL, call_id, name, args))
+        self._send(EngineCoreCall(call_id, name, list(args)))
         return await future
 
     def _new_call(self) -> tuple[int, asyncio.Future]:
@@ -460,18 +451,19 @@ class BackendActor:
         self._calls[call_id] = (loop, future)
         return call_id, future
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Message) -> None:
         try:
             self.core.send(message)
         except (OSError, ValueError):  # the core is gone; the reader thread fails the streams
-            if len(message) > 1 and isinstance(message[1], int):
-                self._calls.pop(message[1], None)
-                self._admitting.pop(message[1], None)
+            call_id = getattr(message, "call_id", None)
+            if call_id is not None:
+                self._calls.pop(call_id, None)
+                self._admitting.pop(call_id, None)
             raise BackendError(f"backend {self.backend_id}: its engine core is not running") from None
 
     def _abort_quietly(self, req_id: str) -> None:
         try:
-            self.core.send((core.ABORT, req_id))
+            self.core.send(EngineCoreAbort(req_id))
         except (OSError, ValueError):  # the core is gone: nothing left to free
             pass
 
@@ -484,96 +476,99 @@ class BackendActor:
                 self._core_exited()
                 return
             try:
-                if message[0] == core.STEP:
-                    self._on_step(*message[1:])
-                elif message[0] == core.FAILED:
-                    self._on_failure(message[1])
+                if isinstance(message, EngineCoreOutputs):
+                    self._on_step(message)
+                elif isinstance(message, EngineCoreFailed):
+                    self._on_failure(message.traceback)
             except Exception:  # our own bookkeeping failed: log it, keep serving
                 logger.exception("backend %s: handling the engine core's message failed", self.backend_id)
 
-    def _on_step(self, replies: list, outputs: list, progress: list, step: Any, cache_changes: dict,
-                 stats: Any) -> None:
-        if self._text is not None and outputs:
-            outputs, ended = self._text.apply(outputs)
-            for req_id in ended:  # a stop string ended it here: the engine stops too
-                self._abort_quietly(req_id)
+    def _on_step(self, message: EngineCoreOutputs) -> None:
+        added, replies, outputs, step = message.added, message.replies, message.outputs, message.step
         to_deliver, admissions = outputs, {}
         if self._admitting or self._awaiting_first:
-            replies, to_deliver, admissions = self._admissions(replies, outputs)
-        if replies:
-            self._answer(replies)
+            added, replies, to_deliver, admissions = self._admissions(added, replies, outputs)
+        if added or replies:
+            self._answer(added, replies)
         if to_deliver or admissions:
             self._deliver(to_deliver, admissions)
         if step is not None:
-            self.metrics.observe("tandem_backend_step_time_seconds", step[3])
-            self.metrics.inc("tandem_backend_step_seconds", step[3])
+            self.metrics.observe("tandem_backend_step_time_seconds", step.elapsed_s)
+            self.metrics.inc("tandem_backend_step_seconds", step.elapsed_s)
             self.metrics.inc("tandem_backend_steps")
             self._pending_steps.append(step)
-        for t in outputs:
-            if t[3]:
-                self._record_finished(t)
-        for p in progress:
-            self._pending_progress[p[0]] = p
-        if cache_changes:
-            self._pending_cache_changes.update(cache_changes)
+        for out in outputs:
+            if out.finished:
+                self._record_finished(out)
+        for p in message.progress:
+            self._pending_progress[p.req_id] = p
+        if message.cache_changes:
+            self._pending_cache_changes.update(message.cache_changes)
         now = time.monotonic()
         if step is None or now - self._last_report >= self.report_interval_s:
             self._report(now)
-        if stats is not None:
-            self._record_stats(stats)
+        if message.stats is not None:
+            self._record_stats(message.stats)
 
-    def _admissions(self, replies: list, outputs: list) -> tuple[list, list, dict]:
+    def _admissions(self, added: list[AddReply], replies: list[CallReply],
+                    outputs: list[EngineCoreOutput]) -> tuple[list, list, list, dict]:
         """The channel adds' answers in this message: an add the engine queued is admitted with
         its request's first outputs (see `Admitted`) when they come in the same step's message
         (a synchronous engine) or the next one (asynchronous scheduling returns a step's tokens
         with the next step); those outputs leave the channel's path. A request still without
         outputs then (queued behind others, or a prompt prefilled in chunks) is admitted
         without them, so its caller's response starts as before; a rejection is answered at
-        once. Returns the other replies, the outputs left for `_deliver`, and the admission
-        items per channel (id(channel) -> (channel, items)), which go out before any output."""
+        once. Returns the other adds' and calls' replies, the outputs left for `_deliver`, and the
+        admission items per channel (id(channel) -> (channel, items)), which go out before any
+        output."""
         late = list(self._awaiting_first)  # held over one message already
-        other_replies = []
+        other_added, other_replies = [], []
         admissions: dict[int, tuple[_Channel, list]] = {}
 
-        def admit(channel: _Channel, req_id: str, answer: Any) -> None:
-            admissions.setdefault(id(channel), (channel, []))[1].append((req_id, answer))
+        def admit(channel: _Channel, item: Admitted | Refusal) -> None:
+            admissions.setdefault(id(channel), (channel, []))[1].append(item)
 
-        def admit_queued(req_id: str, outputs: list) -> None:
+        def admit_queued(req_id: str, outputs: list[EngineCoreOutput]) -> None:
             waiting = self._awaiting_first.pop(req_id, None)
             if waiting is not None:
                 channel, num_prompt_tokens, received, queued = waiting
-                admit(channel, req_id, Admitted(req_id, self.backend_id, num_prompt_tokens, outputs, received, queued))
+                admit(channel, Admitted(req_id, self.backend_id, num_prompt_tokens, outputs, received, queued))
 
+        for reply in added:
+            adding = self._admitting.pop(reply.call_id, None)
+            if adding is None:
+                other_added.append(reply)
+            else:
+                req_id, channel, received = adding
+                self._awaiting_first[req_id] = (channel, reply.num_prompt_tokens, received, reply.queued_time)
         for reply in replies:
-            adding = self._admitting.pop(reply[0], None)
+            adding = self._admitting.pop(reply.call_id, None)
             if adding is None:
                 other_replies.append(reply)
-            elif reply[1]:
-                (num_prompt_tokens, queued), (req_id, channel, received) = reply[2], adding
-                self._awaiting_first[req_id] = (channel, num_prompt_tokens, received, queued)
-            else:
+            else:  # a refused add
                 self._forget(adding[0])
-                admit(adding[1], adding[0], reply[2])
+                admit(adding[1], Refusal(adding[0], reply.value))
         if not self._awaiting_first:
-            return other_replies, outputs, admissions
+            return other_added, other_replies, outputs, admissions
         firsts: dict[str, list] = {}
         rest = []
-        for packed in outputs:
-            if packed[0] not in self._awaiting_first:
-                rest.append(packed)
+        for out in outputs:
+            if out.req_id not in self._awaiting_first:
+                rest.append(out)
                 continue
-            firsts.setdefault(packed[0], []).append(packed)
-            if packed[3]:  # finished in its first step: nothing more will come on the channel
-                self._leave_channel(packed[0])
-        for req_id, packed in firsts.items():
-            admit_queued(req_id, core.merge_packed(packed))
+            firsts.setdefault(out.req_id, []).append(out)
+            if out.finished:  # finished in its first step: nothing more will come on the channel
+                self._leave_channel(out.req_id)
+        for req_id, outs in firsts.items():
+            admit_queued(req_id, merge_core_outputs(outs))
         for req_id in late:  # no outputs in this message either: admitted without them
             admit_queued(req_id, [])
-        return other_replies, rest, admissions
+        return other_added, other_replies, rest, admissions
 
-    def _answer(self, replies: list) -> None:
+    def _answer(self, added: list[AddReply], replies: list[CallReply]) -> None:
         by_loop: dict[Any, list] = {}
-        for call_id, ok, value in replies:
+        answers = [(r.call_id, True, r) for r in added] + [(r.call_id, r.ok, r.value) for r in replies]
+        for call_id, ok, value in answers:
             entry = self._calls.pop(call_id, None)
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], ok, value))
@@ -581,27 +576,25 @@ class BackendActor:
             loop.call_soon_threadsafe(_resolve_all, answers)
 
     def _deliver(self, outputs: list, admissions: dict | None = None) -> None:
-        """Hand a step's outputs (the core's packed tuples) to their streams and channels with
-        one wake-up of the event loop, not one per request. Both are paced here: `generate`
-        streams by `stream_interval_s` (a stream's coroutine wakes only to send), channel
-        requests by their channel's size (`_Channel.take_due`), so a caller with many streams
-        gets several steps' tokens per message. A channel's batch stays packed: a list of plain
-        tuples crosses Ray as msgpack, where `RequestOutput`s would be pickled here and
-        unpickled at the caller (the largest cost of both loops under streaming load), so the
-        channel's reader unpacks them."""
+        """Hand a step's outputs to their streams and channels with one wake-up of the event
+        loop, not one per request. Both are paced here: `generate` streams by
+        `stream_interval_s` (a stream's coroutine wakes only to send), channel requests by their
+        channel's size (`_Channel.take_due`), so a caller with many streams gets several steps'
+        tokens per message. A channel's outputs stay `EngineCoreOutput`s, encoded once per
+        batch; the channel's reader makes them `RequestOutput`s."""
         now = time.monotonic()
-        for packed in outputs:
-            req_id = packed[0]
+        for out in outputs:
+            req_id = out.req_id
             channel = self._channel_of.get(req_id)
             if channel is not None:
-                channel.held.setdefault(req_id, []).append(packed)
+                channel.held.setdefault(req_id, []).append(out)
                 self._holding[id(channel)] = channel
-                if packed[3]:  # finished: it leaves the channel's count, its outputs stay held
+                if out.finished:  # finished: it leaves the channel's count, its outputs stay held
                     self._leave_channel(req_id)
                 continue
             stream = self._streams.get(req_id)
             if stream is not None:
-                stream.pending.append(core.unpack_output(packed))
+                stream.pending.append(out.to_request_output())
                 self._held[req_id] = stream
         batches = dict(admissions or {})  # a channel's admissions go before its outputs
         for key, channel in list(self._holding.items()):
@@ -638,14 +631,12 @@ class BackendActor:
     def _fail_streams(self, error: BaseException) -> list[str]:
         """Put `error` into every stream and channel request; returns their request ids."""
         self._held.clear()  # outputs not yet handed over: the error replaces them
-        if self._text is not None:
-            self._text.clear()
         streams = list(self._streams.items())
         channel_reqs = list(self._channel_of.items())
         deliveries = [(stream, error) for _, stream in streams]
         batches: dict[int, tuple[_Channel, list]] = {}
         for req_id, channel in channel_reqs:
-            batches.setdefault(id(channel), (channel, []))[1].append((req_id, error))
+            batches.setdefault(id(channel), (channel, []))[1].append(Refusal(req_id, error))
             self._forget(req_id)
         _dispatch(deliveries, list(batches.values()))
         return [r for r, _ in streams] + [r for r, _ in channel_reqs]
@@ -657,7 +648,7 @@ class BackendActor:
         logger.error("backend %s: engine core exited (code %s); exiting so Ray restarts this backend",
                      self.backend_id, code)
         self._fail_streams(BackendError(f"backend {self.backend_id}: engine core exited (code {code})"))
-        self._fail_calls(core.CoreDied(f"backend {self.backend_id}: engine core exited (code {code})"))
+        self._fail_calls(BackendError(f"backend {self.backend_id}: engine core exited (code {code})"))
         time.sleep(0.2)  # let the event loop hand the errors over before the process goes
         os._exit(1)
 
@@ -676,16 +667,16 @@ class BackendActor:
         self._last_report = now
         if not (self._pending_progress or self._pending_steps or self._pending_cache_changes):
             return
-        progress = [core.unpack_progress(p) for p in self._pending_progress.values()]
+        progress = list(self._pending_progress.values())
         self._pending_progress = {}
         steps, self._pending_steps = self._pending_steps, []
         cache_changes, self._pending_cache_changes = self._pending_cache_changes, {}
         if self.router is not None:
             self.router.report.remote(self.backend_id, self.instance_id, progress, steps, cache_changes)
 
-    def _record_finished(self, t: tuple) -> None:
-        # t: engine_core.pack_output's tuple
-        reason, arrival, first_scheduled, first_token, finished = t[4], t[8], t[9], t[10], t[11]
+    def _record_finished(self, out: EngineCoreOutput) -> None:
+        reason, arrival = out.finish_reason, out.arrival_time
+        first_scheduled, first_token, finished = out.first_scheduled_time, out.first_token_time, out.finished_time
         self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": reason or "unknown"})
         if reason == "abort":
             return
@@ -696,21 +687,19 @@ class BackendActor:
         if finished is not None:
             self.metrics.observe("tandem_backend_e2e_seconds", max(0.0, finished - arrival))
 
-    def _record_stats(self, stats: tuple) -> None:
-        num_running, num_waiting, kv_usage, free_blocks = stats[:4]
-        m = self.metrics
+    def _record_stats(self, stats: StatsTotals) -> None:
+        m, old = self.metrics, self._stats_totals
         m.set("tandem_backend_up", 1)
-        m.set("tandem_backend_running_requests", num_running)
-        m.set("tandem_backend_waiting_requests", num_waiting)
-        m.set("tandem_backend_kv_cache_usage", kv_usage)
-        m.set("tandem_backend_kv_cache_free_blocks", free_blocks)
-        totals = stats[4:]
-        names = ("tandem_backend_prefix_cache_queries", "tandem_backend_prefix_cache_hits",
-                 "tandem_backend_prompt_tokens", "tandem_backend_generation_tokens",
-                 "tandem_backend_preemptions")
-        for name, new, old in zip(names, totals, self._stats_totals):
-            m.inc(name, new - old)
-        self._stats_totals = totals
+        m.set("tandem_backend_running_requests", stats.num_running)
+        m.set("tandem_backend_waiting_requests", stats.num_waiting)
+        m.set("tandem_backend_kv_cache_usage", stats.kv_cache_usage)
+        m.set("tandem_backend_kv_cache_free_blocks", stats.num_free_blocks)
+        m.inc("tandem_backend_prefix_cache_queries", stats.prefix_cache_queries - old.prefix_cache_queries)
+        m.inc("tandem_backend_prefix_cache_hits", stats.prefix_cache_hits - old.prefix_cache_hits)
+        m.inc("tandem_backend_prompt_tokens", stats.prompt_tokens - old.prompt_tokens)
+        m.inc("tandem_backend_generation_tokens", stats.generation_tokens - old.generation_tokens)
+        m.inc("tandem_backend_preemptions", stats.preemptions - old.preemptions)
+        self._stats_totals = stats
 
 
 def _resolve_all(answers: list[tuple[asyncio.Future, bool, Any]]) -> None:

@@ -151,9 +151,9 @@ class Tandem:
         if self._tokenizer is None:
             backends = await self.router.list_backends.remote()
             if not backends:
-                from tandem.cluster.dispatch import BackendUnavailable
+                from tandem.engine.errors import BackendUnavailableError
 
-                raise BackendUnavailable("no backend is alive")
+                raise BackendUnavailableError("no backend is alive")
             self._tokenizer = await next(iter(backends.values())).tokenizer.remote()
         if chat:
             return encode_chat(self._tokenizer, [{"role": "user", "content": prompt}])

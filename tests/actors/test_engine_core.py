@@ -1,7 +1,7 @@
-"""The engine core process behind a real Ray backend actor: streaming over both hops (a Ray
-generator per request, and the per-caller channel), aborts, callers cancelled at random
-moments, and the core's life tied to its actor's (no orphan after `ray.kill`; a restarted
-actor starts a fresh core)."""
+"""The engine core process behind a real Ray backend actor: streaming over the per-caller
+channel (the same-node wire) and a Ray generator per request (the warm-up's), aborts, callers
+cancelled at random moments, and the core's life tied to its actor's (no orphan after
+`ray.kill`; a restarted actor starts a fresh core)."""
 
 from __future__ import annotations
 
@@ -55,19 +55,32 @@ async def read_all(stream) -> list:
     return items
 
 
-def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
+class GeneratorStream:
+    """One request on its own Ray streaming generator (`BackendActor.generate`)."""
+
+    def __init__(self, handle, req_id, prompt_token_ids, params, arrival_time) -> None:
+        self._gen = handle.generate.options(num_returns="streaming").remote(req_id, prompt_token_ids, params,
+                                                                             arrival_time)
+
+    async def next(self):
+        return await (await self._gen.__anext__())
+
+    def close(self) -> None:
+        pass
+
+
+def test_channel_and_generator_stream_the_same_greedy_tokens(backend):
     from tandem.actors.channel import open_stream
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {f"p{i}": list(range(20 + 9 * i, 50 + 9 * i)) for i in range(6)}
 
-    async def all_at_once(tag: str):
-        streams = [open_stream(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
+    async def all_at_once(tag: str, stream_of):
+        streams = [stream_of(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
         return await asyncio.gather(*(read_all(s) for s in streams))
 
-    by_channel = run(all_at_once("ch"))
-    monkeypatch.setenv("TANDEM_STREAM_HOP", "generate")
-    by_generator = run(all_at_once("gen"))
+    by_channel = run(all_at_once("ch", open_stream))
+    by_generator = run(all_at_once("gen", GeneratorStream))
     for a, b in zip(by_channel, by_generator):
         assert isinstance(a[0], Admitted) and isinstance(b[0], Admitted)
         tokens_a = [t for o in a[1:] for t in o.new_token_ids]
@@ -109,17 +122,14 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
     """Each caller gives up after a random delay (during the add, before or after its first
     token, or never); the dispatch layer's close() then aborts it, as the HTTP ingress does.
     Afterwards nothing runs, no block is held, and the backend serves on."""
-    from tandem.actors.channel import ChannelStream, GeneratorStream, channel_for, open_stream
+    from tandem.actors.channel import open_stream
 
     rng = random.Random(7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     async def caller(i: int, hop: str) -> None:
         args = (f"rnd-{hop}-{i}", list(range(5 + i, 40 + i)), params, time.time())
-        if hop == "channel":
-            stream = ChannelStream(channel_for(backend), *args)
-        else:
-            stream = GeneratorStream(backend, *args)
+        stream = (open_stream if hop == "channel" else GeneratorStream)(backend, *args)
         try:
             await asyncio.wait_for(read_all(stream), timeout=rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 5.0]))
         except asyncio.TimeoutError:
@@ -184,23 +194,26 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
     import multiprocessing
 
     from tandem.actors import engine_core as core
+    from tandem.actors.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, decode, encode
 
     front, child = multiprocessing.Pipe()
     engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
-    assert front.recv()[0] == core.READY
-    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time(), True))
+    assert isinstance(decode(front.recv_bytes()), EngineCoreReady)
+    front.send_bytes(encode(EngineCoreRequest("r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0),
+                                              time.time(), call_id=1)))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
         while front.poll(0):
-            messages.append(front.recv())
-        if messages and messages[-1][4] is None and any(o[3] for m in messages for o in m[2]):
+            messages.append(decode(front.recv_bytes()))
+        if messages and messages[-1].step is None and any(o.finished for m in messages for o in m.outputs):
             break
-    last_step = max(i for i, m in enumerate(messages) if m[4] is not None)
-    assert any(o[3] for o in messages[last_step][2]), "the last step finished the request"
+    assert [a.call_id for a in messages[0].added] == [1]
+    last_step = max(i for i, m in enumerate(messages) if m.step is not None)
+    assert any(o.finished for o in messages[last_step].outputs), "the last step finished the request"
     idle = messages[last_step + 1]
-    assert idle[0] == core.STEP and idle[4] is None  # sent right after it, not after an idle poll
-    statuses = [p[1] for m in messages[:last_step + 2] for p in m[3] if p[0] == "r0"]
+    assert isinstance(idle, EngineCoreOutputs) and idle.step is None  # sent right after it, not after an idle poll
+    statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
     child.close()
     front.close()
