@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -40,26 +41,49 @@ from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
 
-_channels: dict[tuple[int, str], BackendChannel] = {}
+_channels: dict[tuple[int, str], Channel] = {}
 
 
 def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
                 arrival_time: float | None) -> Any:
     """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
-    return ChannelStream(channel_for(handle), EngineCoreRequest(req_id, prompt_token_ids, params, arrival_time))
+    return RequestStream(channel_for(handle), EngineCoreRequest(req_id, prompt_token_ids, params, arrival_time))
 
 
-def channel_for(handle: Any) -> BackendChannel:
+def run_to_end(requests: list[tuple[Any, str, list[int], Any]]) -> None:
+    """Run requests `(backend handle, req_id, prompt_token_ids, params)` straight on their
+    backends, without the router, until each finished: the warm-up's and the benchmarks' way to
+    load a backend. On an event loop of its own (in a thread), so a caller that has a running
+    loop can call it too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def one(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        stream = open_stream(handle, req_id, prompt_token_ids, params, time.time())
+        try:
+            await stream.next()  # the admission
+            while not (await stream.next()).finished:
+                pass
+        finally:
+            stream.close()
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*(one(*request) for request in requests))
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, all_of_them()).result()
+
+
+def channel_for(handle: Any) -> Channel:
     """This event loop's channel to the backend behind `handle` (one per actor, shared)."""
     loop = asyncio.get_running_loop()
     key = (id(loop), handle._actor_id.hex())
     channel = _channels.get(key)
     if channel is None or channel.error is not None:
-        channel = _channels[key] = BackendChannel(handle, key)
+        channel = _channels[key] = Channel(handle, key)
     return channel
 
 
-class BackendChannel:
+class Channel:
     """The caller's end of one channel. Its transport is settled by the reader task: the
     same-node wire when the backend is on this node, else Ray (`add_many` and `subscribe`);
     adds made before that is known wait in `_unsent`."""
@@ -161,10 +185,10 @@ class BackendChannel:
                 queue.put_nowait(error)
 
 
-class ChannelStream:
-    """One request on a `BackendChannel`."""
+class RequestStream:
+    """One request on a `Channel`."""
 
-    def __init__(self, channel: BackendChannel, request: EngineCoreRequest) -> None:
+    def __init__(self, channel: Channel, request: EngineCoreRequest) -> None:
         self.channel = channel
         self.req_id = request.req_id
         self._request = request

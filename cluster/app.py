@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.cluster.choices import Choice, LogprobsFormatter
-from tandem.cluster.dispatch import RequestStream
+from tandem.cluster.dispatch import RoutedRequest
 from tandem.cluster.http_server import ReplicaHTTPServer
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
@@ -291,7 +291,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 @dataclass
 class _ChunkMaker:
-    stream: RequestStream
+    stream: RoutedRequest
     model: str
     created: int
     chat: bool
@@ -338,7 +338,7 @@ class _OnceClosedStreamingResponse(StreamingResponse):
                 await cleanup()
 
 
-def _headers(stream: RequestStream) -> dict[str, str]:
+def _headers(stream: RoutedRequest) -> dict[str, str]:
     headers = {REQUEST_ID_HEADER: stream.req_id}
     if stream.backend_id:
         headers[BACKEND_HEADER] = stream.backend_id
@@ -474,14 +474,14 @@ class TandemIngress:
         arrival_time = time.time()
         endpoint = request.url.path
         req_id = _new_request_id("chatcmpl" if chat else "cmpl")
-        stream: RequestStream | None = None
+        stream: RoutedRequest | None = None
         admitted = handed_over = False
         try:
             body = await self._parse(request, model_cls)
             self._admit()
             admitted = True
             prompt_token_ids, params, plan = self._prepare(body, chat)
-            stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
+            stream = RoutedRequest(self.router, req_id, prompt_token_ids, params, arrival_time,
                                    self.settings.max_route_attempts)
             await stream.open()
             self._observe_stages(stream)
@@ -507,7 +507,7 @@ class TandemIngress:
                 if admitted:
                     self._release()
 
-    def _failed(self, exc: TandemError, req_id: str, endpoint: str, stream: RequestStream | None) -> Response:
+    def _failed(self, exc: TandemError, req_id: str, endpoint: str, stream: RoutedRequest | None) -> Response:
         response = error_response(exc, req_id, _headers(stream) if stream is not None else None)
         self._count(endpoint, response.status_code)
         return response
@@ -531,7 +531,7 @@ class TandemIngress:
     def _admit(self) -> None:
         if self.num_pending >= self.settings.max_pending_requests:
             raise OverloadedError(f"the server is at its limit of {self.settings.max_pending_requests} pending "
-                             "requests; retry shortly", code="too_many_pending_requests")
+                                  "requests; retry shortly", code="too_many_pending_requests")
         self.num_pending += 1
         self.metrics.set("tandem_http_pending_requests", self.num_pending)
 
@@ -589,12 +589,12 @@ class TandemIngress:
             return encode_chat(self.tokenizer, body.template_messages(), tools)
         except TemplateError as exc:
             raise InvalidRequestError(f"the model's chat template refused the messages: {str(exc)[:200]}",
-                                 param="messages") from None
+                                      param="messages") from None
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError("the messages could not be rendered with the model's chat template",
-                                 param="messages", detail=f"{type(exc).__name__}: {exc}") from None
+                                      param="messages", detail=f"{type(exc).__name__}: {exc}") from None
 
-    def _observe_stages(self, stream: RequestStream) -> None:
+    def _observe_stages(self, stream: RoutedRequest) -> None:
         for stage, seconds in stream.admission_stages().items():
             self.metrics.observe("tandem_http_stage_seconds", seconds, tags={"stage": stage})
             self.metrics.inc("tandem_http_stage_time_seconds", seconds, tags={"stage": stage})
@@ -607,10 +607,10 @@ class TandemIngress:
         self.metrics.inc("tandem_http_requests", tags={"endpoint": endpoint, "status": str(status)})
 
     # -- responses ---------------------------------------------------------------------------
-    def _info(self, stream: RequestStream) -> TandemInfo:
+    def _info(self, stream: RoutedRequest) -> TandemInfo:
         return TandemInfo(backend=stream.backend_id, estimated_s=round(stream.decision.estimated_s, 6))
 
-    async def _full_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
+    async def _full_response(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
         choices: dict[int, Choice] = {}
         final = None
         async for out in stream.outputs():
@@ -638,7 +638,7 @@ class TandemIngress:
                          for index, c in sorted(choices.items())])
         return JSONResponse(response.model_dump(), headers=_headers(stream))
 
-    def _streaming_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> StreamingResponse:
+    def _streaming_response(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> StreamingResponse:
         async def cleanup() -> None:
             await stream.close()
             self._release()
@@ -646,7 +646,7 @@ class TandemIngress:
         return _OnceClosedStreamingResponse(self._sse(stream, body, chat, plan), cleanup, media_type="text/event-stream",
                                             headers={**_headers(stream), "cache-control": "no-cache"})
 
-    async def _sse(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> AsyncIterator[str]:
+    async def _sse(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> AsyncIterator[str]:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
         created = int(time.time())
         chunk = _ChunkMaker(stream, body.model, created, chat, self._info)

@@ -17,8 +17,8 @@ event-loop turn share one batch (actors/batching.py), a frame on the router's sa
 (actors/wire.py) or, from another node, one `RouterActor.place_many` call, so the router's
 cost per call is shared by however many requests arrived together. The router answers with a
 backend id, not a handle: an actor handle in a reply is serialized by the router and rebuilt
-(and reference-counted with its owner) by the receiver, on every request, which measured as
-the largest single cost of a short request in both processes. Each process keeps the
+(and reference-counted with its owner) by the receiver, on every request, a cost that dwarfs
+the routing decision (docs/benchmarks/served-path-h200.md). Each process keeps the
 backends' handles instead (`BackendHandles`), fetched from the router when it first meets a
 backend id.
 
@@ -79,7 +79,7 @@ class BackendHandles:
         self._handles.pop(backend_id, None)
 
 
-class RequestStream:
+class RoutedRequest:
     def __init__(self, router: Any, req_id: str, prompt_token_ids: list[int], params: Any,
                  arrival_time: float | None = None, max_attempts: int = 3) -> None:
         self.router = router
@@ -138,14 +138,14 @@ class RequestStream:
                 self.finished = True
                 self.router.forget.remote(self.req_id)
                 raise BackendUnavailableError(f"backend {self.backend_id} failed while starting the request; retry it",
-                                         detail=_cause_message(exc)) from None
+                                              detail=_cause_message(exc)) from None
             if not isinstance(first, Admitted):
                 raise TandemError(f"backend {self.decision.backend_id} could not start the request",
-                                    detail=f"it sent {type(first).__name__} before admitting it")
+                                  detail=f"it sent {type(first).__name__} before admitting it")
             self.admitted, self.admitted_time = first, time.time()
             return first
         raise BackendUnavailableError(f"the request could not be placed after {self.attempts} attempts; "
-                                 "retry it", detail=f"last error: {last_error}")
+                                      "retry it", detail=f"last error: {last_error}")
 
     def admission_stages(self) -> dict[str, float]:
         """See `admission_stages`; empty before the request was admitted."""
@@ -169,7 +169,7 @@ class RequestStream:
                 out = await self._gen.next()
             except StopAsyncIteration:
                 raise BackendUnavailableError(f"backend {self.backend_id} ended the request without "
-                                         "finishing it; retry it") from None
+                                              "finishing it; retry it") from None
             except (ray.exceptions.RayActorError, BackendGoneError) as exc:
                 message = f"backend {self.backend_id} died while serving request {self.req_id}"
                 await self._backend_failed(f"{message}: {type(exc).__name__}")
@@ -178,10 +178,10 @@ class RequestStream:
                     await self.open()
                     continue
                 raise BackendUnavailableError(f"{message} after {self.num_output_tokens} tokens; retry "
-                                         "the request") from None
+                                              "the request") from None
             except BackendError as exc:
                 raise BackendUnavailableError(f"backend {self.backend_id} failed while serving the request; "
-                                         "retry it", detail=_cause_message(exc)) from None
+                                              "retry it", detail=_cause_message(exc)) from None
             self.num_output_tokens += len(out.new_token_ids)
             self.finished = out.finished
             yield out
@@ -250,9 +250,9 @@ def admission_stages(arrival: float, placed: float, admitted: float, first_outpu
       Ray call), `to_core` from there to the engine core queueing it (the actor's event loop,
       the pipe, the core finishing its step in progress); without the stamps both count in the
       next stage;
-    - with the first outputs in the admission (`Admitted.outputs`): `to_engine` queued (or placed) to first scheduled (its wait in
-      the engine), `prefill` first scheduled to first token, and `back` first token to the
-      admission's arrival here;
+    - with the first outputs in the admission (`Admitted.outputs`): `to_engine` queued (or
+      placed) to first scheduled (its wait in the engine), `prefill` first scheduled to first
+      token, and `back` first token to the admission's arrival here;
     - without them (the request queued behind others): `admit`, queued (or placed) to admitted.
     A negative difference (clocks of two nodes) counts as 0.
     """

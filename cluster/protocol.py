@@ -83,7 +83,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(text, parse_float=_parse_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} "
-                             f"column {exc.colno})") from None
+                                  f"column {exc.colno})") from None
     except _BadNumber as exc:
         raise InvalidRequestError(str(exc)) from None
     if not isinstance(data, dict):
@@ -134,7 +134,7 @@ def _check_strings(data: Any) -> None:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise InvalidRequestError(f"request body has a string that is not valid Unicode "
-                                     f"(lone surrogate at character {exc.start})") from None
+                                          f"(lone surrogate at character {exc.start})") from None
 
 
 TokenCount = Annotated[int, Field(strict=True, ge=1, le=MAX_INT32)]
@@ -234,7 +234,7 @@ def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
                 raise InvalidRequestError(f"{key}: {reason}", param=key, code="unsupported_field")
         else:
             raise InvalidRequestError(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
-                                 "rather than ignore them", param=_short(key), code="unsupported_field")
+                                      "rather than ignore them", param=_short(key), code="unsupported_field")
     return screened
 
 

@@ -161,7 +161,7 @@ def plan_output(body: Any, chat_template: str | None) -> OutputPlan:
     if tool_choice != "required":
         if tool_choice.function.name not in names:
             raise InvalidRequestError(f"tool_choice: no tool is named {tool_choice.function.name[:64]!r}",
-                                 param="tool_choice")
+                                      param="tool_choice")
         tools = [t for t in tools if t.function.name == tool_choice.function.name]
     constraints.append(("tool_choice", _call_schema(tools)))
     return OutputPlan(structured_output=_single(constraints), template_tools=template_tools,
@@ -177,7 +177,7 @@ def _constraints(body: Any) -> list[tuple[str, StructuredOutputParams]]:
     elif response_format is not None and response_format.type == "json_schema":
         if response_format.json_schema is None:
             raise InvalidRequestError("response_format: type json_schema needs a json_schema object",
-                                 param="response_format")
+                                      param="response_format")
         found.append(("response_format", _schema_params(response_format.json_schema.schema_,
                                                         "response_format.json_schema.schema")))
     guided_json = getattr(body, "guided_json", None)
@@ -217,8 +217,8 @@ def _single(constraints: list[tuple[str, StructuredOutputParams]]) -> Structured
     if len(constraints) > 1:
         fields = [name for name, _ in constraints]
         raise InvalidRequestError(f"{fields[1]}: only one of response_format, guided_json, guided_regex, guided_choice "
-                             f"and a forced tool_choice may constrain the output (got {', '.join(fields)})",
-                             param=fields[1])
+                                  f"and a forced tool_choice may constrain the output (got {', '.join(fields)})",
+                                  param=fields[1])
     return constraints[0][1] if constraints else None
 
 
@@ -285,7 +285,7 @@ def _arguments(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         raise InvalidRequestError("messages: a tool call's arguments must be a JSON object, as text",
-                             param="messages") from None
+                                  param="messages") from None
 
 
 # -- reading the output ----------------------------------------------------------------------

@@ -20,7 +20,7 @@ class TandemError(Exception):
         self.message, self.param, self.code, self.detail = message, param, code, detail
 
 
-class InvalidRequestError(TandemError, ValueError):
+class InvalidRequestError(TandemError):
     """The request itself is wrong; sending it again unchanged will fail again. The message
     names the offending field."""
 

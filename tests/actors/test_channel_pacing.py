@@ -1,7 +1,7 @@
 """The backend's merge of the core's outputs and a channel's pacing, without Ray (milliseconds).
 
 `merge_core_outputs` is `merge_outputs` for the core's `EngineCoreOutput`s: they must agree on
-every sequence of outputs, choices and logprobs included. `_Channel.take_due` hands a
+every sequence of outputs, choices and logprobs included. `ChannelState.take_due` hands a
 request's first and last outputs over at once and paces the rest by the channel's size.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from tandem.actors.backend import CHANNEL_PACE_PER_STREAM_S, MAX_STREAM_DELAY_S, _Channel
+from tandem.actors.fanout import CHANNEL_PACE_PER_STREAM_S, MAX_STREAM_DELAY_S, ChannelState
 from tandem.actors.messages import EngineCoreOutput, merge_core_outputs
 from tandem.engine.outputs import RequestOutput, Usage, merge_outputs
 
@@ -39,7 +39,7 @@ def _output_of(req_id: str, finished: bool = False) -> EngineCoreOutput:
 
 
 def test_first_and_last_outputs_go_at_once_the_rest_by_the_channel_size():
-    channel = _Channel()
+    channel = ChannelState()
     channel.req_ids.update(f"r{i}" for i in range(40))
     interval = min(MAX_STREAM_DELAY_S, 40 * CHANNEL_PACE_PER_STREAM_S)
     channel.held["r0"] = [_output_of("r0")]
@@ -55,7 +55,7 @@ def test_first_and_last_outputs_go_at_once_the_rest_by_the_channel_size():
 
 
 def test_a_small_channel_is_not_held_and_a_big_one_at_most_the_cap():
-    small, big = _Channel(), _Channel()
+    small, big = ChannelState(), ChannelState()
     small.req_ids.update({"a", "b"})
     big.req_ids.update(f"r{i}" for i in range(10_000))
     for channel, req_id in ((small, "a"), (big, "r0")):
@@ -68,7 +68,7 @@ def test_a_small_channel_is_not_held_and_a_big_one_at_most_the_cap():
 
 
 def test_a_dropped_request_sends_nothing_more():
-    channel = _Channel()
+    channel = ChannelState()
     channel.req_ids.add("r")
     channel.held["r"] = [_output_of("r")]
     channel.drop("r")

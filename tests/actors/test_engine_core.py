@@ -1,7 +1,7 @@
 """The engine core process behind a real Ray backend actor: streaming over the per-caller
-channel (the same-node wire) and a Ray generator per request (the warm-up's), aborts, callers
-cancelled at random moments, and the core's life tied to its actor's (no orphan after
-`ray.kill`; a restarted actor starts a fresh core)."""
+channel (the same-node wire), aborts, callers cancelled at random moments, the warm-up's way
+of loading a backend, and the core's life tied to its actor's (no orphan after `ray.kill`; a
+restarted actor starts a fresh core)."""
 
 from __future__ import annotations
 
@@ -55,33 +55,23 @@ async def read_all(stream) -> list:
     return items
 
 
-class GeneratorStream:
-    """One request on its own Ray streaming generator (`BackendActor.generate`)."""
-
-    def __init__(self, handle, req_id, prompt_token_ids, params, arrival_time) -> None:
-        self._gen = handle.generate.options(num_returns="streaming").remote(req_id, prompt_token_ids, params,
-                                                                             arrival_time)
-
-    async def next(self):
-        return await (await self._gen.__anext__())
-
-    def close(self) -> None:
-        pass
-
-
-def test_channel_and_generator_stream_the_same_greedy_tokens(backend):
+def test_requests_together_on_a_channel_stream_the_greedy_tokens_of_each_alone(backend):
     from tandem.actors.channel import open_stream
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {f"p{i}": list(range(20 + 9 * i, 50 + 9 * i)) for i in range(6)}
 
-    async def all_at_once(tag: str, stream_of):
-        streams = [stream_of(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
+    async def all_at_once(tag: str):
+        streams = [open_stream(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
         return await asyncio.gather(*(read_all(s) for s in streams))
 
-    by_channel = run(all_at_once("ch", open_stream))
-    by_generator = run(all_at_once("gen", GeneratorStream))
-    for a, b in zip(by_channel, by_generator):
+    async def one_by_one():
+        return [await read_all(open_stream(backend, f"solo-{r}", ids, params, time.time()))
+                for r, ids in prompts.items()]
+
+    by_channel = run(all_at_once("ch"))
+    alone = run(one_by_one())
+    for a, b in zip(by_channel, alone):
         assert isinstance(a[0], Admitted) and isinstance(b[0], Admitted)
         tokens_a = [t for o in a[1:] for t in o.new_token_ids]
         assert tokens_a == [t for o in b[1:] for t in o.new_token_ids] and len(tokens_a) == 12
@@ -127,18 +117,17 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
     rng = random.Random(7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
-    async def caller(i: int, hop: str) -> None:
-        args = (f"rnd-{hop}-{i}", list(range(5 + i, 40 + i)), params, time.time())
-        stream = (open_stream if hop == "channel" else GeneratorStream)(backend, *args)
+    async def caller(i: int) -> None:
+        stream = open_stream(backend, f"rnd-{i}", list(range(5 + i, 40 + i)), params, time.time())
         try:
             await asyncio.wait_for(read_all(stream), timeout=rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 5.0]))
         except asyncio.TimeoutError:
-            backend.abort.remote(f"rnd-{hop}-{i}")
+            backend.abort.remote(f"rnd-{i}")
         finally:
             stream.close()
 
     async def many():
-        await asyncio.gather(*(caller(i, hop) for i in range(24) for hop in ("channel", "generate")))
+        await asyncio.gather(*(caller(i) for i in range(48)))
 
     run(many())
 
@@ -152,6 +141,23 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
         return await read_all(open_stream(backend, "after", [4, 5, 6], params, time.time()))
 
     assert run(one_more())[-1].finished
+
+
+def test_run_to_end_loads_a_backend_without_the_router_and_returns_when_all_finished(ray_local, backend):
+    """The warm-up's and the benchmarks' way to load a backend: every request has finished when
+    it returns, on its own event loop even if the caller has one running."""
+    from tandem.actors.channel import run_to_end
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 to cache
+
+    async def from_a_running_loop():
+        run_to_end([(backend, f"load-{i}", prompt, params) for i in range(6)])
+
+    run(from_a_running_loop())
+    stats = ray_local.get(backend.stats.remote())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert ray_local.get(backend.num_cached_tokens.remote(prompt + [7])) == 32
 
 
 def test_the_core_dies_with_its_actor(ray_local):

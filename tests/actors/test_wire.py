@@ -207,11 +207,11 @@ def test_adds_on_a_wire_that_closed_under_them_fail_as_backend_gone(loop, monkey
             return address
 
         monkeypatch.setattr(channel_module.wire, "same_node_address", same_node)
-        chan = channel_module.BackendChannel(handle=None, key=(0, "backend"))
+        chan = channel_module.Channel(handle=None, key=(0, "backend"))
         while chan.transport != "wire":
             await asyncio.sleep(0.01)
         chan._writer.close()  # the wire is gone; the reader task has not seen it yet
-        stream = channel_module.ChannelStream(chan, EngineCoreRequest("r1", [1, 2, 3], SamplingParams()))
+        stream = channel_module.RequestStream(chan, EngineCoreRequest("r1", [1, 2, 3], SamplingParams()))
         try:
             await stream.next()
         except BackendGoneError as exc:
