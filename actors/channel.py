@@ -248,4 +248,3 @@ class RequestStream:
     def close(self) -> None:
         if self.channel.queues.get(self.req_id) is self._queue:
             del self.channel.queues[self.req_id]
-

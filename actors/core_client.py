@@ -75,9 +75,10 @@ class CoreClient:
         """From the reader thread: resolve the calls these replies answer, one wake-up per loop."""
         by_loop: dict[Any, list] = {}
         for reply in replies:
-            entry = self._calls.pop(reply.call_id, None)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], reply.ok, reply.value))
+            waiting = self._calls.pop(reply.call_id, None)
+            if waiting is not None:
+                loop, future = waiting
+                by_loop.setdefault(loop, []).append((future, reply.ok, reply.value))
         for loop, answers in by_loop.items():
             loop.call_soon_threadsafe(_resolve_all, answers)
 

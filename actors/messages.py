@@ -330,4 +330,3 @@ class Decision:
     record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
     estimated_s: float = 0.0
     handle: Any = None  # the chosen backend's actor handle
-
