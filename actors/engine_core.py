@@ -39,7 +39,7 @@ IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
 # Progress (each changed request's absolute counts) goes out at most this often, and whenever
 # the engine goes idle: the front reports it to the router every ~20 ms, so draining it more
-# often only builds and pickles every running request's progress on the step loop for the
+# often only builds and encodes every running request's progress on the step loop for the
 # front to overwrite before its next report.
 PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
