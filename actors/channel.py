@@ -18,8 +18,8 @@ stream for the batches back. Both carry the same typed messages (actors/messages
 same codec: `ChannelAdds` of `EngineCoreRequest`s one way, `ChannelBatch`es the other (over
 Ray as encoded bytes, which Ray passes without serializing them again).
 
-`open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
-and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
+`open_stream` returns a `RequestStream`, with `await next()` (first `Admitted`, then
+`RequestOutput`s) and `close()`; its errors: `InvalidRequestError` when the engine refuses the
 add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died (or
 `BackendGoneError`, when the wire closed).
 """
@@ -45,7 +45,7 @@ _channels: dict[tuple[int, str], Channel] = {}
 
 
 def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                arrival_time: float | None) -> Any:
+                arrival_time: float | None) -> RequestStream:
     """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
     return RequestStream(channel_for(handle), EngineCoreRequest(req_id, prompt_token_ids, params, arrival_time))
 

@@ -561,7 +561,6 @@ class TandemIngress:
             raise InvalidRequestError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
                                       f"is over this model's context of {max_model_len} tokens", param="max_tokens",
                                       code="context_length_exceeded")
-        # SamplingParams checks itself as it is built (its InvalidRequestError is a 400 as it is).
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_list,
                                 stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
@@ -569,6 +568,7 @@ class TandemIngress:
                                 frequency_penalty=body.frequency_penalty,
                                 repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
                                 logprobs=body.num_logprobs, structured_output=plan.structured_output)
+        params.validate()  # the edge's check; its InvalidRequestError is a 400 as it is
         return prompt_token_ids, params, plan
 
     def _tokenize(self, body: Any, chat: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -133,6 +133,7 @@ class Tandem:
         from tandem.engine.sampling_params import SamplingParams
 
         params = params or SamplingParams()
+        params.validate()  # the driver is an edge: a bad request fails here, before it is routed
         prompt_token_ids = await self._tokenize(prompt, chat)
         stream = RoutedRequest(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
                                time.time(), self.config.max_route_attempts)

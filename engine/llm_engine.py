@@ -233,8 +233,7 @@ class LLMEngine:
         return request
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """What only the engine knows how to check: the prompt against this model's vocabulary
-        and context. `params` checked itself when it was built (SamplingParams.validate)."""
+        params.validate()
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size

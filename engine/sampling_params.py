@@ -1,10 +1,11 @@
-"""Per-request sampling and stopping settings, validated as they are built.
+"""Per-request sampling and stopping settings, and their one check.
 
-`validate` is the one check of the settings: it runs when a SamplingParams is made (by the
-HTTP ingress from a request, by a Python caller of the driver or of `LLMEngine`), so every
-entry point rejects the same bad input with the same message and the engine does not check
-again. (The backend's codec rebuilds a request's SamplingParams in the engine core, which runs
-the same check on the same values.) Ranges
+`validate` is the one check of the settings, called where a request enters: the HTTP ingress
+and the Python driver before a request is routed (the edge), and `LLMEngine.add_request` for
+a caller of the engine itself (the engine core is one), so every entry point rejects the same
+bad input with the same message. Building a SamplingParams checks nothing, so the serving
+path's codec (actors/messages.py) rebuilds one in each process it crosses without checking it
+again on the way. Ranges
 are OpenAI's where OpenAI has the field (penalties in [-2, 2], logit bias in [-100, 100] for
 at most 300 tokens, up to 20 top logprobs) and vLLM's for its extras (`repetition_penalty` > 0,
 1 is off; `min_p` in [0, 1]).
@@ -50,7 +51,6 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.validate()
 
     @property
     def is_greedy(self) -> bool:
