@@ -7,18 +7,16 @@ the 'spawn' context (a fresh interpreter: no copy of the actor's Ray state or th
 child inherits the environment, so it sees the same `CUDA_VISIBLE_DEVICES`). Its loop is
 plain Python, no asyncio and no Ray: take every queued command, step, send outputs.
 
-The wire, both ways, is one `multiprocessing` Pipe carrying pickled plain tuples (measured
-cheaper than dataclasses; see `pack_output`):
+The core pipe, both ways, is one `multiprocessing` Pipe carrying the typed messages of
+actors/messages.py in their one codec (bytes, not pickles of Python objects):
 
-- front -> core: `(ADD, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize)`,
-  `(ABORT, req_id)` (no answer), `(CALL, call_id, name, args)` for the engine's other public
-  methods and `profile`, `(STOP,)`.
-- core -> front: one `(STEP, replies, outputs, progress, step, cache_changes, stats)` message
-  per engine step (or per batch of commands while idle), carrying every request's new tokens
-  and text, the router's progress and step timing, and the prefix-cache changes; never one
-  message per request. `replies` answers the commands applied since the last message as
-  `(call_id, ok, value_or_error)`; an add's value is `(num_prompt_tokens, time queued)`. First
-  of all the core sends `(READY, info)`, or `(FAILED, traceback)` if the engine cannot load.
+- front -> core: `EngineCoreRequest` (an add), `EngineCoreAbort` (no answer), `EngineCoreCall`
+  for the engine's other public methods and `profile`, `EngineCoreStop`.
+- core -> front: one `EngineCoreOutputs` per engine step (or per batch of commands while
+  idle), carrying every request's new tokens and text, the router's progress and step timing,
+  the prefix-cache changes and the answers to the commands applied since the last message;
+  never one message per request. First of all the core sends `EngineCoreReady`, or
+  `EngineCoreFailed` if the engine cannot load.
 
 The core dies with its front: it exits when the pipe reaches end-of-file (the front process
 is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; a blocked
@@ -32,67 +30,19 @@ import time
 import traceback
 from typing import Any
 
-READY, FAILED, STEP = "ready", "failed", "step"
-ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
+from tandem.actors.messages import (AddReply, CallReply, EngineCoreAbort, EngineCoreCall, EngineCoreFailed,
+                                    EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                                    EngineCoreStop, Message, StatsTotals, StepTiming, decode, encode)
+from tandem.engine.errors import BackendError
+
 IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
 # Progress (each changed request's absolute counts) goes out at most this often, and whenever
 # the engine goes idle: the front reports it to the router every ~20 ms, so draining it more
-# often only builds and pickles every running request's progress on the step loop for the
+# often only builds and encodes every running request's progress on the step loop for the
 # front to overwrite before its next report.
 PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
-
-
-def pack_output(out: Any) -> tuple:
-    """A `RequestOutput` as a plain tuple (pickles in about a third of the time)."""
-    u = out.usage
-    return (out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
-            u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
-            out.first_token_time, out.finished_time, out.index, out.logprobs)
-
-
-def unpack_output(t: tuple) -> Any:
-    from tandem.engine.outputs import RequestOutput, Usage
-
-    return RequestOutput(t[0], t[1], t[2], t[3], t[4], Usage(t[5], t[6], t[7]), t[8], t[9], t[10], t[11],
-                         t[12], t[13])
-
-
-def merge_packed(outputs: list[tuple]) -> list[tuple]:
-    """`merge_outputs` on packed outputs (consecutive ones of one request): one delta per choice,
-    in the order of each choice's latest output, without building a `RequestOutput` each."""
-    if len(outputs) == 1:
-        return outputs
-    by_index: dict[int, tuple] = {}
-    for t in outputs:
-        earlier = by_index.pop(t[12], None)
-        if earlier is not None:
-            logprobs = earlier[13] if t[13] is None else t[13] if earlier[13] is None else earlier[13] + t[13]
-            t = (t[0], earlier[1] + t[1], earlier[2] + t[2], *t[3:13], logprobs)
-        by_index[t[12]] = t
-    return list(by_index.values())
-
-
-def pack_progress(p: Any) -> tuple:
-    return (p.req_id, p.status, p.num_prompt_tokens, p.num_cached_tokens, p.num_computed_prompt_tokens,
-            p.num_output_tokens, p.max_tokens)
-
-
-def unpack_progress(t: tuple) -> Any:
-    from tandem.engine.outputs import RequestProgress
-
-    return RequestProgress(*t)
-
-
-def stats_totals(st: Any) -> tuple:
-    """The stats the front exports as gauges and counters (see actors/metrics.py)."""
-    return (st.num_running, st.num_waiting, st.kv_cache_usage, st.num_free_blocks, st.prefix_cache_queries,
-            st.prefix_cache_hits, st.num_prompt_tokens_total, st.num_generation_tokens_total, st.num_preemptions)
-
-
-class CoreDied(RuntimeError):
-    """The engine core process exited (crashed, or was killed) while its front still needed it."""
 
 
 def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
@@ -105,14 +55,14 @@ def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     try:
         core = EngineCore(conn, engine_kwargs, parent_pid)
     except BaseException:
-        _send_quietly(conn, (FAILED, traceback.format_exc()))
+        _send_quietly(conn, EngineCoreFailed(traceback.format_exc()))
         return
     core.serve()
 
 
-def _send_quietly(conn: Any, message: tuple) -> None:
+def _send_quietly(conn: Any, message: Message) -> None:
     try:
-        conn.send(message)
+        conn.send_bytes(encode(message))
     except OSError:  # the front is gone: nobody to tell
         pass
 
@@ -128,17 +78,21 @@ class EngineCore:
         self.parent_pid = parent_pid
         start = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(**engine_kwargs))
-        self.replies: list[tuple] = []
+        self.added: list[AddReply] = []
+        self.replies: list[CallReply] = []
         self.running = True
         self.last_stats = 0.0
         self.last_progress = 0.0
         engine, cfg = self.engine, self.engine.config
-        conn.send((READY, dict(
+        self.send(EngineCoreReady(
             device=str(engine.device), device_kind=engine.device.type,
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
             model_name=engine.model_name, max_model_len=engine.max_model_len,
-            tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid())))
+            tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid()))
+
+    def send(self, message: Message) -> None:
+        self.conn.send_bytes(encode(message))
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -177,31 +131,34 @@ class EngineCore:
                 raise EOFError("the front process is gone")
             return
         while True:
-            self.apply(conn.recv())
+            self.apply(decode(conn.recv_bytes()))
             if not self.running or not conn.poll(0):
                 return
 
-    def apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == ABORT:
-            self.engine.abort_request(command[1])
-        elif kind == ADD:
-            _, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize = command
-            self.answer(call_id, lambda: (self.engine.add_request(req_id, prompt_token_ids, params, arrival_time,
-                                                                  detokenize), time.time()))
-        elif kind == CALL:
-            _, call_id, name, args = command
-            self.answer(call_id, lambda: getattr(self, "call_" + name)(*args))
-        elif kind == STOP:
+    def apply(self, command: Message) -> None:
+        if isinstance(command, EngineCoreAbort):
+            self.engine.abort_request(command.req_id)
+        elif isinstance(command, EngineCoreRequest):
+            self.add(command)
+        elif isinstance(command, EngineCoreCall):
+            try:
+                value = getattr(self, "call_" + command.name)(*command.args)
+            except Exception as exc:  # a command's failure is its caller's error, never the loop's
+                self.replies.append(CallReply.of(command.call_id, False, exc))
+            else:
+                self.replies.append(CallReply.of(command.call_id, True, value))
+        elif isinstance(command, EngineCoreStop):
             self.running = False
 
-    def answer(self, call_id: int, fn: Any) -> None:
-        """Run one command; its result or exception goes back in the next message. A command's
-        failure is its caller's error, never the loop's."""
+    def add(self, request: EngineCoreRequest) -> None:
+        """Queue a request; its answer goes back in the next message."""
         try:
-            self.replies.append((call_id, True, fn()))
+            num_prompt_tokens = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params,
+                                                        request.arrival_time)
         except Exception as exc:
-            self.replies.append((call_id, False, exc))
+            self.replies.append(CallReply.of(request.call_id, False, exc))
+        else:
+            self.added.append(AddReply(request.call_id, num_prompt_tokens, time.time()))
 
     def send_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
         """One message with the step's outputs (`elapsed` None: an idle message, which also
@@ -211,28 +168,32 @@ class EngineCore:
         if elapsed is not None:
             st = engine.get_stats()
             # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
-            step = (st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or len(outputs), elapsed)
+            step = StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or len(outputs),
+                              elapsed)
         now = time.monotonic()
         progress = []
         if elapsed is None or now - self.last_progress >= PROGRESS_INTERVAL_S:
             self.last_progress = now
-            progress = [pack_progress(p) for p in engine.drain_progress()]
+            progress = engine.drain_progress()
         cache_changes = engine.drain_cache_changes()
         stats = None
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
-            stats = stats_totals(engine.get_stats())
-        if not (force or outputs or progress or cache_changes or self.replies or step or stats):
+            stats = StatsTotals.of(engine.get_stats())
+        if not (force or outputs or progress or cache_changes or self.added or self.replies or step or stats):
             return
+        added, self.added = self.added, []
         replies, self.replies = self.replies, []
-        self.conn.send((STEP, replies, [pack_output(o) for o in outputs], progress, step, cache_changes, stats))
+        self.send(EngineCoreOutputs(added, replies, [EngineCoreOutput.of(o) for o in outputs], progress, step,
+                                    cache_changes, stats))
 
     def fail_all(self, trace: str) -> None:
         """A failed step: the front fails every stream and aborts its request (in order, after
         this message), which frees what the engine still holds."""
+        added, self.added = self.added, []
         replies, self.replies = self.replies, []
-        self.conn.send((STEP, replies, [], [], None, {}, None))
-        self.conn.send((FAILED, trace))
+        self.send(EngineCoreOutputs(added, replies))
+        self.send(EngineCoreFailed(trace))
 
     # -- calls (CALL name -> call_<name>) ----------------------------------------------------
     def call_abort(self, req_id: str) -> bool:
@@ -251,13 +212,13 @@ class EngineCore:
         self.engine.drain_cache_changes()  # the snapshot supersedes them
         return self.engine.cached_block_hashes()
 
-    def call_profile(self, max_active: int | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
+    def call_profile(self, max_active: int | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], StatsTotals]:
         from tandem.engine.profiler import measure_rates
 
         rates = measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)
         self.engine.drain_progress()  # profile requests are not served requests
         self.engine.drain_cache_changes()
-        return rates, stats_totals(self.engine.get_stats())
+        return rates, StatsTotals.of(self.engine.get_stats())
 
 
 class CoreProcess:
@@ -282,27 +243,28 @@ class CoreProcess:
         self._send_lock = threading.Lock()
         self.pid = self._process.pid
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float) -> EngineCoreReady:
         """Block until the engine has loaded; returns what it told about itself."""
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
             if not self._process.is_alive():
-                raise CoreDied(f"engine core exited with code {self._process.exitcode} while loading")
+                raise BackendError(f"engine core exited with code {self._process.exitcode} while loading")
             if time.monotonic() > deadline:
                 self.kill()
-                raise CoreDied(f"engine core did not load within {timeout_s:.0f} s")
-        kind, payload = self._conn.recv()
-        if kind != READY:
+                raise BackendError(f"engine core did not load within {timeout_s:.0f} s")
+        message = self.recv()
+        if not isinstance(message, EngineCoreReady):
             self.kill()
-            raise CoreDied(f"engine core failed to start:\n{payload}")
-        return payload
+            raise BackendError(f"engine core failed to start:\n{getattr(message, 'traceback', message)}")
+        return message
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
+        data = encode(message)
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send_bytes(data)
 
-    def recv(self) -> tuple:
-        return self._conn.recv()
+    def recv(self) -> Message:
+        return decode(self._conn.recv_bytes())
 
     def exitcode(self) -> int | None:
         self._process.join(timeout=1.0)
@@ -311,7 +273,7 @@ class CoreProcess:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit after its current step; kill it if it does not."""
         try:
-            self.send((STOP,))
+            self.send(EngineCoreStop())
         except (OSError, ValueError):
             pass
         self._process.join(timeout_s)

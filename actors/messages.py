@@ -1,24 +1,203 @@
-"""Small, picklable messages between the backend actors, the router actor and their callers.
+"""Every message that crosses a process on the serving path, typed, and their one codec.
 
-Kept free of torch and ray so the HTTP ingress and driver scripts can import them cheaply.
+vLLM v1's shape: the front end hands the engine core a typed `EngineCoreRequest` and gets back
+one typed `EngineCoreOutputs` per engine step, never one message per request. Here the same
+structs travel on both of a request's data hops: the core pipe between a backend actor and its
+engine core (actors/engine_core.py), and a caller's channel to a backend (actors/channel.py),
+whether that runs on the same-node wire (actors/wire.py) or, from another node, on Ray as
+encoded bytes. The router's batched `place` calls on the wire are `WireCalls`/`WireAnswers`.
+
+Why msgspec structs with named fields: a reader of any hop sees `output.finished`, not
+`packed[3]`, and every field has a type the decoder checks. Why msgpack: a step's message of
+256 outputs encodes and decodes faster than the pickled tuples it replaces
+(docs/benchmarks/message-codec.md). What msgpack cannot carry natively (an exception, a
+tokenizer, a control call's result) goes as a pickle inside a msgpack extension, as vLLM does;
+only the control plane and errors take that path. Decoding may unpickle, so a wire decodes a
+frame only after its connection presented the server's token.
+
+`BackendInfo` and `Decision` go between actors as Ray call arguments and stay dataclasses.
+
+Kept free of torch and ray so the HTTP ingress and driver scripts can import it cheaply.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
+
+import msgspec
+
+from tandem.engine.outputs import RequestOutput, RequestProgress, TokenLogprobs, Usage
+from tandem.engine.sampling_params import SamplingParams
+
+_PICKLED = 1  # msgpack extension code: a pickled Python object
 
 
-@dataclass
-class Admitted:
-    """First item of every `BackendActor.generate` stream: the engine accepted the request.
+class _Message(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Base of every message: positional on the wire (no field names in each frame), tagged
+    by class so one decoder reads any of them."""
+
+
+# -- front -> engine core ------------------------------------------------------------------
+class EngineCoreRequest(_Message, tag="req"):
+    """One request to add, built once by whoever tokenized it. `call_id` is set by the backend
+    actor that forwards it to its core; the core answers the add under it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float | None = None
+    call_id: int = 0
+
+
+class EngineCoreAbort(_Message, tag="abort"):
+    req_id: str
+
+
+class EngineCoreCall(_Message, tag="call"):
+    """Run the core's `call_<name>(*args)` between two steps (control plane)."""
+
+    call_id: int
+    name: str
+    args: list[Any]
+
+
+class EngineCoreStop(_Message, tag="stop"):
+    pass
+
+
+# -- engine core -> front ------------------------------------------------------------------
+class EngineCoreReady(_Message, tag="ready"):
+    """The core's first message: its engine loaded."""
+
+    device: str
+    device_kind: str
+    dtype: str
+    max_active: int
+    block_size: int
+    num_kv_tokens: int
+    cpu_kernels: str
+    model_name: str
+    max_model_len: int
+    tokenizer: Any  # the HF tokenizer (pickled)
+    load_s: float
+    pid: int
+
+
+class EngineCoreFailed(_Message, tag="failed"):
+    """The engine could not load, or a step failed (then the core sends its outputs' message first)."""
+
+    traceback: str
+
+
+class EngineCoreOutput(_Message, tag="out"):
+    """One request's news from one step: `RequestOutput`'s fields, its usage flattened."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EngineCoreOutput:
+        u = out.usage
+        return cls(out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
+                   u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
+                   out.first_token_time, out.finished_time, out.index, out.logprobs)
+
+    def to_request_output(self) -> RequestOutput:
+        return RequestOutput(self.req_id, self.new_token_ids, self.new_text, self.finished, self.finish_reason,
+                             Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+                             self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                             self.finished_time, self.index, self.logprobs)
+
+
+class AddReply(_Message, tag="added"):
+    """The core queued a request: how long its prompt is and when (`time.time()`) it was queued."""
+
+    call_id: int
+    num_prompt_tokens: int
+    queued_time: float
+
+
+class CallReply(_Message, tag="reply"):
+    """A call's result (`ok`) or exception, or a refused add's exception; pickled, since a
+    control call may return any Python object."""
+
+    call_id: int
+    ok: bool
+    value: Any
+
+    @classmethod
+    def of(cls, call_id: int, ok: bool, value: Any) -> CallReply:
+        return cls(call_id, ok, msgspec.msgpack.Ext(_PICKLED, pickle.dumps(value, protocol=5)))
+
+
+class StepTiming(_Message, tag="timing"):
+    """One engine step's size and time: the router's online calibration."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    batch_size: int
+    elapsed_s: float
+
+
+class StatsTotals(_Message, tag="stats"):
+    """The engine stats the front exports as gauges (the first four) and counters (the rest,
+    totals since the engine started; see actors/metrics.py)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, st: Any) -> StatsTotals:
+        return cls(st.num_running, st.num_waiting, st.kv_cache_usage, st.num_free_blocks, st.prefix_cache_queries,
+                   st.prefix_cache_hits, st.num_prompt_tokens_total, st.num_generation_tokens_total,
+                   st.num_preemptions)
+
+
+class EngineCoreOutputs(_Message, tag="outs"):
+    """Everything one engine step (or one batch of commands while idle) has to say: the
+    answers to the commands applied since the last message, every request's new tokens and
+    text, the router's progress (each changed request's absolute counts), the step's timing,
+    the prefix cache's published (True) and evicted (False) block hashes, and the stats."""
+
+    added: list[AddReply] = []
+    replies: list[CallReply] = []
+    outputs: list[EngineCoreOutput] = []
+    progress: list[RequestProgress] = []
+    step: StepTiming | None = None
+    cache_changes: dict[int, bool] = {}
+    stats: StatsTotals | None = None
+
+
+# -- a caller's channel to a backend (wire frames, or bytes over Ray) ------------------------
+class Admitted(_Message, tag="admitted"):
+    """A request's first item on its channel: the engine accepted it.
 
     Callers wait for it before answering HTTP, so a request the engine rejects still gets a
-    proper 4xx status instead of an error inside a 200 stream. `BackendActor.add` returns it
-    with the request's first outputs when the engine's next step or the one after brings them
-    (packed, see actors/engine_core.py; all of a one-token request), so the first token reaches
-    the caller with the answer instead of a channel message later; a request still queued then
-    is answered without them, and a rejection at once.
+    proper 4xx status instead of an error inside a 200 stream. It carries the request's first
+    outputs when the engine's next step or the one after brings them (all of a one-token
+    request), so the first token reaches the caller with the answer instead of a channel
+    message later; a request still queued then is admitted without them.
 
     `received_time` (the backend actor took the add) and `queued_time` (the engine core queued
     the request) are `time.time()` stamps that split the add's trip into its hops
@@ -28,9 +207,97 @@ class Admitted:
     req_id: str
     backend_id: str
     num_prompt_tokens: int
-    outputs: list = field(default_factory=list)
+    outputs: list[EngineCoreOutput] = []
     received_time: float | None = None
     queued_time: float | None = None
+
+
+class Refusal(_Message, tag="refused"):
+    """A request of the channel failed: refused at its add, or its engine failed under it."""
+
+    req_id: str
+    error: Any  # the exception (pickled)
+
+
+class ChannelOpen(_Message, tag="open"):
+    """A wire connection's first frame: the channel it carries."""
+
+    channel_id: str
+
+
+class ChannelAdds(_Message, tag="adds"):
+    requests: list[EngineCoreRequest]
+
+
+class ChannelBatch(_Message, tag="batch"):
+    """One hand-over from a backend to a caller: admissions, refusals and outputs, a
+    channel's admissions before its outputs."""
+
+    items: list[Union[EngineCoreOutput, Admitted, Refusal]]
+
+
+# -- batched calls on the wire (the router's `place_many`) -----------------------------------
+class WireCall(_Message, tag="wcall"):
+    call_id: int
+    args: list[Any]
+
+
+class WireCalls(_Message, tag="wcalls"):
+    calls: list[WireCall]
+
+
+class WireAnswer(_Message, tag="wanswer"):
+    call_id: int
+    value: Any  # the result, or the exception to raise (pickled)
+
+
+class WireAnswers(_Message, tag="wanswers"):
+    answers: list[WireAnswer]
+
+
+Message = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreCall, EngineCoreStop, EngineCoreReady,
+                EngineCoreFailed, EngineCoreOutputs, ChannelOpen, ChannelAdds, ChannelBatch, WireCalls,
+                WireAnswers]
+
+
+def _enc_hook(obj: Any) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(_PICKLED, pickle.dumps(obj, protocol=5))
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _PICKLED:
+        raise ValueError(f"unknown msgpack extension {code}")
+    return pickle.loads(data)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_ext_hook)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
+
+
+def merge_core_outputs(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """`merge_outputs` on the core's outputs (consecutive ones of one request): one delta per
+    choice, in the order of each choice's latest output, without building `RequestOutput`s."""
+    if len(outputs) == 1:
+        return outputs
+    by_index: dict[int, EngineCoreOutput] = {}
+    for out in outputs:
+        earlier = by_index.pop(out.index, None)
+        if earlier is not None:
+            logprobs = out.logprobs
+            if earlier.logprobs is not None:
+                logprobs = earlier.logprobs if out.logprobs is None else earlier.logprobs + out.logprobs
+            out = msgspec.structs.replace(out, new_token_ids=earlier.new_token_ids + out.new_token_ids,
+                                          new_text=earlier.new_text + out.new_text, logprobs=logprobs)
+        by_index[out.index] = out
+    return list(by_index.values())
 
 
 @dataclass
@@ -61,15 +328,5 @@ class Decision:
     backend_id: str
     instance_id: str
     record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
-    estimated_s: float | None = 0.0  # None: not scored (the request went to the fixed choice)
+    estimated_s: float = 0.0
     handle: Any = None  # the chosen backend's actor handle
-
-
-class BackendError(RuntimeError):
-    """The backend failed while serving a request (engine error, or it is shutting down)."""
-
-
-class BackendGone(RuntimeError):
-    """The same-node wire to a backend closed under a request (actors/wire.py): the backend's
-    process is gone, as a `RayActorError` says on the Ray path, and the request may be routed
-    again if it has no tokens yet."""

@@ -12,13 +12,10 @@ after Ray restarts it. It is dropped at once when a caller reports that a call t
 callers (see cluster/dispatch.py), which re-route them. Each registration carries a fresh
 `instance_id`, so a late failure report about the previous incarnation cannot drop the new one.
 
-Fixed choices. When every request must go to one backend (it is the only routable one), a
-caller need not wait for a decision: `watch_fixed_choice` tells callers that backend as it
-changes (a long poll, answered when membership, policy or cordons change), they send requests
-there at once and tell the router after with `note_placed_many`, which places them as `place`
-would have. A note can come after the backend reported its request finished, or after the
-caller's `forget`: the router keeps the ids of such unknown requests for a while (tombstones)
-and drops their late notes, so no ledger entry outlives its request.
+Placing a request has one verb: `place` returns the whole `Decision` (its record, the
+backend's handle) for tests and diagnostics, and `place_many` places a batch for the serving
+path (cluster/dispatch.py) and answers each with (backend id, instance id, estimated seconds)
+only, since every caller pays to receive the reply.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
 plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
@@ -40,21 +37,13 @@ from typing import Any
 from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.detached import detached
-from tandem.actors.messages import BackendInfo, Decision
+from tandem.actors.messages import BackendInfo, Decision, StepTiming
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
+from tandem.engine.errors import BackendUnavailableError
 
 PENDING_EXPORT_S = 0.05
-# How many finished-or-forgotten ids of requests the router never placed it remembers, so
-# their late `note_placed_many` is dropped (see the module docstring); and how long a
-# `watch_fixed_choice` call waits for a change before answering anyway.
-MAX_TOMBSTONES = 65536
-WATCH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("tandem.router")
-
-
-class NoBackendAvailable(RuntimeError):
-    """No backend is alive (or none the policy may use)."""
 
 
 @dataclass
@@ -99,10 +88,6 @@ class RouterActor:
             self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
         self._health_task: asyncio.Task | None = None
         self._pending_export: asyncio.TimerHandle | None = None
-        self._tombstones: dict[str, None] = {}  # insertion-ordered: the oldest go first
-        self._watched = False  # a caller asked for the fixed choice: notes may come
-        self._choice_version = 0
-        self._choice_changed = asyncio.Event()
         self._wire: wire.WireServer | None = None
 
     # -- membership --------------------------------------------------------------------------
@@ -124,7 +109,6 @@ class RouterActor:
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
                        info.instance_id, "rejoined" if info.reconstructed else "joined")
         self._export_membership()
-        self._routing_changed()
         self._ensure_health_task()
 
     async def backend_failed(self, backend_id: str, instance_id: str | None = None, reason: str = "") -> bool:
@@ -143,7 +127,6 @@ class RouterActor:
             self.routed.pop(req_id, None)
         logger.warning("router: dropped backend %s (%s); %d queued and %d active requests fail over at "
                        "their callers", backend_id, reason, len(removed.queued), len(removed.active))
-        self._routing_changed()
         # Nothing is pending on a backend that is out of routing; its gauges would otherwise
         # keep their last values until it rejoins.
         self.metrics.set("tandem_router_pending_seconds", 0.0, tags={"backend": backend_id})
@@ -157,7 +140,6 @@ class RouterActor:
         self.policy = self.router.policy
         for backend_id in self.router.backend_ids():
             self.router.set_cordoned(backend_id, backend_id in cordoned)
-        self._routing_changed()
 
     async def set_max_active(self, backend_id: str, max_active: int) -> None:
         """A backend changed its max_active (BackendActor.set_max_active tells us)."""
@@ -181,91 +163,34 @@ class RouterActor:
         return {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in self.router.backend_ids()}
 
     # -- decisions ---------------------------------------------------------------------------
-    async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
+    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
         """Place a request and return the whole decision: its record and the backend's handle.
         `attempt` > 1 means its previous backend failed before it started."""
         record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
         return Decision(req_id, record.backend_id, backend.info.instance_id, record.to_dict(), record.chosen.score_s,
                         backend.handle)
 
-    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    attempt: int = 1) -> tuple[str, str, float]:
-        """`route` for the serving path: (backend id, instance id, estimated seconds) and nothing
-        else, since every caller pays to receive the reply (callers keep the handles from
-        `list_backends`)."""
-        return self._placement(req_id, prompt_token_ids, max_tokens, attempt)
-
-    async def place_many(self, requests: list[tuple]) -> list[Any]:
-        """`place` for several requests in one call (actors/batching.py), in order; each item is
-        its answer or the exception `place` would have raised."""
-        return self._place_all(requests)
+    def place_many(self, requests: list[tuple]) -> list[Any]:
+        """Place several requests `(req_id, prompt_token_ids, max_tokens, attempt)`, in order
+        (actors/batching.py); each answer is (backend id, instance id, estimated seconds), or the
+        exception `place` would have raised. Callers keep the handles from `list_backends`."""
+        answers: list[Any] = []
+        for request in requests:
+            try:
+                record, backend = self._place(*request)
+            except Exception as exc:
+                answers.append(exc)
+            else:
+                answers.append((record.backend_id, backend.info.instance_id, record.chosen.score_s))
+        return answers
 
     async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
         """(node id, address) of the same-node wire on which callers of this node send their
         `place_many` batches without a Ray call each (actors/wire.py); started on first call."""
         if self._wire is None:
             self._wire = wire.WireServer()
-            await self._wire.start(wire.call_server(self._place_all))
+            await self._wire.start(wire.call_server(self.place_many))
         return wire.node_id(), self._wire.address
-
-    def _place_all(self, requests: list[tuple]) -> list[Any]:
-        answers: list[Any] = []
-        for request in requests:
-            try:
-                answers.append(self._placement(*request))
-            except Exception as exc:
-                answers.append(exc)
-        return answers
-
-    # -- fixed choices (see the module docstring) --------------------------------------------
-    async def watch_fixed_choice(self, version: int = -1,
-                                 timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, str | None, str | None]:
-        """(version, backend id, instance id) of the backend every request goes to, or
-        (version, None, None) while requests have a choice. Answers at once if the caller's
-        `version` is not the current one, else when it changes or after `timeout_s`."""
-        self._watched = True
-        if version == self._choice_version:
-            try:
-                await asyncio.wait_for(self._choice_changed.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        backend_id = self.router.fixed_choice()
-        backend = self.backends.get(backend_id) if backend_id is not None else None
-        if backend is None:
-            return self._choice_version, None, None
-        return self._choice_version, backend_id, backend.info.instance_id
-
-    async def note_placed_many(self, requests: list[tuple]) -> None:
-        """Requests a caller sent to the fixed choice without asking, as `place_many`'s
-        (req_id, prompt_token_ids, max_tokens, attempt): placed now, as `place` would have
-        (the ledger, the routing log, the metrics), unless the request already ended."""
-        for request in requests:
-            if request[0] in self._tombstones:  # finished or forgotten before this note came
-                del self._tombstones[request[0]]
-                continue
-            try:
-                self._place(*request)
-            except Exception:  # no backend left, or a duplicate id: nothing to account
-                logger.debug("router: note of request %s not placed", request[0], exc_info=True)
-
-    def _routing_changed(self) -> None:
-        self._choice_version += 1
-        self._choice_changed.set()
-        self._choice_changed = asyncio.Event()
-
-    def _bury(self, req_id: str) -> None:
-        """Remember a request the router never placed, which ended (see the module docstring);
-        only once a caller watches the fixed choice, since only such a caller sends notes."""
-        if not self._watched:
-            return
-        self._tombstones[req_id] = None
-        if len(self._tombstones) > MAX_TOMBSTONES:
-            del self._tombstones[next(iter(self._tombstones))]
-
-    def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   attempt: int) -> tuple[str, str, float]:
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
-        return record.backend_id, backend.info.instance_id, record.chosen.score_s
 
     def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
         from tandem.routing import NoBackendError, RouteRequest
@@ -273,13 +198,13 @@ class RouterActor:
         hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
         num_cached = self._num_cached(hashes, len(prompt_token_ids))
         if not self.backends:
-            raise NoBackendAvailable("no backend is alive")
+            raise BackendUnavailableError("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         try:
             record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
                                                     tuple(hashes[block_size]), block_size))
         except NoBackendError as exc:
-            raise NoBackendAvailable(str(exc)) from None
+            raise BackendUnavailableError(str(exc)) from None
         chosen = record.chosen
         now = time.time()
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
@@ -303,8 +228,6 @@ class RouterActor:
         found = self.router.forget(req_id)
         if found:
             self._export_pending()
-        else:
-            self._bury(req_id)
         return found
 
     def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
@@ -346,11 +269,10 @@ class RouterActor:
 
     # -- progress ----------------------------------------------------------------------------
     async def report(self, backend_id: str, instance_id: str, progress: list[Any],
-                     steps: list[tuple[int, int, int, float]] = (),
-                     cache_changes: dict[int, bool] | None = None) -> int:
+                     steps: list[StepTiming] = (), cache_changes: dict[int, bool] | None = None) -> int:
         """A backend's batch of `engine.outputs.RequestProgress` (absolute counts), of its
-        steps as (prefill tokens, decode tokens, batch size, seconds), and of its prefix-cache
-        index changes (block hash -> published or evicted)."""
+        steps' `StepTiming`s, and of its prefix-cache index changes (block hash -> published or
+        evicted)."""
         backend = self.backends.get(backend_id)
         if backend is None or backend.info.instance_id != instance_id:
             return 0
@@ -358,9 +280,10 @@ class RouterActor:
             backend.cache.apply(cache_changes)
             self.metrics.set("tandem_router_mirrored_cached_blocks", len(backend.cache.cached),
                              tags={"backend": backend_id})
-        for num_prefill, num_decode, batch_size, elapsed in steps:
-            if elapsed > 0:
-                self.router.observe_step(backend_id, num_prefill, num_decode, batch_size, elapsed)
+        for step in steps:
+            if step.elapsed_s > 0:
+                self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
+                                         step.elapsed_s)
         events = []
         for p in progress:
             events.extend(self._events_for(p))
@@ -387,7 +310,6 @@ class RouterActor:
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)
         if routed is None:
-            self._bury(req_id)
             return
         realised = time.time() - routed.decided_at
         tags = {"backend": backend_id}

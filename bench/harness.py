@@ -251,16 +251,14 @@ def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
     """Prefill every seed prompt on every backend; return each backend's reusable prefix for request 0."""
     import ray
 
+    from tandem.actors.channel import run_to_end
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step: warms it too
     backends = cluster.tandem.backends
     for handle in backends.values():
-        for prompt in workload.seed_prompts:
-            stream = handle.generate.options(num_returns="streaming").remote(
-                f"seed-{uuid.uuid4().hex}", prompt, params, time.time())
-            for ref in stream:
-                ray.get(ref)
+        for prompt in workload.seed_prompts:  # one at a time: each seed prompt is cached before the next
+            run_to_end([(handle, f"seed-{uuid.uuid4().hex}", prompt, params)])
     probe = workload.requests[0].prompt_token_ids
     return dict(zip(backends, ray.get([h.num_cached_tokens.remote(probe) for h in backends.values()])))
 

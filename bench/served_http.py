@@ -265,7 +265,7 @@ async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, n
         ids = [VOCAB_LOW + (t + i + 104729) % (vocab - VOCAB_LOW) for t in prompt]
         req_id = f"ttft-parts-{i}"
         t0 = time.perf_counter()
-        await router.place.remote(req_id, ids, 16, 1)
+        await router.place_many.remote([(req_id, ids, 16, 1)])
         t1 = time.perf_counter()
         stream = open_stream(backend, req_id, ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                              time.time())
@@ -461,7 +461,4 @@ def run(args: Any) -> dict[str, Any]:
         for c in curve:
             print(f"{c['offered_req_s']:>14.0f} {c['achieved_req_s']:>9.0f} {c['p50_ms'] or 0:>8.1f} "
                   f"{c['p99_ms'] or 0:>8.1f} {c['errors']:>7}")
-    return {"rows": rows, "ttft": ttft, "capacity": curve, "setup": setup,
-            "stream_hop": os.environ.get("TANDEM_STREAM_HOP", "channel"),
-            "wire": os.environ.get("TANDEM_WIRE", "1") != "0",
-            "fixed_choice": os.environ.get("TANDEM_FIXED_CHOICE") == "1"}
+    return {"rows": rows, "ttft": ttft, "capacity": curve, "setup": setup}

@@ -66,7 +66,7 @@ class BackendConfig(BaseModel):
     # among the engines on that GPU (cluster/plan.py)
     gpu_memory_share: float | None = Field(default=None, gt=0, le=1)
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
-    # Opt-in: faster per step on the 2-core development VM, 8x slower on a 14-thread Xeon.
+    # Opt-in: it helps on some CPUs and hurts badly on others, so it is measured, not assumed.
     cpu_compile: bool = False
     # cpu backends with dtype int8/int4 only: whose kernels run the quantized linears, PyTorch's or
     # ggml's (llama.cpp's own dot products, engine/model/ggml_kernels.py; faster per decode row on AVX2).
@@ -151,8 +151,6 @@ class TandemConfig(BaseModel):
     http_replicas: int = Field(default=0, ge=0)  # Serve ingress replicas; 0: one per 4 cores, 1 to 4
     max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     max_route_attempts: int = Field(default=3, ge=1)
-    stream_interval_s: float = Field(default=0.01, ge=0)  # after the first token, one message per interval
-    max_stream_messages_per_s: float = Field(default=0.0, ge=0)  # budget of generate streams; 0: none
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
     access_log: bool = False  # Serve's per-request log lines

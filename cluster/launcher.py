@@ -129,12 +129,13 @@ class Tandem:
 
     async def agenerate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> AsyncIterator[Any]:
         """The async form of `generate`, for drivers that run their own event loop."""
-        from tandem.cluster.dispatch import RequestStream
+        from tandem.cluster.dispatch import RoutedRequest
         from tandem.engine.sampling_params import SamplingParams
 
         params = params or SamplingParams()
+        params.validate()  # the driver is an edge: a bad request fails here, before it is routed
         prompt_token_ids = await self._tokenize(prompt, chat)
-        stream = RequestStream(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
+        stream = RoutedRequest(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
                                time.time(), self.config.max_route_attempts)
         try:
             await stream.open()
@@ -151,9 +152,9 @@ class Tandem:
         if self._tokenizer is None:
             backends = await self.router.list_backends.remote()
             if not backends:
-                from tandem.cluster.dispatch import BackendUnavailable
+                from tandem.engine.errors import BackendUnavailableError
 
-                raise BackendUnavailable("no backend is alive")
+                raise BackendUnavailableError("no backend is alive")
             self._tokenizer = await next(iter(backends.values())).tokenizer.remote()
         if chat:
             return encode_chat(self._tokenizer, [{"role": "user", "content": prompt}])
@@ -369,8 +370,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
     if placement is not None:
         options["scheduling_strategy"] = placement
     return ray.remote(actor_cls).options(**options).remote(
-        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, (ROUTER_NAME, config.namespace),
-        stream_interval_s=config.stream_interval_s, max_stream_messages_per_s=config.max_stream_messages_per_s)
+        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, (ROUTER_NAME, config.namespace))
 
 
 def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[Any], backends: dict[str, Any],

@@ -36,7 +36,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from tandem.cluster.tools import (
     MAX_TOOLS,
     DeltaToolCall,
@@ -69,24 +70,24 @@ class _BadNumber(ValueError):
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or `InvalidRequest` saying what is wrong with it.
+    """The request body as a JSON object, or `InvalidRequestError` saying what is wrong with it.
 
     Checks that would cost a Python call per token of a 4 MB body run in C or numpy instead:
     the ingress's event loop serves everyone while it parses."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+        raise InvalidRequestError(f"request body is not valid UTF-8 (byte {exc.start})") from None
     _check_structure(text)
     try:
         data = json.loads(text, parse_float=_parse_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} "
-                             f"column {exc.colno})") from None
+        raise InvalidRequestError(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} "
+                                  f"column {exc.colno})") from None
     except _BadNumber as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise InvalidRequestError(str(exc)) from None
     if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidRequestError("request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(text):
         _check_strings(data)
     return data
@@ -97,13 +98,13 @@ def _check_structure(text: str) -> None:
     bracket or digits inside a string are text, not structure)."""
     structure = _JSON_STRING.sub('""', text)
     if _LONG_NUMBER.search(structure):
-        raise InvalidRequest(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
+        raise InvalidRequestError(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
     if structure.count("[") + structure.count("{") <= MAX_JSON_DEPTH:
         return  # too few openers to nest that deep (most requests: no numpy call)
     chars = np.frombuffer(structure.encode("utf-8"), dtype=np.uint8)
     steps = np.isin(chars, _OPENERS).astype(np.int32) - np.isin(chars, _CLOSERS).astype(np.int32)
     if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        raise InvalidRequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
 
 
 def _parse_float(text: str) -> float:
@@ -132,8 +133,8 @@ def _check_strings(data: Any) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise InvalidRequest(f"request body has a string that is not valid Unicode "
-                                     f"(lone surrogate at character {exc.start})") from None
+                raise InvalidRequestError(f"request body has a string that is not valid Unicode "
+                                          f"(lone surrogate at character {exc.start})") from None
 
 
 TokenCount = Annotated[int, Field(strict=True, ge=1, le=MAX_INT32)]
@@ -156,9 +157,6 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-MAX_N = 16  # choices per request (parallel sampling)
-MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit
-MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 Probability = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, strict=True)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]
@@ -216,7 +214,7 @@ HARMLESS_FIELDS = frozenset({"metadata", "prompt_cache_key", "safety_identifier"
 
 
 def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
-    """The body with nulls and harmless labels dropped; `InvalidRequest` naming the first field
+    """The body with nulls and harmless labels dropped; `InvalidRequestError` naming the first field
     Tandem would otherwise ignore. Raised directly, not as a pydantic error, so the 400 carries
     the field as its `param`."""
     if not isinstance(data, dict):
@@ -233,10 +231,10 @@ def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
         elif key in UNSUPPORTED_FIELDS:
             harmless, reason = UNSUPPORTED_FIELDS[key]
             if not harmless(value, data):
-                raise InvalidRequest(f"{key}: {reason}", param=key, code="unsupported_field")
+                raise InvalidRequestError(f"{key}: {reason}", param=key, code="unsupported_field")
         else:
-            raise InvalidRequest(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
-                                 "rather than ignore them", param=_short(key), code="unsupported_field")
+            raise InvalidRequestError(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
+                                      "rather than ignore them", param=_short(key), code="unsupported_field")
     return screened
 
 

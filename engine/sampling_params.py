@@ -1,7 +1,11 @@
-"""Per-request sampling and stopping settings, validated once at submission.
+"""Per-request sampling and stopping settings, and their one check.
 
-Validation lives here, not in the HTTP layer, so every entry point (the OpenAI endpoint, the
-Python driver, `tandem generate`) rejects the same bad input with the same message. Ranges
+`validate` is the one check of the settings, called where a request enters: the HTTP ingress
+and the Python driver before a request is routed (the edge), and `LLMEngine.add_request` for
+a caller of the engine itself (the engine core is one), so every entry point rejects the same
+bad input with the same message. Building a SamplingParams checks nothing, so the serving
+path's codec (actors/messages.py) rebuilds one in each process it crosses without checking it
+again on the way. Ranges
 are OpenAI's where OpenAI has the field (penalties in [-2, 2], logit bias in [-100, 100] for
 at most 300 tokens, up to 20 top logprobs) and vLLM's for its extras (`repetition_penalty` > 0,
 1 is off; `min_p` in [0, 1]).
@@ -11,16 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.engine.errors import InvalidRequestError  # re-exported: callers import it from here too
+# At run time, not only for type checkers: the front's codec (actors/messages.py) reads these
+# annotations to decode a SamplingParams.
+from tandem.engine.structured_output import StructuredOutputParams
 
-if TYPE_CHECKING:
-    from tandem.engine.structured_output import StructuredOutputParams
-
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300
-MAX_N = 16
+# The request contract's limits, defined here once: the HTTP schema (cluster/protocol.py) uses
+# the same ones, so the edge and a direct Python caller are refused alike.
+MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+MAX_N = 16  # choices per request (parallel sampling)
 
 
 @dataclass
@@ -46,7 +51,6 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.validate()
 
     @property
     def is_greedy(self) -> bool:

@@ -143,17 +143,6 @@ class Router:
         """Registered backends in preference order (accelerators first, then by id)."""
         return list(self._backends)
 
-    def fixed_choice(self) -> str | None:
-        """The backend every request goes to whatever it asks, or None when requests have a
-        choice: exactly one backend is routable (not cordoned) and the policy takes its kind of
-        device. Callers may then place requests there without asking, and tell `route` after."""
-        routable = [s for s in self._backends.values() if not s.cordoned]
-        if len(routable) != 1:
-            return None
-        spec = routable[0].spec
-        takes = _POLICY_DEVICES.get(self.policy)
-        return spec.backend_id if takes is None or takes(spec.device_kind) else None
-
     def ledger(self, backend_id: str) -> Ledger:
         """`backend_id`'s ledger, for inspection (mutate it only through the Router)."""
         return self._state(backend_id).ledger
@@ -336,10 +325,6 @@ class Router:
     def _reset_ratio_if_idle(state: _BackendState) -> None:
         if len(state.ledger) == 0:
             state.ratio.reset()
-
-
-# Policies that route only to some kinds of device; every other policy takes any backend.
-_POLICY_DEVICES = {"accelerator-only": lambda kind: kind != "cpu", "cpu-only": lambda kind: kind == "cpu"}
 
 
 def _has_free_slot(s: BackendScore) -> bool:

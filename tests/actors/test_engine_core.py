@@ -1,7 +1,7 @@
-"""The engine core process behind a real Ray backend actor: streaming over both hops (a Ray
-generator per request, and the per-caller channel), aborts, callers cancelled at random
-moments, and the core's life tied to its actor's (no orphan after `ray.kill`; a restarted
-actor starts a fresh core)."""
+"""The engine core process behind a real Ray backend actor: streaming over the per-caller
+channel (the same-node wire), aborts, callers cancelled at random moments, the warm-up's way
+of loading a backend, and the core's life tied to its actor's (no orphan after `ray.kill`; a
+restarted actor starts a fresh core)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ async def read_all(stream) -> list:
     return items
 
 
-def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
+def test_requests_together_on_a_channel_stream_the_greedy_tokens_of_each_alone(backend):
     from tandem.actors.channel import open_stream
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -65,10 +65,13 @@ def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
         streams = [open_stream(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
         return await asyncio.gather(*(read_all(s) for s in streams))
 
+    async def one_by_one():
+        return [await read_all(open_stream(backend, f"solo-{r}", ids, params, time.time()))
+                for r, ids in prompts.items()]
+
     by_channel = run(all_at_once("ch"))
-    monkeypatch.setenv("TANDEM_STREAM_HOP", "generate")
-    by_generator = run(all_at_once("gen"))
-    for a, b in zip(by_channel, by_generator):
+    alone = run(one_by_one())
+    for a, b in zip(by_channel, alone):
         assert isinstance(a[0], Admitted) and isinstance(b[0], Admitted)
         tokens_a = [t for o in a[1:] for t in o.new_token_ids]
         assert tokens_a == [t for o in b[1:] for t in o.new_token_ids] and len(tokens_a) == 12
@@ -109,26 +112,22 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
     """Each caller gives up after a random delay (during the add, before or after its first
     token, or never); the dispatch layer's close() then aborts it, as the HTTP ingress does.
     Afterwards nothing runs, no block is held, and the backend serves on."""
-    from tandem.actors.channel import ChannelStream, GeneratorStream, channel_for, open_stream
+    from tandem.actors.channel import open_stream
 
     rng = random.Random(7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
-    async def caller(i: int, hop: str) -> None:
-        args = (f"rnd-{hop}-{i}", list(range(5 + i, 40 + i)), params, time.time())
-        if hop == "channel":
-            stream = ChannelStream(channel_for(backend), *args)
-        else:
-            stream = GeneratorStream(backend, *args)
+    async def caller(i: int) -> None:
+        stream = open_stream(backend, f"rnd-{i}", list(range(5 + i, 40 + i)), params, time.time())
         try:
             await asyncio.wait_for(read_all(stream), timeout=rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 5.0]))
         except asyncio.TimeoutError:
-            backend.abort.remote(f"rnd-{hop}-{i}")
+            backend.abort.remote(f"rnd-{i}")
         finally:
             stream.close()
 
     async def many():
-        await asyncio.gather(*(caller(i, hop) for i in range(24) for hop in ("channel", "generate")))
+        await asyncio.gather(*(caller(i) for i in range(48)))
 
     run(many())
 
@@ -142,6 +141,23 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
         return await read_all(open_stream(backend, "after", [4, 5, 6], params, time.time()))
 
     assert run(one_more())[-1].finished
+
+
+def test_run_to_end_loads_a_backend_without_the_router_and_returns_when_all_finished(ray_local, backend):
+    """The warm-up's and the benchmarks' way to load a backend: every request has finished when
+    it returns, on its own event loop even if the caller has one running."""
+    from tandem.actors.channel import run_to_end
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 to cache
+
+    async def from_a_running_loop():
+        run_to_end([(backend, f"load-{i}", prompt, params) for i in range(6)])
+
+    run(from_a_running_loop())
+    stats = ray_local.get(backend.stats.remote())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert ray_local.get(backend.num_cached_tokens.remote(prompt + [7])) == 32
 
 
 def test_the_core_dies_with_its_actor(ray_local):
@@ -184,23 +200,26 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
     import multiprocessing
 
     from tandem.actors import engine_core as core
+    from tandem.actors.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, decode, encode
 
     front, child = multiprocessing.Pipe()
     engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
-    assert front.recv()[0] == core.READY
-    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time(), True))
+    assert isinstance(decode(front.recv_bytes()), EngineCoreReady)
+    front.send_bytes(encode(EngineCoreRequest("r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0),
+                                              time.time(), call_id=1)))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
         while front.poll(0):
-            messages.append(front.recv())
-        if messages and messages[-1][4] is None and any(o[3] for m in messages for o in m[2]):
+            messages.append(decode(front.recv_bytes()))
+        if messages and messages[-1].step is None and any(o.finished for m in messages for o in m.outputs):
             break
-    last_step = max(i for i, m in enumerate(messages) if m[4] is not None)
-    assert any(o[3] for o in messages[last_step][2]), "the last step finished the request"
+    assert [a.call_id for a in messages[0].added] == [1]
+    last_step = max(i for i, m in enumerate(messages) if m.step is not None)
+    assert any(o.finished for o in messages[last_step].outputs), "the last step finished the request"
     idle = messages[last_step + 1]
-    assert idle[0] == core.STEP and idle[4] is None  # sent right after it, not after an idle poll
-    statuses = [p[1] for m in messages[:last_step + 2] for p in m[3] if p[0] == "r0"]
+    assert isinstance(idle, EngineCoreOutputs) and idle.step is None  # sent right after it, not after an idle poll
+    statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
     child.close()
     front.close()

@@ -15,10 +15,7 @@ def test_served_path_bench_writes_a_row_per_system(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["system"] for r in rows] == ["in-process LLMEngine",
-                                           "through actors, one channel per caller on the same-node wire (the default)",
-                                           "through actors, one channel per caller over Ray",
-                                           "through actors, a generator per request, stream_interval_s=0",
-                                           "through actors, a generator per request, stream_interval_s=0.01"]
+                                           "through actors, one channel per caller on the same-node wire"]
     assert all(r["output_tok_s"] > 0 for r in rows)
 
 
@@ -27,9 +24,7 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
     burst TTFT spreads, the admission stages and the TTFT parts come out, so it does not rot
     between GPU runs."""
     out = tmp_path / "served-http.json"
-    # one backend and the opt-in fixed choice (cluster/fixed_choice.py): the live path of both
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "TANDEM_FIXED_CHOICE": "1"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
                            "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
                            "--repeats", "1", "--ttft-requests", "2", "--capacity-rates", "", "--out", str(out)],

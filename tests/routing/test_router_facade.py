@@ -134,21 +134,3 @@ def test_set_policy_cordon_and_max_active_keep_pending_work():
     assert len(router.ledger("cuda0")) == 3 and len(router.ledger("cpu0")) == 1  # nothing was lost
     router.set_max_active("cuda0", 1)
     assert router.score(req("e", prompt=100, max_tokens=10))[0].max_active == 1
-
-
-def test_fixed_choice_is_the_only_routable_backend_the_policy_takes():
-    router = Router([spec("cuda0", "cuda")])
-    assert router.fixed_choice() == "cuda0"
-    assert all(router.route(req(r)).backend_id == "cuda0" for r in "abc")  # what route would say
-    router.add_backend(spec("cpu0", "cpu"))
-    assert router.fixed_choice() is None  # two choices: the router decides
-    router.set_cordoned("cpu0", True)
-    assert router.fixed_choice() == "cuda0"
-    router.set_cordoned("cpu0", False)
-    router.set_cordoned("cuda0", True)
-    assert router.fixed_choice() == "cpu0"
-    router.set_policy("accelerator-only")
-    assert router.fixed_choice() is None  # the one routable backend is one the policy refuses
-    router.remove_backend("cuda0")
-    router.remove_backend("cpu0")
-    assert router.fixed_choice() is None
