@@ -389,7 +389,12 @@ class TandemIngress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # /health names which one answered
         self.http_server = None
         if settings.http_port is not None:
-            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port)
+            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port, self._servable)
+
+    def _servable(self) -> bool:
+        """Whether Serve has finished initialising this replica: until then its routes cannot
+        reach this object (FastAPI's class-based routes look it up in the replica context)."""
+        return serve.get_replica_context().servable_object is self
 
     async def _asgi(self, scope: Any, receive: Any, send: Any) -> None:
         """This replica's app as its own HTTP server calls it (Serve's ASGI entry point)."""
