@@ -457,7 +457,7 @@ class TandemIngress:
             self._check_auth(request)
         except RequestFailed as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name)]).model_dump())
+        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name, max_model_len=self.settings.max_model_len)]).model_dump())
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, request: Request, model_id: str) -> Response:
@@ -469,7 +469,7 @@ class TandemIngress:
                                     f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
         except RequestFailed as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelCard(id=model_id).model_dump())
+        return JSONResponse(ModelCard(id=model_id, max_model_len=self.settings.max_model_len).model_dump())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
