@@ -47,7 +47,7 @@ import httpx
 
 from bench import soak_probe
 from bench.serve_load import Server, machine_facts, percentile
-from bench.soak_report import checks, write_report
+from bench.soak_report import checks, markdown, write_report
 from bench.soak_traffic import KIND_WEIGHTS, OUTCOMES, Planner, Record, monotonic_clock, send, timeouts
 
 IDLE_POLL_S = 2.0
@@ -254,6 +254,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     report["checks"] = checks(report, args)
     report["passed"] = all(c["passed"] is not False for c in report["checks"])
+    print(markdown(report), flush=True)
     for path in write_report(report, out, args.stem):
         print(f"soak: wrote {path}", flush=True)
     return 0 if report["passed"] else 1
