@@ -70,6 +70,16 @@ def _fmt(value: Any, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def growth_by_process(intervals: list[dict[str, Any]]) -> dict[str, float]:
+    """Each process's RSS in the last interval minus the second, largest change first (the
+    processes present in both)."""
+    if len(intervals) < MIN_INTERVALS:
+        return {}
+    second, last = intervals[1]["rss_mib_by_process"], intervals[-1]["rss_mib_by_process"]
+    growth = {role: round(last[role] - second[role], 1) for role in last if role in second}
+    return dict(sorted(growth.items(), key=lambda item: -abs(item[1])))
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Soak: {report.get('model')} for {report['settings']['duration_s']:.0f} s, "
              f"{report['settings']['clients']} clients", "",
@@ -93,6 +103,10 @@ def markdown(report: dict[str, Any]) -> str:
               "", "| kind | " + " | ".join(totals["outcomes"]) + " |", "|---" * (len(totals["outcomes"]) + 1) + "|"]
     for kind, counts in totals["by_kind"].items():
         lines.append(f"| {kind} | " + " | ".join(str(v) for v in counts.values()) + " |")
+    growth = growth_by_process(report["intervals"])
+    if growth:
+        lines += ["", "RSS growth by process, last interval minus the second (MiB): "
+                  + ", ".join(f"{role} {mib:+.1f}" for role, mib in growth.items()) + "."]
     if report.get("kills"):
         lines += ["", "Killed: " + "; ".join(f"{k['killed']} at {k['at_s']} s" for k in report["kills"])]
     lines += ["", "| check | passed | value | bound | what |", "|---|---|---|---|---|"]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench import soak_probe
-from bench.soak_report import checks, rss_slope_mib_per_min
+from bench.soak_report import checks, growth_by_process, rss_slope_mib_per_min
 from bench.soak_traffic import KINDS, OUTCOMES, Planned, Planner, send, timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,6 +192,14 @@ def test_checks_pass_and_fail_on_their_bounds():
     short = {c["name"]: c["passed"] for c in checks(_report([500, 1000], [100, 100]), _args())}
     assert short["rss_growth_mib"] is None and short["p99_last_over_second"] is None  # too short to judge
     assert short["lost"] and short["hung"]
+
+
+def test_growth_by_process_largest_change_first():
+    rows = [{"rss_mib_by_process": {"serve": 100.0}},
+            {"rss_mib_by_process": {"serve": 300.0, "engine": 500.0, "gone": 7.0}},
+            {"rss_mib_by_process": {"serve": 310.0, "engine": 450.0, "new": 9.0}}]
+    assert list(growth_by_process(rows).items()) == [("engine", -50.0), ("serve", 10.0)]
+    assert growth_by_process(rows[:2]) == {}
 
 
 # -- end to end --------------------------------------------------------------------------------------
