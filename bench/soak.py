@@ -227,6 +227,21 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                      if not k.startswith("_") and k not in ("bench_command", "command")},
         "mix": KIND_WEIGHTS,
     }
+    soak_a_server(args, report, out)
+    if "error" in report["server"]:
+        (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(f"soak: the server did not serve: {report['server']['error']}; see {out / args.stem}.log", flush=True)
+        return 2
+    report["checks"] = checks(report, args)
+    report["passed"] = all(c["passed"] is not False for c in report["checks"])
+    print(markdown(report), flush=True)
+    for path in write_report(report, out, args.stem):
+        print(f"soak: wrote {path}", flush=True)
+    return 0 if report["passed"] else 1
+
+
+def soak_a_server(args: argparse.Namespace, report: dict[str, Any], out: Path) -> None:
+    """Start the server, soak it, stop it; the report gets the run, or `server.error`."""
     server = Server(shlex.split(args.flags), args.port, out / f"{args.stem}.log", args.model)
     report["server"] = {"command": shlex.join(server.command)}
     print(f"soak: {report['server']['command']}", flush=True)
@@ -236,9 +251,12 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         report["server"]["start_s"] = round(time.perf_counter() - server.started_at, 1)
         if failure is not None:
             report["server"]["error"] = failure
-            print(f"soak: the server did not start: {failure}", flush=True)
-            return 2
-        model, max_model_len = served_card(server.url)
+            return
+        try:
+            model, max_model_len = served_card(server.url)
+        except (RuntimeError, ValueError, KeyError, IndexError, httpx.HTTPError) as exc:
+            report["server"]["error"] = f"GET /v1/models: {exc}"
+            return
         report.update(model=model, max_model_len=max_model_len)
         print(f"soak: up in {report['server']['start_s']} s, {model!r} (context {max_model_len}); "
               f"{args.clients} clients for {args.duration_s:.0f} s", flush=True)
@@ -249,15 +267,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     finally:
         report["server"]["stop"] = server.stop()
         report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    if "error" in report["server"]:
-        (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1))
-        return 2
-    report["checks"] = checks(report, args)
-    report["passed"] = all(c["passed"] is not False for c in report["checks"])
-    print(markdown(report), flush=True)
-    for path in write_report(report, out, args.stem):
-        print(f"soak: wrote {path}", flush=True)
-    return 0 if report["passed"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

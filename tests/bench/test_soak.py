@@ -203,6 +203,18 @@ def test_growth_by_process_largest_change_first():
 
 
 # -- end to end --------------------------------------------------------------------------------------
+def test_a_server_that_does_not_start_exits_2_with_its_reason(tmp_path):
+    from tests.cluster.conftest import free_port
+
+    command = [sys.executable, "-m", "bench.soak", "--model", MODEL, "--flags=--backends nosuch-device",
+               "--duration-s", "5", "--port", str(free_port()), "--start-timeout-s", "60", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert "exited with code 2" in report["server"]["error"]
+    assert "checks" not in report and (tmp_path / "soak.log").read_text()
+
+
 @pytest.mark.slow
 def test_a_short_soak_loses_nothing(tmp_path):
     """~60 s of the mix against two CPU backends; timings are not asserted (a shared 2-core box),
