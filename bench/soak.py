@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import shlex
 import sys
 import time
@@ -75,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on the last interval's p99 over the second's, minus 1 (default 0.20)")
     parser.add_argument("--idle-wait-s", type=float, default=45.0,
                         help="how long to wait for the KV gauges to read idle after the traffic (default 45)")
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                        help="sent as a bearer token (default $TANDEM_API_KEY, which the server also sees)")
     parser.add_argument("--seed", type=int, default=0, help="traffic seed (default 0)")
     parser.add_argument("--port", type=int, default=8000, help="the server's HTTP port (default 8000)")
     parser.add_argument("--start-timeout-s", type=float, default=600.0,
@@ -105,7 +109,7 @@ class Soak:
     async def run(self) -> dict[str, Any]:
         limits = httpx.Limits(max_connections=CLIENT_CONNECTIONS, max_keepalive_connections=self.args.clients)
         async with httpx.AsyncClient(base_url=self.server.url, timeout=timeouts(self.args.hang_s),
-                                     limits=limits) as client:
+                                     limits=limits, headers=auth_headers(self.args.api_key)) as client:
             idle_start = await self.idle_kv(client, self.args.idle_wait_s)
             self.clock = monotonic_clock(time.monotonic())
             end_s = self.args.duration_s
@@ -200,8 +204,20 @@ def totals(records: list[Record]) -> dict[str, Any]:
 
 
 # -- the command -----------------------------------------------------------------------------------
-def served_card(url: str) -> tuple[str, int]:
-    with httpx.Client(base_url=url, timeout=30.0) as client:
+_API_KEY_VALUE = re.compile(r"(--api-key[= ])([^\s'\"]+)")
+
+
+def redacted(command: str) -> str:
+    """`command` without the value of any --api-key in it (the bench's or the server's)."""
+    return _API_KEY_VALUE.sub(r"\1***", command)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_card(url: str, api_key: str | None) -> tuple[str, int]:
+    with httpx.Client(base_url=url, timeout=30.0, headers=auth_headers(api_key)) as client:
         response = client.get("/v1/models")
     if response.status_code != 200:
         raise RuntimeError(f"GET /v1/models answered {response.status_code}: {response.text[:300]}")
@@ -221,10 +237,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "bench.soak", *argv]),
+        "command": redacted(shlex.join(["python", "-m", "bench.soak", *argv])),
         "machine": machine_facts(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if not k.startswith("_") and k not in ("bench_command", "command")},
+        "settings": {k: (redacted(v) if k == "flags" else str(v) if isinstance(v, Path) else v)
+                     for k, v in vars(args).items()
+                     if not k.startswith("_") and k not in ("bench_command", "command", "api_key")},
         "mix": KIND_WEIGHTS,
     }
     soak_a_server(args, report, out)
@@ -243,17 +260,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 def soak_a_server(args: argparse.Namespace, report: dict[str, Any], out: Path) -> None:
     """Start the server, soak it, stop it; the report gets the run, or `server.error`."""
     server = Server(shlex.split(args.flags), args.port, out / f"{args.stem}.log", args.model)
-    report["server"] = {"command": shlex.join(server.command)}
+    report["server"] = {"command": redacted(shlex.join(server.command))}
     print(f"soak: {report['server']['command']}", flush=True)
     server.start()
     try:
-        failure = server.wait_ready(args.start_timeout_s)
+        failure = server.wait_ready(args.start_timeout_s, auth_headers(args.api_key))
         report["server"]["start_s"] = round(time.perf_counter() - server.started_at, 1)
         if failure is not None:
             report["server"]["error"] = failure
             return
         try:
-            model, max_model_len = served_card(server.url)
+            model, max_model_len = served_card(server.url, args.api_key)
         except (RuntimeError, ValueError, KeyError, IndexError, httpx.HTTPError) as exc:
             report["server"]["error"] = f"GET /v1/models: {exc}"
             return

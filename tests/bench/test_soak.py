@@ -202,6 +202,13 @@ def test_growth_by_process_largest_change_first():
     assert growth_by_process(rows[:2]) == {}
 
 
+def test_the_recorded_commands_hide_api_keys():
+    from bench.soak import redacted
+
+    assert redacted("python -m bench.soak --api-key k1 '--flags=--backends cpu --api-key k2' --api-key=k3") == (
+        "python -m bench.soak --api-key *** '--flags=--backends cpu --api-key ***' --api-key=***")
+
+
 # -- end to end --------------------------------------------------------------------------------------
 def test_a_server_that_does_not_start_exits_2_with_its_reason(tmp_path):
     from tests.cluster.conftest import free_port
@@ -217,20 +224,21 @@ def test_a_server_that_does_not_start_exits_2_with_its_reason(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_soak_loses_nothing(tmp_path):
-    """~60 s of the mix against two CPU backends; timings are not asserted (a shared 2-core box),
-    the bench's own verdict on them only has to agree with its exit code."""
+    """~60 s of the mix against two CPU backends behind an API key; timings are not asserted (a
+    shared 2-core box), the bench's own verdict on them only has to agree with its exit code."""
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps({"cpu": {"prefill_tok_s": 5000.0, "decode_tok_s": 300.0}}))
     from tests.cluster.conftest import free_port
 
     flags = (f"--backends cpu*2 --cpu-threads 1 --http-replicas 1 --profile never --rates {rates} "
-             f"--warmup-tokens 0 --metrics-port {free_port()}")
+             f"--warmup-tokens 0 --metrics-port {free_port()} --api-key sekret")  # the server's
     out = tmp_path / "out"
     command = [sys.executable, "-m", "bench.soak", "--model", MODEL, f"--flags={flags}", "--duration-s", "60",
                "--interval-s", "15", "--clients", "4", "--max-tokens", "16", "--hang-s", "30",
-               "--port", str(free_port()), "--start-timeout-s", "180", "--out", str(out)]
+               "--port", str(free_port()), "--start-timeout-s", "180", "--out", str(out), "--api-key", "sekret"]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env.pop("TANDEM_API_KEY", None)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "soak.json").read_text())
@@ -242,6 +250,7 @@ def test_a_short_soak_loses_nothing(tmp_path):
     assert set(verdicts) == {"lost", "hung", "server_alive", "rss_growth_mib", "rss_slope_mib_per_min",
                              "p99_last_over_second", "idle_kv_blocks"}
     assert (report["model"], report["max_model_len"]) == (MODEL, 1024)
+    assert "sekret" not in (out / "soak.json").read_text() + (out / "soak.md").read_text()
     assert [row["index"] for row in report["intervals"]] == [0, 1, 2, 3]
     totals = report["totals"]
     assert totals["num_sent"] == sum(totals["outcomes"].values()) > 0
