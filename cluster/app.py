@@ -384,7 +384,12 @@ class TandemIngress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # /health names which one answered
         self.http_server = None
         if settings.http_port is not None:
-            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port)
+            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port, self._servable)
+
+    def _servable(self) -> bool:
+        """Whether Serve has finished initialising this replica: until then its routes cannot
+        reach this object (FastAPI's class-based routes look it up in the replica context)."""
+        return serve.get_replica_context().servable_object is self
 
     async def _asgi(self, scope: Any, receive: Any, send: Any) -> None:
         """This replica's app as its own HTTP server calls it (Serve's ASGI entry point)."""
@@ -447,7 +452,7 @@ class TandemIngress:
             self._check_auth(request)
         except TandemError as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name)]).model_dump())
+        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name, max_model_len=self.settings.max_model_len)]).model_dump())
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, request: Request, model_id: str) -> Response:
@@ -459,7 +464,7 @@ class TandemIngress:
                                     f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
         except TandemError as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelCard(id=model_id).model_dump())
+        return JSONResponse(ModelCard(id=model_id, max_model_len=self.settings.max_model_len).model_dump())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

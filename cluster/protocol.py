@@ -498,6 +498,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
+    max_model_len: int | None = None  # as vLLM's card: the context a prompt and its output share
 
 
 class ModelList(BaseModel):
