@@ -529,6 +529,9 @@ class LLMEngine:
             if finished:
                 request.finished_time = now
                 del tracked_by_id[req_id]
+                # Reported "running" while this token was on the device (finished at launch):
+                # report it again, now finished, or the router counts it as load for ever.
+                self._changed[req_id] = request
             append(RequestOutput(req_id, new_token_ids, text, finished, status.finish_reason if finished else None,
                                  Usage(prompt_len, len(output_ids) - request.num_pending_tokens,
                                        max(request.num_cached_tokens, 0)),
