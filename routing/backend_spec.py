@@ -4,6 +4,10 @@
 `accelerator-only` and `cpu-only` policies and for ties, which go to the accelerator.
 `max_active` is the backend scheduler's limit on running requests; the simulator uses it to
 decide active vs queued, and a batch-aware rate profile uses it to pick the batch size.
+`device` names the accelerator an engine runs on ("cuda:0") when several engines share one:
+their steps compete for its compute, so what online calibration learns from one engine's steps
+is the device's state and holds for its identical siblings too (routing/router.py). None: a
+device of its own (every CPU backend, whose threads are its own).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ class BackendSpec:
     device_kind: str
     rates: RateProfile
     max_active: int = 4
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if not self.backend_id:

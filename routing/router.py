@@ -278,13 +278,26 @@ class Router:
         batch_size: int,
         elapsed_s: float,
     ) -> None:
-        """Blend one observed engine step into `backend_id`'s rates (no-op unless calibrating)."""
+        """Blend one observed engine step into `backend_id`'s rates (no-op unless calibrating),
+        and into those of its siblings: identical engines on the same device (same `device`,
+        same profile). A step is slow because the device is busy with every engine on it, not
+        because of the engine that reported it; calibrating each engine alone would leave an
+        engine idle a while with the rates of the contention it last saw, and the router would
+        rank identical engines by when they last ran instead of by their cache and load."""
         state = self._backends.get(backend_id)
         if state is None or self._calibration is None:
             return
-        state.rates = calibrate(
-            state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s
-        )
+        rates = calibrate(state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
+        for sibling in self._siblings(state):
+            sibling.rates = rates
+
+    def _siblings(self, state: _BackendState) -> list[_BackendState]:
+        """`state` and the backends that share its device and profile (just `state` if it has none)."""
+        device = state.spec.device
+        if device is None:
+            return [state]
+        return [s for s in self._backends.values()
+                if s is state or (s.spec.device == device and s.spec.rates == state.spec.rates)]
 
     def forget(self, req_id: str) -> bool:
         """Drop `req_id` wherever it is pending; returns whether it was found."""

@@ -91,6 +91,23 @@ def test_calibration_off_by_default_and_ewma_when_on():
     assert rec.per_backend["cuda0"].score_s == pytest.approx(1 + 1)
 
 
+def test_calibration_is_shared_by_identical_engines_on_one_device():
+    """Engines on one device slow each other down: a step observed on one is the device's state,
+    so its identical siblings get the same rates; other devices, other profiles and backends
+    without a device keep their own."""
+    def on(backend_id, device, prefill=100):
+        return BackendSpec(backend_id, "cuda", RateProfile(prefill, 10), 4, device)
+
+    router = Router([on("cuda0", "cuda:0"), on("cuda1", "cuda:0"), on("cuda2", "cuda:0", prefill=300),
+                     on("cuda3", "cuda:1"), spec("cuda4", "cuda")], calibration=CalibrationConfig(alpha=0.5))
+    router.observe_step("cuda0", 0, 20, 4, 4.0)  # 5 tok/s observed against 10 expected
+    assert router.rates("cuda0").decode_tok_s == router.rates("cuda1").decode_tok_s == 7.5
+    assert [router.rates(b).decode_tok_s for b in ("cuda2", "cuda3", "cuda4")] == [10, 10, 10]
+    router.observe_step("cuda1", 200, 0, 1, 1.0)  # the sibling's prefill step: back to cuda0 as well
+    assert router.rates("cuda0").prefill_tok_s == router.rates("cuda1").prefill_tok_s == 150
+    assert router.rates("cuda0").decode_tok_s == 7.5
+
+
 def test_new_token_ratio_scales_existing_budgets_only():
     config = NewTokenRatioConfig(init_ratio=0.5, min_ratio=0.25, decay_steps=10)
     router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], new_token_ratio=config)
