@@ -63,6 +63,20 @@ class Decision:
     record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
     estimated_s: float | None = 0.0  # None: not scored (the request went to the fixed choice)
     handle: Any = None  # the chosen backend's actor handle
+    projected_ttft_s: float | None = None  # the chosen backend's projected TTFT (None: not scored)
+
+
+@dataclass
+class Placement:
+    """The router's answer to `place`, for the serving path: where the request goes and what
+    the router expected there. `estimated_s` is the chosen backend's score and
+    `projected_ttft_s` its projected time to first token (routing/deadline.py); both None when
+    nothing was scored (the request went to the fixed choice)."""
+
+    backend_id: str
+    instance_id: str
+    estimated_s: float | None = None
+    projected_ttft_s: float | None = None
 
 
 class BackendError(RuntimeError):

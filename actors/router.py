@@ -20,6 +20,13 @@ would have. A note can come after the backend reported its request finished, or 
 caller's `forget`: the router keeps the ids of such unknown requests for a while (tombstones)
 and drops their late notes, so no ledger entry outlives its request.
 
+Deadlines and priorities. A placement may carry the request's priority class and TTFT deadline
+(routing/deadline.py); a request whose deadline no backend can meet is refused with
+`DeadlineUnmetError` (the best projection, when to retry), placed nowhere, and logged as a
+decision with `placed` false. Every placement answers with the projected TTFT it was placed
+with, and the router compares it with the TTFT it observes (decision to the first report that
+shows a token): `tandem_router_ttft_late_seconds` / `_early_seconds`.
+
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
 plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
 backend and policy, each backend's score, pending seconds, and estimated vs realised
@@ -40,7 +47,7 @@ from typing import Any
 from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.detached import detached
-from tandem.actors.messages import BackendInfo, Decision
+from tandem.actors.messages import BackendInfo, Decision, Placement
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 
 PENDING_EXPORT_S = 0.05
@@ -71,6 +78,8 @@ class _Routed:
     num_cached_tokens: int
     decided_at: float
     estimated_s: float
+    projected_ttft_s: float = 0.0
+    first_token_seen: bool = False
 
 
 class RouterActor:
@@ -186,14 +195,14 @@ class RouterActor:
         `attempt` > 1 means its previous backend failed before it started."""
         record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
         return Decision(req_id, record.backend_id, backend.info.instance_id, record.to_dict(), record.chosen.score_s,
-                        backend.handle)
+                        backend.handle, record.chosen.projected_ttft_s)
 
     async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    attempt: int = 1) -> tuple[str, str, float]:
-        """`route` for the serving path: (backend id, instance id, estimated seconds) and nothing
-        else, since every caller pays to receive the reply (callers keep the handles from
-        `list_backends`)."""
-        return self._placement(req_id, prompt_token_ids, max_tokens, attempt)
+                    attempt: int = 1, priority: int = 0, ttft_deadline_s: float | None = None) -> Placement:
+        """`route` for the serving path: a `Placement` and nothing else, since every caller pays
+        to receive the reply (callers keep the handles from `list_backends`). Raises
+        routing's `DeadlineUnmetError` when `ttft_deadline_s` cannot be met."""
+        return self._placement(req_id, prompt_token_ids, max_tokens, attempt, priority, ttft_deadline_s)
 
     async def place_many(self, requests: list[tuple]) -> list[Any]:
         """`place` for several requests in one call (actors/batching.py), in order; each item is
@@ -262,13 +271,15 @@ class RouterActor:
         if len(self._tombstones) > MAX_TOMBSTONES:
             del self._tombstones[next(iter(self._tombstones))]
 
-    def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   attempt: int) -> tuple[str, str, float]:
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
-        return record.backend_id, backend.info.instance_id, record.chosen.score_s
+    def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int,
+                   priority: int = 0, ttft_deadline_s: float | None = None) -> Placement:
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt, priority, ttft_deadline_s)
+        return Placement(record.backend_id, backend.info.instance_id, record.chosen.score_s,
+                         record.chosen.projected_ttft_s)
 
-    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
-        from tandem.routing import NoBackendError, RouteRequest
+    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int,
+               priority: int = 0, ttft_deadline_s: float | None = None) -> tuple[Any, _Backend]:
+        from tandem.routing import DeadlineUnmetError, NoBackendError, RouteRequest
 
         hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
         num_cached = self._num_cached(hashes, len(prompt_token_ids))
@@ -277,18 +288,28 @@ class RouterActor:
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         try:
             record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
-                                                    tuple(hashes[block_size]), block_size))
+                                                    tuple(hashes[block_size]), block_size, priority, ttft_deadline_s))
         except NoBackendError as exc:
             raise NoBackendAvailable(str(exc)) from None
+        except DeadlineUnmetError as exc:
+            self._refused(exc, num_cached, attempt)
+            raise
         chosen = record.chosen
         now = time.time()
-        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
+        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
+                                      chosen.projected_ttft_s)
         if self._log is not None:
             self._log_decision(now, record.to_dict(), num_cached, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
         return record, self.backends[record.backend_id]
+
+    def _refused(self, exc: Any, num_cached: dict[str, int], attempt: int) -> None:
+        """Account a request refused for its deadline: the log line and the refusal counter."""
+        if self._log is not None and exc.record is not None:
+            self._log_decision(time.time(), exc.record.to_dict(), num_cached, attempt)
+        self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
@@ -362,8 +383,11 @@ class RouterActor:
             if elapsed > 0:
                 self.router.observe_step(backend_id, num_prefill, num_decode, batch_size, elapsed)
         events = []
+        now = time.time()
         for p in progress:
             events.extend(self._events_for(p))
+            if p.num_output_tokens > 0:
+                self._record_first_token(backend_id, p.req_id, now)
             if p.status == "finished":
                 self._record_finished(backend_id, p.req_id)
         applied = self.router.on_progress(backend_id, events)
@@ -383,6 +407,16 @@ class RouterActor:
         return [ProgressEvent(p.req_id, "admitted"),
                 ProgressEvent(p.req_id, "prefill", p.num_computed_prompt_tokens),
                 ProgressEvent(p.req_id, "generated", p.num_output_tokens)]
+
+    def _record_first_token(self, backend_id: str, req_id: str, now: float) -> None:
+        """Observed against projected TTFT, once per request: its first report with a token."""
+        routed = self.routed.get(req_id)
+        if routed is None or routed.first_token_seen:
+            return
+        routed.first_token_seen = True
+        error_s = (now - routed.decided_at) - routed.projected_ttft_s
+        name = "tandem_router_ttft_late_seconds" if error_s > 0 else "tandem_router_ttft_early_seconds"
+        self.metrics.observe(name, abs(error_s), tags={"backend": backend_id})
 
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)

@@ -24,6 +24,12 @@ the largest single cost of a short request in both processes. Each process keeps
 backends' handles instead (`BackendHandles`), fetched from the router when it first meets a
 backend id.
 
+A request may carry a TTFT deadline (`ttft_deadline_s`) and a priority class (its
+SamplingParams'): both go to the router with the placement, and a deadline no backend can meet
+ends `open()` with `DeadlineUnmet` (or `InvalidRequest`, when even an idle backend would miss
+it) before any engine work. Such a request always asks the router, never takes the fixed
+choice, which is placed unscored.
+
 `open()` notes when the router answered and when the backend admitted the request, and
 `admission_stages` splits a request's time to admission into its stages (the ingress exports
 them as `tandem_http_stage_seconds`): where a burst's first tokens wait is a question of which
@@ -42,7 +48,7 @@ from tandem.actors import wire
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.detached import detached
-from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision
+from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision, Placement
 from tandem.cluster.fixed_choice import FixedChoice
 
 logger = logging.getLogger("tandem.dispatch")
@@ -73,6 +79,23 @@ class InvalidRequest(RequestFailed):
 
 class BackendUnavailable(RequestFailed):
     """No backend could serve the request now (none alive, or the one serving it failed)."""
+
+
+class DeadlineUnmet(RequestFailed):
+    """No backend can meet the request's TTFT deadline while they are this busy; the router's
+    best projection and when to retry come with it."""
+
+    def __init__(self, message: str, projected_ttft_s: float, retry_after_s: float) -> None:
+        super().__init__(message, param="ttft_deadline_ms", code="deadline_unmet")
+        self.projected_ttft_s, self.retry_after_s = projected_ttft_s, retry_after_s
+
+
+def _deadline_failure(exc: Any) -> RequestFailed:
+    """routing's DeadlineUnmetError as the edge's error: retryable (429) while backends are
+    busy, the request's own fault (400) when even an idle backend would miss the deadline."""
+    if exc.retry_after_s is None:
+        return InvalidRequest(str(exc), param="ttft_deadline_ms", code="deadline_unmeetable")
+    return DeadlineUnmet(str(exc), exc.projected_ttft_s, exc.retry_after_s)
 
 
 class BackendHandles:
@@ -110,8 +133,10 @@ class BackendHandles:
 
 class RequestStream:
     def __init__(self, router: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                 arrival_time: float | None = None, max_attempts: int = 3) -> None:
+                 arrival_time: float | None = None, max_attempts: int = 3,
+                 ttft_deadline_s: float | None = None) -> None:
         self.router = router
+        self.ttft_deadline_s = ttft_deadline_s
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -137,19 +162,25 @@ class RequestStream:
 
         from tandem.actors.router import NoBackendAvailable
         from tandem.engine.sampling_params import InvalidRequestError
+        from tandem.routing import DeadlineUnmetError
 
         last_error = "no backend is alive"
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                backend_id, instance_id, estimated_s = await self._place()
-                handle = await self._handles.get(backend_id)
+                placement = await self._place()
+                handle = await self._handles.get(placement.backend_id)
                 self.placed_time = time.time()
+            except DeadlineUnmetError as exc:
+                self.finished = True  # placed nowhere: nothing to forget or abort
+                raise _deadline_failure(exc) from None
             except NoBackendAvailable as exc:
                 raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
             except (ray.exceptions.RayActorError, wire.WireClosed) as exc:  # the router is gone; nothing restarts it
                 raise BackendUnavailable("the router is unavailable", detail=type(exc).__name__) from None
-            self.decision = Decision(self.req_id, backend_id, instance_id, estimated_s=estimated_s, handle=handle)
+            self.decision = Decision(self.req_id, placement.backend_id, placement.instance_id,
+                                     estimated_s=placement.estimated_s, handle=handle,
+                                     projected_ttft_s=placement.projected_ttft_s)
             if self._gen is not None:
                 self._gen.close()
             self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,
@@ -185,15 +216,16 @@ class RequestStream:
         return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
                                 a.received_time, a.queued_time)
 
-    async def _place(self) -> tuple[str, str, float | None]:
-        """(backend id, instance id, the router's estimate): the fixed choice if there is one
-        (no estimate: nothing was scored), else the router's answer; a retry always asks."""
+    async def _place(self) -> Placement:
+        """The fixed choice if there is one (not scored), else the router's answer; a retry, and
+        a request with a deadline, always ask."""
         max_tokens = self.params.max_tokens * self.params.n
-        if self.attempts == 1 and os.environ.get(FIXED_CHOICE_ENV) == "1":
+        if self.attempts == 1 and self.ttft_deadline_s is None and os.environ.get(FIXED_CHOICE_ENV) == "1":
             fixed = FixedChoice.of(self.router).place(self.req_id, self.prompt_token_ids, max_tokens)
             if fixed is not None:
-                return (*fixed, None)
-        return await _placer(self.router).call(self.req_id, self.prompt_token_ids, max_tokens, self.attempts)
+                return Placement(*fixed)
+        return await _placer(self.router).call(self.req_id, self.prompt_token_ids, max_tokens, self.attempts,
+                                               self.params.priority, self.ttft_deadline_s)
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""

@@ -123,14 +123,19 @@ def test_each_error_class_is_translated_once_with_no_internals():
     import json
 
     from tandem.cluster import app
-    from tandem.cluster.dispatch import BackendUnavailable, RequestFailed
+    from tandem.cluster.dispatch import BackendUnavailable, DeadlineUnmet, RequestFailed
 
     expected = {InvalidRequest: 400, app.Unauthorized: 401, app.RouteNotFound: 404, app.ModelNotFound: 404,
                 app.MethodNotAllowed: 405, app.PayloadTooLarge: 413, app.UnsupportedMediaType: 415,
-                app.Overloaded: 429, BackendUnavailable: 503, RequestFailed: 500}
+                app.Overloaded: 429, DeadlineUnmet: 429, BackendUnavailable: 503, RequestFailed: 500}
     assert set(expected) == set(app.HTTP_ERRORS)
     for cls, status in expected.items():
-        response = app.error_response(cls("what went wrong", detail="Traceback: pid=123 actor_id=abc"), "req-1")
+        if cls is DeadlineUnmet:  # carries the router's projection and retry time
+            exc = DeadlineUnmet("what went wrong", projected_ttft_s=1.0, retry_after_s=0.5)
+            exc.detail = "Traceback: pid=123 actor_id=abc"
+        else:
+            exc = cls("what went wrong", detail="Traceback: pid=123 actor_id=abc")
+        response = app.error_response(exc, "req-1")
         body = json.loads(response.body)
         assert response.status_code == status and body["error"]["message"] == "what went wrong"
         assert body["error"]["request_id"] == response.headers["x-tandem-request-id"] == "req-1"
