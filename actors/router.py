@@ -28,7 +28,8 @@ with, and the router compares it with the TTFT it observes (decision to the firs
 shows a token): `tandem_router_ttft_late_seconds` / `_early_seconds`.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
-plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
+plus a timestamp, the per-backend cache answers, and the request's lengths and prompt block
+hashes, from which `tandem route-sim --replay` replays the traffic), and exported as metrics: decisions by
 backend and policy, each backend's score, pending seconds, and estimated vs realised
 completion time (decision to the backend's "finished" report).
 """
@@ -286,29 +287,30 @@ class RouterActor:
         if not self.backends:
             raise NoBackendAvailable("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
+        request = RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached, tuple(hashes[block_size]),
+                               block_size, priority, ttft_deadline_s)
         try:
-            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
-                                                    tuple(hashes[block_size]), block_size, priority, ttft_deadline_s))
+            record = self.router.route(request)
         except NoBackendError as exc:
             raise NoBackendAvailable(str(exc)) from None
         except DeadlineUnmetError as exc:
-            self._refused(exc, num_cached, attempt)
+            self._refused(exc, request, attempt)
             raise
         chosen = record.chosen
         now = time.time()
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
                                       chosen.projected_ttft_s)
         if self._log is not None:
-            self._log_decision(now, record.to_dict(), num_cached, attempt)
+            self._log_decision(now, record.to_dict(), request, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
         return record, self.backends[record.backend_id]
 
-    def _refused(self, exc: Any, num_cached: dict[str, int], attempt: int) -> None:
+    def _refused(self, exc: Any, request: Any, attempt: int) -> None:
         """Account a request refused for its deadline: the log line and the refusal counter."""
         if self._log is not None and exc.record is not None:
-            self._log_decision(time.time(), exc.record.to_dict(), num_cached, attempt)
+            self._log_decision(time.time(), exc.record.to_dict(), request, attempt)
         self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
@@ -328,8 +330,12 @@ class RouterActor:
             self._bury(req_id)
         return found
 
-    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
-        line = {"ts": round(now, 6), **record, "cache_answers": num_cached, "attempt": attempt}
+    def _log_decision(self, now: float, record: dict[str, Any], request: Any, attempt: int) -> None:
+        """One JSON line: the decision, the cache answers, and what `tandem route-sim --replay`
+        needs to replay the request (its lengths and its prompt's block hashes)."""
+        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens, "attempt": attempt,
+                "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
+                "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _export_decision(self, record: Any) -> None:
