@@ -19,18 +19,18 @@ id, instance id, estimated seconds, projected TTFT) only, since every caller pay
 the reply.
 
 Deadlines and priorities. A placement may carry the request's priority class and TTFT deadline
-(routing/deadline.py); a request whose deadline no backend can meet is refused with
-`DeadlineUnmetError` (the best projection, when to retry), placed nowhere, and logged as a
-decision with `placed` false. The refusal reaches the caller as engine/errors.py's
-`DeadlineUnmetError` (an overload: retry later), or as an `InvalidRequestError` when even an
-idle backend would miss the deadline. Every placement answers with the projected TTFT it was placed
-with, and the router compares it with the TTFT it observes (decision to the first report that
-shows a token): `tandem_router_ttft_late_seconds` / `_early_seconds`.
+(routing/deadline.py); a request whose deadline no backend can meet is refused (routing's
+`DeadlineUnmetError`: the best projection, when to retry), placed nowhere, and logged as a
+decision with `placed` false. The caller hears engine/errors.py's `DeadlineUnmetError` (an
+overload: retry later), or an `InvalidRequestError` when even an idle backend would miss the
+deadline. Every placement answers with the projected TTFT it was placed with, and the router
+compares it with the TTFT it observes (decision to the first report that shows a token):
+`tandem_router_ttft_late_seconds` / `_early_seconds`.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
 plus a timestamp, the per-backend cache answers, and the request's lengths and prompt block
-hashes, from which `tandem route-sim --replay` replays the traffic), and exported as metrics: decisions by
-backend and policy, each backend's score, pending seconds, and estimated vs realised
+hashes, from which `tandem route-sim --replay` replays the traffic), and exported as metrics:
+decisions by backend and policy, each backend's score, pending seconds, and estimated vs realised
 completion time (decision to the backend's "finished" report).
 """
 
@@ -202,8 +202,8 @@ class RouterActor:
         raised. Callers keep the handles from `list_backends`."""
         answers: list[Any] = []
         for (request,) in requests:
-            request = msgspec.convert(request, PlaceRequest)  # an array when it came on the wire
             try:
+                request = msgspec.convert(request, PlaceRequest)  # an array when it came on the wire
                 record, backend = self._place(request.req_id, request.prompt_token_ids, request.max_tokens,
                                               request.attempt, request.priority, request.ttft_deadline_s)
             except Exception as exc:
