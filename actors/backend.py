@@ -73,7 +73,8 @@ class BackendActor:
             backend_id=self.backend_id, instance_id=self.instance_id, device=e.device, device_kind=e.device_kind,
             requested_device=self.requested_device, dtype=e.dtype, threads=self.threads, max_active=self.max_active,
             block_size=e.block_size, model_name=e.model_name, max_model_len=e.max_model_len, node_id=wire.node_id(),
-            rates=self.rates, reconstructed=reconstructed)
+            rates=self.rates, reconstructed=reconstructed, num_kv_tokens=e.num_kv_tokens,
+            cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "")
 
     async def info(self) -> BackendInfo:
         return self._info()

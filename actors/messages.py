@@ -346,6 +346,8 @@ class BackendInfo:
     node_id: str = ""
     rates: dict[str, Any] | None = None  # routing's RateProfile fields; None: keep the router's
     reconstructed: bool = False
+    num_kv_tokens: int = 0  # the KV cache's size in tokens
+    cpu_kernels: str = ""  # the kernels a cpu backend runs ("" on accelerators)
 
 
 @dataclass

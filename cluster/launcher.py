@@ -303,6 +303,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     backends = {plan.backend_id: _create_backend(BackendActor, plan, config, placements.get(plan.backend_id))
                 for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
+    for info in infos:
+        log(ready_line(info))
     rates = _resolve_rates(config, plans, infos, backends, log)
     ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
     if config.calibration_alpha and config.warmup_tokens:
@@ -316,6 +318,15 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         log(f"HTTP: {http_replicas(config)} ingress replica(s), up to {pending_limit(config, plans)} pending "
             "requests before 429 (max_pending_requests in the config)")
     return tandem
+
+
+def ready_line(info: Any) -> str:
+    """What a loaded backend runs, as the user should know it: device, dtype, kernels,
+    concurrency and the KV cache's size in tokens."""
+    kernels = f", {info.cpu_kernels} kernels" if info.cpu_kernels else ""
+    return (f"backend {info.backend_id} ready: {info.device}, {info.dtype}{kernels}, max_active {info.max_active}, "
+            f"KV cache {info.num_kv_tokens:,} tokens ({info.num_kv_tokens // max(1, info.block_size):,} blocks of "
+            f"{info.block_size})")
 
 
 def _gpu_notes(plan: BackendPlan) -> str:
