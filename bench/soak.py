@@ -26,7 +26,8 @@ hence the second as reference. A check needs three intervals; with fewer it is s
 
 Writes OUT/STEM.json (command, machine, settings, intervals, totals, checks), OUT/STEM.md (the
 table and the checks) and OUT/STEM.png (RSS, GPU memory and p99 over time; needs matplotlib).
-Exits 1 if a check fails, 2 if the server did not start. Example (a GPU box):
+Exits 1 if a check fails, 2 if the server did not start, 3 if the bench itself broke (the
+report then carries its traceback). Example (a GPU box):
 
     python -m bench.soak --model qwen2.5-0.5b-random --flags='--backends cuda,cpu' \\
         --duration-s 1800 --kill-backend-at-s 900 --out /tmp/soak
@@ -42,6 +43,7 @@ import re
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,16 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                      if not k.startswith("_") and k not in ("bench_command", "command", "api_key")},
         "mix": KIND_WEIGHTS,
     }
+    try:
+        return soak_and_report(args, report, out)
+    except Exception:  # noqa: BLE001 -- the report says where the bench itself broke, and the exit code is 3
+        report["error"] = traceback.format_exc()
+        (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"soak: the bench failed:\n{report['error']}", flush=True)
+        return 3
+
+
+def soak_and_report(args: argparse.Namespace, report: dict[str, Any], out: Path) -> int:
     soak_a_server(args, report, out)
     if "error" in report["server"]:
         (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1) + "\n")

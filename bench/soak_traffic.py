@@ -179,6 +179,8 @@ async def send(client: httpx.AsyncClient, planned: Planned, clock: Any) -> Recor
         record.outcome, record.detail = "lost", f"{type(exc).__name__}: {str(exc)[:200]}"
     except ValueError as exc:  # a body that is not the JSON it should be
         record.outcome, record.detail = "lost", f"bad JSON: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 -- an answer of a shape nobody planned for is a lost request, not the end of the soak
+        record.outcome, record.detail = "lost", f"unexpected {type(exc).__name__}: {str(exc)[:200]}"
     record.end_s = clock()
     return record
 

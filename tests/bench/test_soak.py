@@ -57,6 +57,7 @@ CANNED = {
     "/unavailable-event": (200, _sse(CHUNK, {"error": {"type": "service_unavailable", "message": "gone"}})),
     "/internal-event": (200, _sse(CHUNK, {"error": {"type": "internal_error", "message": "bug"}})),
     "/cut": (200, _sse(CHUNK, done=False)),
+    "/list-body": (200, b"[1, 2]"),  # JSON, but not an object: the judging code's .get breaks
     "/429": (429, b'{"error": {}}'),
     "/503": (503, b'{"error": {}}'),
     "/500": (500, b'{"error": {}}'),
@@ -89,6 +90,7 @@ def _judge(planned: Planned) -> tuple[str, str | None]:
     ("/400", False, 400, None, 1, "rejected"),
     ("/400", False, 404, None, 1, "lost"),  # a 4xx, but not the one it deserved
     ("/ok-whole", False, 400, None, 2, "lost"),  # a malformed request answered 200
+    ("/list-body", False, 200, None, 1, "lost"),  # an answer of no planned shape is lost, not the soak's end
 ])
 def test_each_answer_has_one_outcome(path, stream, expect_status, hang_up_after, num_choices, outcome):
     planned = Planned("k", "POST", path, {"x": 1}, stream=stream, expect_status=expect_status,
@@ -209,6 +211,19 @@ def test_the_recorded_commands_hide_api_keys():
         "python -m bench.soak --api-key *** '--flags=--backends cpu --api-key ***' --api-key=***")
 
 
+def test_a_bench_that_breaks_exits_3_with_its_traceback_in_the_report(tmp_path, monkeypatch):
+    import bench.soak as soak
+
+    def broken(args, report, out):
+        raise KeyError("a shape nobody planned for")
+
+    monkeypatch.setattr(soak, "soak_and_report", broken)
+    args = soak.build_parser().parse_args(["--out", str(tmp_path), "--duration-s", "5"])
+    assert soak.run(args, []) == 3
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert "KeyError" in report["error"] and "a shape nobody planned for" in report["error"]
+
+
 # -- end to end --------------------------------------------------------------------------------------
 def test_a_server_that_does_not_start_exits_2_with_its_reason(tmp_path):
     from tests.cluster.conftest import free_port
@@ -240,7 +255,8 @@ def test_a_short_soak_loses_nothing(tmp_path):
                XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("TANDEM_API_KEY", None)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    console = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode in (0, 1) and (out / "soak.json").exists(), console
     report = json.loads((out / "soak.json").read_text())
     verdicts = {c["name"]: c["passed"] for c in report["checks"]}
     assert (verdicts["lost"], verdicts["hung"], verdicts["server_alive"], verdicts["idle_kv_blocks"]) == (
