@@ -236,8 +236,36 @@ class ChannelBatch(_Message, tag="batch"):
     items: list[Union[EngineCoreOutput, Admitted, Refusal]]
 
 
+# -- the router's `place_many` (a batch of these per call, on the wire or over Ray) ----------
+class PlaceRequest(_Message, tag="place"):
+    """One request to place: its lengths and prompt, which attempt this is (> 1: its previous
+    backend failed before it started), its priority class (SamplingParams.priority, lower is
+    more urgent) and its TTFT deadline in seconds (None: none)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    attempt: int = 1
+    priority: int = 0
+    ttft_deadline_s: float | None = None
+
+
+class Placement(_Message, tag="placed"):
+    """The router's answer to a `PlaceRequest`: the backend, the chosen backend's score
+    (`estimated_s`) and its projected time to first token (routing/deadline.py). Callers keep
+    the backends' handles from `list_backends`, so the answer carries none."""
+
+    backend_id: str
+    instance_id: str
+    estimated_s: float
+    projected_ttft_s: float
+
+
 # -- batched calls on the wire (the router's `place_many`) -----------------------------------
 class WireCall(_Message, tag="wcall"):
+    """A call's arguments. A struct among them (a `PlaceRequest`) travels as its array and is
+    read back with `msgspec.convert`, as is a struct in a `WireAnswer`."""
+
     call_id: int
     args: list[Any]
 
@@ -332,3 +360,4 @@ class Decision:
     record: dict[str, Any] = field(default_factory=dict)  # routing.DecisionRecord.to_dict()
     estimated_s: float = 0.0
     handle: Any = None  # the chosen backend's actor handle
+    projected_ttft_s: float = 0.0  # the chosen backend's projected TTFT (routing/deadline.py)

@@ -52,6 +52,9 @@ logger = logging.getLogger("tandem.metrics")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# |observed - projected| TTFT: Ray's histograms take only positive bounds, so the error's sign
+# is the metric (tandem_router_ttft_late_seconds / _early_seconds), its size the value.
+TTFT_ERROR_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 FLUSH_S = 0.5
@@ -122,6 +125,13 @@ ROUTER_METRICS = (
     MetricSpec("tandem_router_backends_alive", GAUGE, "Backends currently routable.", ()),
     MetricSpec("tandem_router_backend_failures", COUNTER, "Backends dropped from routing after a failure.", B),
     MetricSpec("tandem_router_reroutes", COUNTER, "Requests routed again after their backend failed.", B),
+    MetricSpec("tandem_router_ttft_late_seconds", HISTOGRAM, "Observed minus projected time to first token, for "
+               "requests whose first token came later than projected (observed: decision to the first report "
+               "of a token).", B, TTFT_ERROR_BUCKETS_S),
+    MetricSpec("tandem_router_ttft_early_seconds", HISTOGRAM, "Projected minus observed time to first token, for "
+               "requests whose first token came no later than projected.", B, TTFT_ERROR_BUCKETS_S),
+    MetricSpec("tandem_router_deadline_refusals", COUNTER, "Requests refused because no backend could meet their "
+               "TTFT deadline, by the backend with the best projection.", B),
 )
 
 # cluster/dispatch.py's `admission_stages`, declared up front so a panel has every stage at 0

@@ -14,12 +14,23 @@ callers (see cluster/dispatch.py), which re-route them. Each registration carrie
 
 Placing a request has one verb: `place` returns the whole `Decision` (its record, the
 backend's handle) for tests and diagnostics, and `place_many` places a batch for the serving
-path (cluster/dispatch.py) and answers each with (backend id, instance id, estimated seconds)
-only, since every caller pays to receive the reply.
+path (cluster/dispatch.py), each request a `PlaceRequest` answered with a `Placement` (backend
+id, instance id, estimated seconds, projected TTFT) only, since every caller pays to receive
+the reply.
+
+Deadlines and priorities. A placement may carry the request's priority class and TTFT deadline
+(routing/deadline.py); a request whose deadline no backend can meet is refused (routing's
+`DeadlineUnmetError`: the best projection, when to retry), placed nowhere, and logged as a
+decision with `placed` false. The caller hears engine/errors.py's `DeadlineUnmetError` (an
+overload: retry later), or an `InvalidRequestError` when even an idle backend would miss the
+deadline. Every placement answers with the projected TTFT it was placed with, and the router
+compares it with the TTFT it observes (decision to the first report that shows a token):
+`tandem_router_ttft_late_seconds` / `_early_seconds`.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
-plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
-backend and policy, each backend's score, pending seconds, and estimated vs realised
+plus a timestamp, the per-backend cache answers, and the request's lengths and prompt block
+hashes, from which `tandem route-sim --replay` replays the traffic), and exported as metrics:
+decisions by backend and policy, each backend's score, pending seconds, and estimated vs realised
 completion time (decision to the backend's "finished" report).
 """
 
@@ -34,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.detached import detached
-from tandem.actors.messages import BackendInfo, Decision, StepTiming
+from tandem.actors.messages import BackendInfo, Decision, Placement, PlaceRequest, StepTiming
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
-from tandem.engine.errors import BackendUnavailableError
+from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, InvalidRequestError
 
 PENDING_EXPORT_S = 0.05
 
@@ -54,12 +67,23 @@ class _Backend:
     cache: CacheMirror
 
 
+def deadline_error(exc: Any) -> Exception:
+    """routing's `DeadlineUnmetError` as the caller's error: an overload (a 429, retry after the
+    drain) while backends are busy, the request's own fault (a 400) when even an idle backend
+    would miss the deadline (its prefill alone is too long)."""
+    if exc.retry_after_s is None:
+        return InvalidRequestError(str(exc), param="ttft_deadline_ms", code="deadline_unmeetable")
+    return DeadlineUnmetError(str(exc), exc.projected_ttft_s, exc.retry_after_s)
+
+
 @dataclass
 class _Routed:
     backend_id: str
     num_cached_tokens: int
     decided_at: float
     estimated_s: float
+    projected_ttft_s: float = 0.0
+    first_token_seen: bool = False
 
 
 class RouterActor:
@@ -164,25 +188,30 @@ class RouterActor:
         return {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in self.router.backend_ids()}
 
     # -- decisions ---------------------------------------------------------------------------
-    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
+    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1,
+                    priority: int = 0, ttft_deadline_s: float | None = None) -> Decision:
         """Place a request and return the whole decision: its record and the backend's handle.
-        `attempt` > 1 means its previous backend failed before it started."""
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
+        `attempt` > 1 means its previous backend failed before it started; `priority` and
+        `ttft_deadline_s` are as in `PlaceRequest`."""
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt, priority, ttft_deadline_s)
         return Decision(req_id, record.backend_id, backend.info.instance_id, record.to_dict(), record.chosen.score_s,
-                        backend.handle)
+                        backend.handle, record.chosen.projected_ttft_s)
 
     def place_many(self, requests: list[tuple]) -> list[Any]:
-        """Place several requests `(req_id, prompt_token_ids, max_tokens, attempt)`, in order
-        (actors/batching.py); each answer is (backend id, instance id, estimated seconds), or the
-        exception `place` would have raised. Callers keep the handles from `list_backends`."""
+        """Place several requests, each the one-item argument tuple `(PlaceRequest,)`, in order
+        (actors/batching.py); each answer is a `Placement`, or the exception `place` would have
+        raised. Callers keep the handles from `list_backends`."""
         answers: list[Any] = []
-        for request in requests:
+        for (request,) in requests:
             try:
-                record, backend = self._place(*request)
+                request = msgspec.convert(request, PlaceRequest)  # an array when it came on the wire
+                record, backend = self._place(request.req_id, request.prompt_token_ids, request.max_tokens,
+                                              request.attempt, request.priority, request.ttft_deadline_s)
             except Exception as exc:
                 answers.append(exc)
             else:
-                answers.append((record.backend_id, backend.info.instance_id, record.chosen.score_s))
+                answers.append(Placement(record.backend_id, backend.info.instance_id, record.chosen.score_s,
+                                         record.chosen.projected_ttft_s))
         return answers
 
     async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
@@ -193,28 +222,40 @@ class RouterActor:
             await self._wire.start(wire.call_server(self.place_many))
         return wire.node_id(), self._wire.address
 
-    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
-        from tandem.routing import NoBackendError, RouteRequest
+    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int,
+               priority: int = 0, ttft_deadline_s: float | None = None) -> tuple[Any, _Backend]:
+        from tandem import routing
 
         hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
         num_cached = self._num_cached(hashes, len(prompt_token_ids))
         if not self.backends:
             raise BackendUnavailableError("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
+        request = routing.RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
+                                       tuple(hashes[block_size]), block_size, priority, ttft_deadline_s)
         try:
-            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
-                                                    tuple(hashes[block_size]), block_size))
-        except NoBackendError as exc:
+            record = self.router.route(request)
+        except routing.NoBackendError as exc:
             raise BackendUnavailableError(str(exc)) from None
+        except routing.DeadlineUnmetError as exc:
+            self._refused(exc, request, attempt)
+            raise deadline_error(exc) from None
         chosen = record.chosen
         now = time.time()
-        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
+        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
+                                      chosen.projected_ttft_s)
         if self._log is not None:
-            self._log_decision(now, record.to_dict(), num_cached, attempt)
+            self._log_decision(now, record.to_dict(), request, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
         return record, self.backends[record.backend_id]
+
+    def _refused(self, exc: Any, request: Any, attempt: int) -> None:
+        """Account a request refused for its deadline: the log line and the refusal counter."""
+        if self._log is not None and exc.record is not None:
+            self._log_decision(time.time(), exc.record.to_dict(), request, attempt)
+        self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
@@ -231,8 +272,12 @@ class RouterActor:
             self._export_pending()
         return found
 
-    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
-        line = {"ts": round(now, 6), **record, "cache_answers": num_cached, "attempt": attempt}
+    def _log_decision(self, now: float, record: dict[str, Any], request: Any, attempt: int) -> None:
+        """One JSON line: the decision, the cache answers, and what `tandem route-sim --replay`
+        needs to replay the request (its lengths and its prompt's block hashes)."""
+        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens, "attempt": attempt,
+                "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
+                "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _export_decision(self, record: Any) -> None:
@@ -286,8 +331,11 @@ class RouterActor:
                 self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
                                          step.elapsed_s)
         events = []
+        now = time.time()
         for p in progress:
             events.extend(self._events_for(p))
+            if p.num_output_tokens > 0:
+                self._record_first_token(backend_id, p.req_id, now)
             if p.status == "finished":
                 self._record_finished(backend_id, p.req_id)
         applied = self.router.on_progress(backend_id, events)
@@ -307,6 +355,16 @@ class RouterActor:
         return [ProgressEvent(p.req_id, "admitted"),
                 ProgressEvent(p.req_id, "prefill", p.num_computed_prompt_tokens),
                 ProgressEvent(p.req_id, "generated", p.num_output_tokens)]
+
+    def _record_first_token(self, backend_id: str, req_id: str, now: float) -> None:
+        """Observed against projected TTFT, once per request: its first report with a token."""
+        routed = self.routed.get(req_id)
+        if routed is None or routed.first_token_seen:
+            return
+        routed.first_token_seen = True
+        error_s = (now - routed.decided_at) - routed.projected_ttft_s
+        name = "tandem_router_ttft_late_seconds" if error_s > 0 else "tandem_router_ttft_early_seconds"
+        self.metrics.observe(name, abs(error_s), tags={"backend": backend_id})
 
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)

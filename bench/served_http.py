@@ -248,6 +248,7 @@ async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, n
     request's route (`place`), admission (which returns with its prefill step) and first output
     over the backend's channel."""
     from tandem.actors.channel import open_stream
+    from tandem.actors.messages import PlaceRequest
     from tandem.engine.sampling_params import SamplingParams
 
     def median_ms(xs: list[float]) -> float:
@@ -265,7 +266,7 @@ async def ttft_parts(router: Any, backend: Any, prompt: list[int], vocab: int, n
         ids = [VOCAB_LOW + (t + i + 104729) % (vocab - VOCAB_LOW) for t in prompt]
         req_id = f"ttft-parts-{i}"
         t0 = time.perf_counter()
-        await router.place_many.remote([(req_id, ids, 16, 1)])
+        await router.place_many.remote([(PlaceRequest(req_id, ids, 16),)])
         t1 = time.perf_counter()
         stream = open_stream(backend, req_id, ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                              time.time())

@@ -5,7 +5,10 @@ API key (401) -> `Content-Type: application/json` (415) -> the body, read in chu
 off at the size limit (413) -> JSON, bounded in depth and number size, and fields, each
 range-checked (400) -> model name (404) -> admission (429) -> tokenize and check the context
 (400) -> route and wait for the backend to admit it (400 if the engine rejects it, 503 if no
-backend can take it) -> respond. Only then does a streamed response start, so its status code
+backend can take it, 429 with the router's projection and a `Retry-After` from it if no backend
+can meet the request's TTFT deadline, `ttft_deadline_ms` or the `x-tandem-ttft-deadline-ms`
+header, while they are busy) -> respond; the TTFT the router projected is in the
+`x-tandem-projected-ttft-ms` header and the `tandem` field. Only then does a streamed response start, so its status code
 is still meaningful; the serving backend is named in the `x-tandem-backend` header and in a
 `tandem` field of every response and chunk. With a key set, every route but `/health` and
 `/metrics` needs it, the API's own description included (`/openapi.json`, and the `/docs` and
@@ -37,6 +40,7 @@ uses is defined above it: Serve serializes the class when it is decorated.)
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -57,7 +61,8 @@ from tandem.cluster.dispatch import RoutedRequest
 from tandem.cluster.http_server import ReplicaHTTPServer
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
-from tandem.engine.errors import BackendUnavailableError, InvalidRequestError, OverloadedError, TandemError
+from tandem.engine.errors import (BackendUnavailableError, DeadlineUnmetError, InvalidRequestError, OverloadedError,
+                                  TandemError)
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
@@ -83,6 +88,10 @@ from tandem.engine.tokenizer import encode_chat, encode_prompt
 logger = logging.getLogger("tandem.app")
 
 BACKEND_HEADER = "x-tandem-backend"
+# A request's TTFT deadline, as the body's ttft_deadline_ms says it (the body wins), and the
+# TTFT the router projected where it placed the request (docs/routing.md, "Deadlines").
+DEADLINE_HEADER = "x-tandem-ttft-deadline-ms"
+PROJECTED_TTFT_HEADER = "x-tandem-projected-ttft-ms"
 REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Retry-After: a full admission queue drains within about a request's time; a failed backend's
@@ -154,6 +163,7 @@ HTTP_ERRORS: dict[type[TandemError], tuple[int, str, int | None]] = {
     PayloadTooLarge: (413, "invalid_request_error", None),
     UnsupportedMediaType: (415, "invalid_request_error", None),
     OverloadedError: (429, "rate_limit_error", OVERLOADED_RETRY_AFTER_S),
+    DeadlineUnmetError: (429, "rate_limit_error", None),  # Retry-After from the router's projection
     BackendUnavailableError: (503, "service_unavailable", UNAVAILABLE_RETRY_AFTER_S),
     TandemError: (500, "internal_error", None),
 }
@@ -168,6 +178,10 @@ def error_response(exc: TandemError, request_id: str, headers: dict[str, str] | 
     status, error_type, retry_after_s = http_error(exc)
     _log_failure(exc, request_id, status)
     headers = {REQUEST_ID_HEADER: request_id, **(headers or {})}
+    if isinstance(exc, DeadlineUnmetError):
+        # Retry-After is whole seconds: round the router's drain time up, so a retry is not early.
+        retry_after_s = max(1, math.ceil(exc.retry_after_s))
+        headers[PROJECTED_TTFT_HEADER] = f"{exc.projected_ttft_s * 1000:.1f}"
     if retry_after_s is not None:
         headers["retry-after"] = str(retry_after_s)
     body = error_body(exc.message, error_type, exc.param, exc.code, request_id)
@@ -342,7 +356,25 @@ def _headers(stream: RoutedRequest) -> dict[str, str]:
     headers = {REQUEST_ID_HEADER: stream.req_id}
     if stream.backend_id:
         headers[BACKEND_HEADER] = stream.backend_id
+        headers[PROJECTED_TTFT_HEADER] = f"{stream.decision.projected_ttft_s * 1000:.1f}"
     return headers
+
+
+def ttft_deadline_s(request: Request, body: Any) -> float | None:
+    """The request's TTFT deadline in seconds: the body's `ttft_deadline_ms`, else the header's."""
+    if body.ttft_deadline_ms is not None:
+        return body.ttft_deadline_ms / 1000
+    value = request.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        deadline_ms = float(value)
+    except ValueError:
+        deadline_ms = math.nan
+    if not 0 < deadline_ms <= 86_400_000:
+        raise InvalidRequestError(f"{DEADLINE_HEADER} must be a number of milliseconds > 0, got {_echo(value)}",
+                                  param=DEADLINE_HEADER)
+    return deadline_ms / 1000
 
 
 def _delta(text: str, chat: bool) -> Any:
@@ -485,9 +517,10 @@ class TandemIngress:
             body = await self._parse(request, model_cls)
             self._admit()
             admitted = True
+            deadline_s = ttft_deadline_s(request, body)
             prompt_token_ids, params, plan = self._prepare(body, chat)
             stream = RoutedRequest(self.router, req_id, prompt_token_ids, params, arrival_time,
-                                   self.settings.max_route_attempts)
+                                   self.settings.max_route_attempts, deadline_s)
             await stream.open()
             self._observe_stages(stream)
             if body.stream:
@@ -572,7 +605,8 @@ class TandemIngress:
                                 min_tokens=body.min_tokens, n=body.n, presence_penalty=body.presence_penalty,
                                 frequency_penalty=body.frequency_penalty,
                                 repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
-                                logprobs=body.num_logprobs, structured_output=plan.structured_output)
+                                logprobs=body.num_logprobs, structured_output=plan.structured_output,
+                                priority=body.priority)
         params.validate()  # the edge's check; its InvalidRequestError is a 400 as it is
         return prompt_token_ids, params, plan
 
@@ -613,7 +647,9 @@ class TandemIngress:
 
     # -- responses ---------------------------------------------------------------------------
     def _info(self, stream: RoutedRequest) -> TandemInfo:
-        return TandemInfo(backend=stream.backend_id, estimated_s=round(stream.decision.estimated_s, 6))
+        decision = stream.decision
+        return TandemInfo(backend=stream.backend_id, estimated_s=round(decision.estimated_s, 6),
+                          projected_ttft_ms=round(decision.projected_ttft_s * 1000, 3))
 
     async def _full_response(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
         choices: dict[int, Choice] = {}

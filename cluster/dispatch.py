@@ -22,6 +22,11 @@ the routing decision (docs/benchmarks/served-path-h200.md). Each process keeps t
 backends' handles instead (`BackendHandles`), fetched from the router when it first meets a
 backend id.
 
+A request may carry a TTFT deadline (`ttft_deadline_s`) and a priority class (its
+SamplingParams'): both go to the router with the placement, and a deadline no backend can meet
+ends `open()` with engine/errors.py's `DeadlineUnmetError` (or `InvalidRequestError`, when
+even an idle backend would miss it) before any engine work.
+
 `open()` notes when the router answered and when the backend admitted the request, and
 `admission_stages` splits a request's time to admission into its stages (the ingress exports
 them as `tandem_http_stage_seconds`): where a burst's first tokens wait is a question of which
@@ -35,13 +40,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from tandem.actors import wire
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.detached import detached
-from tandem.actors.messages import Admitted, Decision
-from tandem.engine.errors import (BackendError, BackendGoneError, BackendUnavailableError, InvalidRequestError,
-                                  TandemError)
+from tandem.actors.messages import Admitted, Decision, Placement, PlaceRequest
+from tandem.engine.errors import (BackendError, BackendGoneError, BackendUnavailableError, DeadlineUnmetError,
+                                  InvalidRequestError, TandemError)
 
 logger = logging.getLogger("tandem.dispatch")
 
@@ -81,8 +88,10 @@ class BackendHandles:
 
 class RoutedRequest:
     def __init__(self, router: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                 arrival_time: float | None = None, max_attempts: int = 3) -> None:
+                 arrival_time: float | None = None, max_attempts: int = 3,
+                 ttft_deadline_s: float | None = None) -> None:
         self.router = router
+        self.ttft_deadline_s = ttft_deadline_s
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -112,14 +121,19 @@ class RoutedRequest:
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                backend_id, instance_id, estimated_s = await self._place()
-                handle = await self._handles.get(backend_id)
+                placement = await self._place()
+                handle = await self._handles.get(placement.backend_id)
                 self.placed_time = time.time()
             except BackendUnavailableError as exc:
                 raise BackendUnavailableError(f"no backend can take this request: {_cause_message(exc)}") from None
+            except (DeadlineUnmetError, InvalidRequestError):
+                self.finished = True  # placed nowhere: nothing to forget or abort
+                raise
             except (ray.exceptions.RayActorError, wire.WireClosed) as exc:  # the router is gone; nothing restarts it
                 raise BackendUnavailableError("the router is unavailable", detail=type(exc).__name__) from None
-            self.decision = Decision(self.req_id, backend_id, instance_id, estimated_s=estimated_s, handle=handle)
+            self.decision = Decision(self.req_id, placement.backend_id, placement.instance_id,
+                                     estimated_s=placement.estimated_s, handle=handle,
+                                     projected_ttft_s=placement.projected_ttft_s)
             if self._gen is not None:
                 self._gen.close()
             self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,
@@ -155,10 +169,13 @@ class RoutedRequest:
         return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
                                 a.received_time, a.queued_time)
 
-    async def _place(self) -> tuple[str, str, float]:
-        """(backend id, instance id, the router's estimate), from the router's `place_many`."""
-        max_tokens = self.params.max_tokens * self.params.n
-        return await _placer(self.router).call(self.req_id, self.prompt_token_ids, max_tokens, self.attempts)
+    async def _place(self) -> Placement:
+        """The router's `Placement`, from its `place_many`; the request's priority class and TTFT
+        deadline go with it."""
+        request = PlaceRequest(self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n,
+                               self.attempts, self.params.priority, self.ttft_deadline_s)
+        answer = await _placer(self.router).call(request)
+        return msgspec.convert(answer, Placement)  # an array when it came on the wire
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""

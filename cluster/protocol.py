@@ -21,8 +21,10 @@ the standard parser's failure modes on hostile input are not 400s: nesting 50,00
 and `"\\ud800"` becomes a string no tokenizer can encode. Each is bounded or refused here.
 
 Tandem's extras: `ignore_eos`, `min_tokens`, `top_k` and `seed` on requests (the sampling
-settings the engine supports beyond OpenAI's), `usage.prompt_tokens_details.cached_tokens`, and
-a `tandem` object on responses and chunks naming the backend that served the request.
+settings the engine supports beyond OpenAI's), vLLM's `priority` and Tandem's
+`ttft_deadline_ms`, `usage.prompt_tokens_details.cached_tokens`, and a `tandem` object on
+responses and chunks naming the backend that served the request and the TTFT the router
+projected for it there.
 """
 
 from __future__ import annotations
@@ -199,7 +201,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (_never, "allowed_token_ids is not supported (use logit_bias)"),
     "bad_words": (_equals([]), "bad_words is not supported (use logit_bias)"),
     "guided_grammar": (_never, "guided_grammar is not supported"),
-    "priority": (_equals(0), "request priorities are not supported"),
     "add_generation_prompt": (_equals(True), "add_generation_prompt is always true"),
     "continue_final_message": (_equals(False), "continue_final_message is not supported"),
     "chat_template": (_never, "a request's own chat_template is not supported"),
@@ -272,6 +273,11 @@ class _SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    # Scheduling (docs/routing.md, "Deadlines and priorities"): vLLM's priority (lower is more
+    # urgent, classes compared by value) and Tandem's TTFT deadline (the header
+    # x-tandem-ttft-deadline-ms says the same; the body wins where both are given).
+    priority: StrictInt = Field(default=0, ge=-MAX_INT32, le=MAX_INT32)
+    ttft_deadline_ms: float | None = Field(default=None, gt=0.0, le=86_400_000.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -404,6 +410,7 @@ class UsageInfo(BaseModel):
 class TandemInfo(BaseModel):
     backend: str
     estimated_s: float | None = None
+    projected_ttft_ms: float | None = None  # the router's projected TTFT where it placed the request
 
 
 class CompletionLogprobs(BaseModel):

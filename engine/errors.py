@@ -42,3 +42,17 @@ class BackendGoneError(BackendError):
     """The same-node wire to a backend closed under a request (actors/wire.py): the backend's
     process is gone, as a `RayActorError` says on the Ray path, and the request may be routed
     again if it has no tokens yet."""
+
+
+class DeadlineUnmetError(OverloadedError):
+    """No backend can meet the request's time-to-first-token deadline while they are this busy
+    (routing/deadline.py): `projected_ttft_s` is the best projection, `retry_after_s` the
+    seconds until the work ahead drains enough to meet it. A deadline that even an idle
+    backend would miss is the request's own fault, an `InvalidRequestError`."""
+
+    def __init__(self, message: str, projected_ttft_s: float, retry_after_s: float) -> None:
+        super().__init__(message, param="ttft_deadline_ms", code="deadline_unmet")
+        self.projected_ttft_s, self.retry_after_s = projected_ttft_s, retry_after_s
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.message, self.projected_ttft_s, self.retry_after_s))

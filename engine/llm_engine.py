@@ -114,7 +114,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=self._on_evict,
                                                on_publish=self._on_publish)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks),
+            SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks,
+                            cfg.max_priority_wait_s),
             self.kv_cache_manager,
         )
         self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,

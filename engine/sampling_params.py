@@ -47,6 +47,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # top logprobs per sampled token; None: no logprobs at all
     structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
+    # vLLM's priority: lower is more urgent, 0 by default; any int, classes compared by value.
+    # The scheduler admits waiting requests in (priority, arrival) order (engine/scheduler.py).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,8 @@ class SamplingParams:
              f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"),
             (all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "logit_bias must map token ids to biases in [-100, 100]"),
+            (isinstance(self.priority, int) and not isinstance(self.priority, bool),
+             f"priority must be an integer (lower is more urgent), got {self.priority!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
         ]

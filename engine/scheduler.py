@@ -2,17 +2,29 @@
 
 Each step has a token budget (`max_num_batched_tokens`) and at most `max_active` running
 requests. Decodes go first, so a long prompt never stalls requests already streaming; then
-running requests continue their chunked prefill; then waiting requests are admitted in FCFS
-order with whatever budget is left. When the pool runs out of blocks the newest running
-request is preempted by recompute: its blocks are freed and it rejoins the front of the
-waiting queue (its full blocks usually stay cached, so recompute is mostly a prefix hit).
+running requests continue their chunked prefill; then waiting requests are admitted with whatever
+budget is left. When the pool runs out of blocks the newest running request is preempted by
+recompute: its blocks are freed and it rejoins the front of the waiting queue (its full blocks
+usually stay cached, so recompute is mostly a prefix hit).
+
+Admission order. Preempted requests go first (they were running), then waiting requests in
+(priority, arrival) order, vLLM's `priority` (SamplingParams.priority: lower is more urgent,
+classes compared by value), so an urgent request goes ahead of waiting batch work. With one
+class this is FCFS. Batch work is never starved: a request that has waited longer than
+`max_priority_wait_s` is admitted as if it were of the most urgent class (among such requests,
+by arrival). Priority never preempts a running request: an urgent request waits for a free
+slot like any other, which keeps running requests' latency independent of later arrivals and
+spares the recompute. The head of that order is not overtaken when its blocks do not fit. The
+clock is injectable so the starvation bound is tested without sleeping.
 No torch here: the scheduler is tested on exact block ids in milliseconds.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE
@@ -26,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 1024
+    max_priority_wait_s: float = 5.0  # a request waiting longer is admitted as if most urgent
 
 
 @dataclass
@@ -65,8 +78,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self.clock = clock  # the clock of Request.arrival_time
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(config.num_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,14 +129,31 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are admitted (see the module doc)."""
+        waiting = list(self.waiting)
+        if all(r.priority == waiting[0].priority for r in waiting):
+            return waiting  # one class: FCFS, preempted requests already at the front
+        now, bound = self.clock(), self.config.max_priority_wait_s
+
+        def key(item: tuple[int, Request]) -> tuple[bool, float, int]:
+            index, r = item
+            aged = now - r.arrival_time > bound
+            return r.status is not RequestStatus.PREEMPTED, -math.inf if aged else r.priority, index
+
+        return [r for _, r in sorted(enumerate(waiting), key=key)]
+
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_active:
-            request = self.waiting[0]
+        if not self.waiting:
+            return
+        for request in self.admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_active:
+                break
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the admission order
+            self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.first_scheduled_time is None:

@@ -12,6 +12,12 @@ scored as hitting it there, even before the backend has reported the blocks cach
 is also counted (routing/replication.py): on a backend with room, a miss on a hot prefix is an
 investment rather than a recompute.
 
+A request may carry a priority class and a TTFT deadline (routing/deadline.py): every score
+carries the request's projected time to first token on that backend, and a request with a
+deadline goes, by the policy, only to a backend whose projection meets it; if none does,
+`route` raises `DeadlineUnmetError` with the best projection and when to retry, and places
+nothing. Without a deadline the decision is exactly what it was.
+
 Decisions cost O(number of backends), independent of how many requests are pending
 (bench/router_decision.py measures it).
 """
@@ -25,7 +31,9 @@ from typing import Iterable, Sequence
 from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backend
+from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.errors import DeadlineUnmetError, NoBackendError
 from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
 from tandem.routing.messages import ProgressEvent, RouteRequest
@@ -172,8 +180,10 @@ class Router:
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
             )
-            s.queue_term_s = queue_term_s(request.num_prompt_tokens - s.num_cached_tokens, s.prefill_tok_s,
-                                          s.num_queued, self._queue_weight)
+            num_uncached = request.num_prompt_tokens - s.num_cached_tokens
+            s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
+            s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
+                                                  request.priority, num_uncached)
             scores.append(s)
         self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
@@ -215,7 +225,8 @@ class Router:
                 and (s.prefill_term_s <= holder_wait_s or stats.may_copy_slowly()))
 
     def route(self, request: RouteRequest) -> DecisionRecord:
-        """Choose a backend for `request` and record it there as queued."""
+        """Choose a backend for `request` and record it there as queued. Raises
+        `DeadlineUnmetError` (placing nothing) when its TTFT deadline cannot be met."""
         if request.req_id in self._req_to_backend:
             raise ValueError(
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
@@ -223,7 +234,10 @@ class Router:
         key = self._prefix_key(request)
         scores = {s.backend_id: s for s in self._score(request, key)}
         routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
-        backend_id = self._policy.choose(routable, request)
+        if request.ttft_deadline_s is None:
+            backend_id = self._policy.choose(routable, request)
+        else:
+            backend_id = self._choose_by_deadline(request, routable, scores)
         if key is not None:
             self._prefix_stats.observe(key, request.block_hashes, request.block_size,
                                        {b: s.num_cached_tokens for b, s in scores.items()})
@@ -234,13 +248,33 @@ class Router:
             num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens,
             num_prefill_tokens_est=request.num_prompt_tokens - scores[backend_id].num_cached_tokens,
+            priority=request.priority,
         )
         state = self._backends[backend_id]
         state.ledger.add_queued(entry)
         if self._inflight_prefixes:
             state.inflight.add(request.req_id, request.block_hashes)
         self._req_to_backend[request.req_id] = backend_id
-        return DecisionRecord(request.req_id, self.policy, backend_id, scores)
+        return DecisionRecord(request.req_id, self.policy, backend_id, scores, request.priority,
+                              request.ttft_deadline_s)
+
+    def _choose_by_deadline(self, request: RouteRequest, routable: list[BackendScore],
+                            scores: dict[str, BackendScore]) -> str:
+        """The policy's choice among the routable backends that meet the request's deadline;
+        raises DeadlineUnmetError if there is none (routing/deadline.py)."""
+        if not routable:
+            raise NoBackendError(f"policy {self.policy!r} has no routable backend")
+        split = split_by_deadline(routable, request.ttft_deadline_s, request.num_prompt_tokens)
+        if split.meeting:
+            try:
+                return self._policy.choose(split.meeting, request)
+            except NoBackendError:
+                if len(split.meeting) == len(routable):
+                    raise  # the policy takes none of the backends, deadline or not
+        record = DecisionRecord(request.req_id, self.policy, split.best.backend_id, scores, request.priority,
+                                request.ttft_deadline_s, placed=False, retry_after_s=split.retry_after_s)
+        raise DeadlineUnmetError(request.req_id, split.best.backend_id, request.ttft_deadline_s,
+                                 split.best.projected_ttft_s, split.retry_after_s, record)
 
     # --- progress ---------------------------------------------------------------------------
 

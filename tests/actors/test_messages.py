@@ -91,3 +91,16 @@ def test_a_decoded_request_keeps_its_sampling_params_and_logprobs_stay_tuples():
 def test_an_unknown_extension_is_refused():
     with pytest.raises(ValueError, match="unknown msgpack extension"):
         m.decode(msgspec.msgpack.encode(m.WireAnswers([m.WireAnswer(1, msgspec.msgpack.Ext(9, b"x"))])))
+
+
+def test_a_placement_and_its_request_cross_the_wire_as_arrays_read_back_by_convert():
+    """`place_many`'s struct argument and answer ride in `list[Any]`/`Any` fields: they decode as
+    their arrays and `msgspec.convert` makes the structs again, every field, deadline included."""
+    request = m.PlaceRequest("r", [1, 2], 16, 2, priority=-1, ttft_deadline_s=0.25)
+    placement = m.Placement("cpu0", "i1", 0.5, 0.125)
+    calls = m.decode(m.encode(m.WireCalls([m.WireCall(1, [request])])))
+    answers = m.decode(m.encode(m.WireAnswers([m.WireAnswer(1, placement)])))
+    assert msgspec.convert(calls.calls[0].args[0], m.PlaceRequest) == request
+    assert msgspec.convert(answers.answers[0].value, m.Placement) == placement
+    assert msgspec.convert(placement, m.Placement) is placement  # over Ray it arrives as the struct
+    assert m.PlaceRequest("q", [3], 4) == m.PlaceRequest("q", [3], 4, 1, 0, None)

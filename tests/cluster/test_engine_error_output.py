@@ -21,7 +21,7 @@ REQ_ID = "cmpl-test"
 class FakeStream:
     def __init__(self, outputs):
         self.req_id, self.backend_id = REQ_ID, "cpu0"
-        self.decision = SimpleNamespace(estimated_s=0.0)
+        self.decision = SimpleNamespace(estimated_s=0.0, projected_ttft_s=0.0)
         self._outputs = outputs
         self.closed = False
 
