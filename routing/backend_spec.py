@@ -4,6 +4,8 @@
 `accelerator-only` and `cpu-only` policies and for ties, which go to the accelerator.
 `max_active` is the backend scheduler's limit on running requests; the simulator uses it to
 decide active vs queued, and a batch-aware rate profile uses it to pick the batch size.
+`device` names the device the backend runs on when several backends may share one
+(routing/device_share.py); None, a device of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class BackendSpec:
     device_kind: str
     rates: RateProfile
     max_active: int = 4
+    device: str | None = None  # backends naming the same device share it; None: a device of its own
 
     def __post_init__(self) -> None:
         if not self.backend_id:

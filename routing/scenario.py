@@ -70,6 +70,7 @@ class Scenario:
     inflight_prefixes: bool = True
     replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)
     queue_weight: float = 1.0
+    device_shares: bool = False  # the router knows which backends share a device
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
@@ -211,6 +212,7 @@ class _RouterModel(BaseModel):
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
     replication: _ReplicationModel | None = Field(default_factory=_ReplicationModel)  # null: off
     queue_weight: float = Field(1.0, ge=0)  # 0: rank without the queue term
+    device_shares: bool = False  # true: the cost model divides rates among busy engines of a device
 
 
 class _ScenarioModel(BaseModel):
@@ -330,6 +332,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         inflight_prefixes=model.router.inflight_prefixes,
         replication=ReplicationConfig(**model.router.replication.model_dump()) if model.router.replication else None,
         queue_weight=model.router.queue_weight,
+        device_shares=model.router.device_shares,
         block_size=model.block_size if model.tenants is not None else None,
     )
 
@@ -337,7 +340,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
 def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
     rates = validate_rate_profile(model.rates, f"{path}.rates")
     actual = rates if model.actual_rates is None else validate_rate_profile(model.actual_rates, f"{path}.actual_rates")
-    spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active)
+    spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
     return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device)
 
 

@@ -146,7 +146,7 @@ def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
     router = Router(scenario.backend_specs, policy or scenario.policy, scenario.new_token_ratio,
                     scenario.calibration, scenario.spill_guard, scenario.prefix_affinity,
                     scenario.recompute_weight, scenario.inflight_prefixes, scenario.replication,
-                    scenario.queue_weight)
+                    scenario.queue_weight, scenario.device_shares)
     reporter = _RouterReporter(router, [b.spec.backend_id for b in scenario.backends])
     backends = make_backends(scenario, reporter)
     decisions = []
