@@ -180,7 +180,8 @@ class SimBackend:
         if self.reporter is not None:
             events.extend(ProgressEvent(j.req_id, messages.GENERATED, j.num_output_tokens) for j in self.active)
             batch_size = len(self.active)
-            # Off a shared device this is t - self.now, the same sum written as the run planned it.
+            # Alone: the run's length by the expression its boundary was planned with; on a shared
+            # device: the time the step took, its neighbours' share included (what a live engine sees).
             elapsed_s = self.run_num_steps * self.run_step_s if self.device is None else t - self.now
             self.reporter.on_step(self.backend_id, 0, batch_size * self.run_num_steps, batch_size, elapsed_s)
         self._retire_finished(t, events)
