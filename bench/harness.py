@@ -71,6 +71,7 @@ class Layout:
     accel_id: str  # the backend `auto` resolved to (the design's "GPU")
     has_accelerator: bool
     cpu_threads: int | None
+    devices: dict[str, str] = field(default_factory=dict)  # accelerator backend id -> its device, "cuda:0"
 
     def arm_backends(self, arm: str, accel_max_active: int, cpu_max_active: int) -> list[dict[str, Any]]:
         """Every accelerator backend (and the `auto` slot, a cpu backend on a machine without
@@ -133,7 +134,23 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
-    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
+    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads,
+                  device_names(plans))
+
+
+def device_names(plans: list[Any]) -> dict[str, str]:
+    """Each accelerator backend's device: `cuda:N` with the plan's engines per GPU filling one
+    GPU after another, `mps` for Apple's one GPU. cpu backends are left out: each has cores of
+    its own (cluster/plan.py splits them), so none shares another's. Which engines Ray puts
+    together on a machine with several GPUs is Ray's choice; the counts per GPU are the plan's."""
+    names, num_cuda = {}, 0
+    for p in plans:
+        if p.device == "cuda":
+            names[p.backend_id] = f"cuda:{num_cuda // p.engines_per_gpu}"
+            num_cuda += 1
+        elif p.device != "cpu":
+            names[p.backend_id] = p.device
+    return names
 
 
 def profile_rates(layout: Layout, accel_max_active: int, cpu_max_active: int, out_dir: Path) -> Path:

@@ -6,8 +6,10 @@
 decide active vs queued, and a batch-aware rate profile uses it to pick the batch size.
 `device` names the accelerator an engine runs on ("cuda:0") when several engines share one:
 their steps compete for its compute, so what online calibration learns from one engine's steps
-is the device's state and holds for its identical siblings too (routing/router.py). None: a
-device of its own (every CPU backend, whose threads are its own).
+is the device's state and holds for its identical siblings too (routing/router.py); route-sim
+runs such backends' steps on one shared device (routing/sim_device.py), and the router's
+`device_shares` option scores them by it (routing/device_share.py). None: a device of its own
+(every CPU backend, whose threads are its own).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backend
 from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.device_share import device_shares
 from tandem.routing.errors import DeadlineUnmetError, NoBackendError
 from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
@@ -88,6 +89,7 @@ class Router:
         inflight_prefixes: bool = True,
         replication: ReplicationConfig | None = ReplicationConfig(),
         queue_weight: float = 1.0,
+        device_shares: bool = False,
     ) -> None:
         if recompute_weight < 0:
             raise ValueError(f"recompute_weight must be >= 0 (got {recompute_weight!r})")
@@ -95,6 +97,7 @@ class Router:
             raise ValueError(f"queue_weight must be >= 0 (got {queue_weight!r})")
         self._recompute_weight = recompute_weight
         self._queue_weight = queue_weight  # routing/cost_model.py: the queue term
+        self._device_shares = device_shares  # routing/device_share.py
         self._prefix_stats = None if replication is None else PrefixStats(replication)
         self._inflight_prefixes = inflight_prefixes  # False: only what backends reported counts
         self._spill_guard = spill_guard
@@ -167,8 +170,15 @@ class Router:
         (not cordoned) backends."""
         return self._score(request, self._prefix_key(request))
 
+    def _shares(self) -> dict[str, int]:
+        if not self._device_shares:
+            return {}
+        return device_shares({b: s.spec.device for b, s in self._backends.items()},
+                             {b: len(s.ledger) for b, s in self._backends.items()})
+
     def _score(self, request: RouteRequest, key: int | None) -> list[BackendScore]:
         scores = []
+        shares = self._shares()
         for backend_id, state in self._backends.items():
             num_cached = request.num_cached_tokens.get(backend_id, 0)
             num_inflight = 0
@@ -179,6 +189,7 @@ class Router:
             s = score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
+                shares.get(backend_id, 1),
             )
             num_uncached = request.num_prompt_tokens - s.num_cached_tokens
             s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
@@ -321,6 +332,8 @@ class Router:
         state = self._backends.get(backend_id)
         if state is None or self._calibration is None:
             return
+        # With device_shares, a step slowed by its neighbours on the device says 1/share of its alone rate.
+        elapsed_s /= self._shares().get(backend_id, 1)
         rates = calibrate(state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
         for sibling in self._siblings(state):
             sibling.rates = rates
