@@ -134,7 +134,8 @@ def test_progress_drained_after_every_step_ends_finished(async_scheduling):
     scheduling a request that reaches max_tokens at launch is reported while its last token is
     still on the device; the call that resolves that token must report it again."""
     engine = make(async_scheduling)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 3, 7, 4, 6)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 3, 7, 4)]
+    params.append(SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1, ignore_eos=True))  # a group
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
         engine.add_request(f"r{i}", prompt, p)
     last = {}
@@ -142,4 +143,4 @@ def test_progress_drained_after_every_step_ends_finished(async_scheduling):
         engine.step()
         last.update({p.req_id: (p.status, p.num_output_tokens) for p in engine.drain_progress()})
     last.update({p.req_id: (p.status, p.num_output_tokens) for p in engine.drain_progress()})
-    assert last == {f"r{i}": ("finished", p.max_tokens) for i, p in enumerate(params)}
+    assert last == {f"r{i}": ("finished", p.max_tokens * p.n) for i, p in enumerate(params)}
