@@ -65,7 +65,7 @@ class ProgressReporter:
         cache_changes, self._cache_changes = self._cache_changes, {}
         if self.router is not None:
             # Without Ray's task events: Ray records each actor call for its dashboard in the GCS
-            # (~3.6 KiB a call, up to 100,000 calls), and at up to 1 / interval_s reports a
+            # (~3.7 KiB a call, up to 100,000 calls), and at up to 1 / interval_s reports a
             # backend these alone grew the GCS by 12-16 MiB a minute of serving
             # (docs/benchmarks/soak-2core.notes.md), for calls nobody looks up one by one.
             self.router.report.options(enable_task_events=False).remote(

@@ -24,12 +24,12 @@ caches of 1,024 entries (oneDNN's primitive cache and ideep's LRU cache, both pr
 kernel costs ~0.5-0.7 MiB of host memory and ~5 ms to build, and the row count of a step is
 whatever its batch adds up to (1 to `max_num_batched_tokens`), so a serving engine that met
 every row count would build a kernel for each linear at each of them: ~2,000 kernels, the caches
-churning at their cap, and the process ~0.6 GiB larger than it started after a few thousand
-mixed requests (docs/benchmarks/soak-2core.notes.md measures it). So a packed linear runs at a
+churning at their cap, and the process ~0.4 GiB larger than it started after 8,000 mixed
+requests (docs/benchmarks/soak-2core.notes.md measures it). So a packed linear runs at a
 bounded set of row counts (`bucket_rows`): exact up to 16 rows (every decode batch of a CPU
 engine), above that rounded up to one of eight sizes per doubling (zero rows appended, their
-outputs dropped). That wastes under 1/8 of a prefill step's linear work (~6 % on average) and
-keeps a model at ~56 row counts, whatever it serves.
+outputs dropped). That adds under 1/8 to a prefill step's linear work, less than the kernel
+builds it saves under mixed traffic, and keeps a model at 56 row counts up to 512.
 """
 
 from __future__ import annotations
