@@ -6,7 +6,8 @@ comes in the engine core's one message per step; the router gets it in batches, 
 `interval_s` (and when the engine goes idle, so that a finished request stops counting as load
 before its caller's next request is placed), as one fire-and-forget `router.report.remote(...)`
 carrying the latest state of each request (reports carry absolute counts, so between two
-reports only the last state matters). Runs on the backend's core reader thread.
+reports only the last state matters), without Ray's task events (see `_report`). Runs on the
+backend's core reader thread.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ class ProgressReporter:
         steps, self._steps = self._steps, []
         cache_changes, self._cache_changes = self._cache_changes, {}
         if self.router is not None:
-            self.router.report.remote(self.backend_id, self.instance_id, progress, steps, cache_changes)
+            # Without Ray's task events: Ray records each actor call for its dashboard in the GCS
+            # (~3.7 KiB a call, up to 100,000 calls), and at up to 1 / interval_s reports a
+            # backend these alone grew the GCS by 12-16 MiB a minute of serving
+            # (docs/benchmarks/soak-2core.notes.md), for calls nobody looks up one by one.
+            self.router.report.options(enable_task_events=False).remote(
+                self.backend_id, self.instance_id, progress, steps, cache_changes)
 
     def _record_finished(self, out: EngineCoreOutput) -> None:
         self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})

@@ -26,6 +26,10 @@ class FakeRouter:
         self.cache_changes: dict[int, bool] = {}
         self.report = self
 
+    def options(self, **options):
+        assert options == {"enable_task_events": False}  # reports leave no task events in Ray's GCS
+        return self
+
     def remote(self, backend_id, instance_id, progress, steps=(), cache_changes=None):
         self.reports.append((backend_id, instance_id, progress))
         self.cache_changes.update(cache_changes or {})
