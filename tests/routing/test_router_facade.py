@@ -108,6 +108,23 @@ def test_calibration_is_shared_by_identical_engines_on_one_device():
     assert router.rates("cuda0").decode_tok_s == 7.5
 
 
+@pytest.mark.parametrize("device, expected", [("cuda:0", "cuda0"), (None, "cuda1")])
+def test_a_busy_spell_on_a_shared_device_does_not_send_a_cached_prompt_elsewhere(device, expected):
+    """The H200 grid's mis-ranking, in miniature: cuda0 ran alone through a contended spell and
+    learnt slow rates while cuda1 sat idle. A request whose prompt cuda0 caches must go to cuda0
+    when they share a device (the slowness was the device's); calibrated alone, cuda1 looks
+    faster and wins although it must prefill the whole prompt."""
+    def on(backend_id):
+        return BackendSpec(backend_id, "cuda", RateProfile(10_000, 1_000), 4, device)
+
+    router = Router([on("cuda0"), on("cuda1")], calibration=CalibrationConfig(alpha=0.5))
+    for _ in range(6):  # decode at a tenth of the profile: the device was busy with its neighbours
+        router.observe_step("cuda0", 0, 100, 1, 1.0)
+    assert router.rates("cuda0").decode_tok_s < 150
+    rec = router.route(req("a", prompt=2_000, max_tokens=128, cached={"cuda0": 2_000}))
+    assert rec.backend_id == expected
+
+
 def test_new_token_ratio_scales_existing_budgets_only():
     config = NewTokenRatioConfig(init_ratio=0.5, min_ratio=0.25, decay_steps=10)
     router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], new_token_ratio=config)
