@@ -17,8 +17,10 @@ rates the score uses, so calibration corrects them alike.
 
 The projection ignores the engine's starvation bound (a batch request older than
 `max_priority_wait_s` is admitted as if urgent), which can only put work ahead of an urgent
-request that the projection did not count; with the bound at a few seconds that is rare, and
-the histogram of observed minus projected TTFT shows it where it happens.
+request that the projection did not count. Below saturation that is rare; under sustained
+overload the whole batch backlog ages past the bound and the projection is optimistic by
+seconds (docs/benchmarks/deadlines-cpu-2core.md measures it). The histogram of observed minus
+projected TTFT shows it where it happens.
 
 Under a deadline the router keeps the routable backends whose projection meets it and lets the
 normal policy choose among them. If none does, it refuses: the work ahead drains at one second
