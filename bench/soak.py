@@ -51,7 +51,7 @@ import httpx
 
 from bench import soak_probe
 from bench.serve_load import Server, machine_facts, percentile
-from bench.soak_report import checks, markdown, write_report
+from bench.soak_report import checks, markdown, write_json, write_report
 from bench.soak_traffic import KIND_WEIGHTS, OUTCOMES, Planner, Record, monotonic_clock, send, timeouts
 
 IDLE_POLL_S = 2.0
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return soak_and_report(args, report, out)
     except Exception:  # noqa: BLE001 -- the report says where the bench itself broke, and the exit code is 3
         report["error"] = traceback.format_exc()
-        (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_json(report, out, args.stem)
         print(f"soak: the bench failed:\n{report['error']}", flush=True)
         return 3
 
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 def soak_and_report(args: argparse.Namespace, report: dict[str, Any], out: Path) -> int:
     soak_a_server(args, report, out)
     if "error" in report["server"]:
-        (out / f"{args.stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_json(report, out, args.stem)
         print(f"soak: the server did not serve: {report['server']['error']}; see {out / args.stem}.log", flush=True)
         return 2
     report["checks"] = checks(report, args)

@@ -158,9 +158,15 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def write_json(report: dict[str, Any], out: Path, stem: str) -> Path:
+    """OUT/STEM.json: the report as it stands (a partial one, after a failure, too)."""
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return path
+
+
 def write_report(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
-    paths = [out / f"{stem}.json", out / f"{stem}.md"]
-    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    paths = [write_json(report, out, stem), out / f"{stem}.md"]
     paths[1].write_text(markdown(report))
     if plot(report, out / f"{stem}.png"):
         paths.append(out / f"{stem}.png")
