@@ -64,10 +64,10 @@ class ProgressReporter:
         steps, self._steps = self._steps, []
         cache_changes, self._cache_changes = self._cache_changes, {}
         if self.router is not None:
-            # Without Ray's task events: Ray records each actor call for its dashboard in the GCS
-            # (~3.7 KiB a call, up to 100,000 calls), and at up to 1 / interval_s reports a
-            # backend these alone grew the GCS by 12-16 MiB a minute of serving
-            # (docs/benchmarks/soak-2core.notes.md), for calls nobody looks up one by one.
+            # Without Ray's task events: Ray keeps a record of each actor call in its GCS for the
+            # dashboard, and at one report per interval per backend those records alone grow the
+            # GCS for as long as the server serves (docs/benchmarks/soak-2core.notes.md), for
+            # calls nobody looks up one by one.
             self.router.report.options(enable_task_events=False).remote(
                 self.backend_id, self.instance_id, progress, steps, cache_changes)
 

@@ -21,14 +21,13 @@ by Ray's workers) trades prefill for decode where outputs are long.
 
 Row counts. oneDNN builds (JIT-compiles) a kernel per input shape, and PyTorch keeps each in two
 caches of 1,024 entries (oneDNN's primitive cache and ideep's LRU cache, both process-wide). A
-kernel costs ~0.5-0.7 MiB of host memory and ~5 ms to build, and the row count of a step is
-whatever its batch adds up to (1 to `max_num_batched_tokens`), so a serving engine that met
-every row count would build a kernel for each linear at each of them: ~2,000 kernels, the caches
-churning at their cap, and the process ~0.4 GiB larger than it started after 8,000 mixed
-requests (docs/benchmarks/soak-2core.notes.md measures it). So a packed linear runs at a
-bounded set of row counts (`bucket_rows`): exact up to 16 rows (every decode batch of a CPU
-engine), above that rounded up to one of eight sizes per doubling (zero rows appended, their
-outputs dropped). That adds under 1/8 to a prefill step's linear work, less than the kernel
+kernel costs host memory and milliseconds to build, and the row count of a step is whatever its
+batch adds up to (1 to `max_num_batched_tokens`), so a serving engine that met every row count
+would build a kernel for each linear at each of them, the caches churning at their cap and the
+process growing for as long as it serves (docs/benchmarks/soak-2core.notes.md measures it). So
+a packed linear runs at a bounded set of row counts (`bucket_rows`): exact up to 16 rows (every
+decode batch of a CPU engine), above that rounded up to one of eight sizes per doubling (zero
+rows appended, their outputs dropped). That adds under 1/8 to a prefill step's linear work, less than the kernel
 builds it saves under mixed traffic, and keeps a model at 56 row counts up to 512.
 """
 
