@@ -74,7 +74,7 @@ class BackendActor:
             requested_device=self.requested_device, dtype=e.dtype, threads=self.threads, max_active=self.max_active,
             block_size=e.block_size, model_name=e.model_name, max_model_len=e.max_model_len, node_id=wire.node_id(),
             rates=self.rates, reconstructed=reconstructed, num_kv_tokens=e.num_kv_tokens,
-            cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "")
+            cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "", shared_device=physical_device(e.device_kind))
 
     async def info(self) -> BackendInfo:
         return self._info()
@@ -220,3 +220,15 @@ def _self_handle() -> Any:
     with warnings.catch_warnings():  # Ray's own property trips its own deprecation warning
         warnings.simplefilter("ignore")
         return ray.get_runtime_context().current_actor
+
+
+def physical_device(device_kind: str) -> str:
+    """The accelerator this actor's engine runs on, named across the cluster: its node and the
+    GPU ids Ray assigned to the actor (the engine core inherits them). "" for a cpu backend,
+    whose threads are its own, and outside Ray."""
+    import ray
+
+    if device_kind == "cpu" or not ray.is_initialized():
+        return ""
+    ids = ",".join(str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+    return f"{wire.node_id()}/{device_kind}:{ids}"

@@ -348,6 +348,9 @@ class BackendInfo:
     reconstructed: bool = False
     num_kv_tokens: int = 0  # the KV cache's size in tokens
     cpu_kernels: str = ""  # the kernels a cpu backend runs ("" on accelerators)
+    # The accelerator across the cluster (node and the GPU ids Ray assigned): backends naming the
+    # same one share its compute. `device` cannot tell (each actor sees its GPU as cuda:0). "": cpu.
+    shared_device: str = ""
 
 
 @dataclass

@@ -127,8 +127,8 @@ class RouterActor:
         if info.backend_id in self.backends:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
-        device = None if info.device_kind == "cpu" else info.device  # CPU engines have threads of their own
-        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active, device))
+        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active,
+                                            info.shared_device or None))
         self.backends[info.backend_id] = _Backend(info, handle, profile,
                                                   CacheMirror(info.block_size, cached_hashes))
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,

@@ -193,3 +193,24 @@ def test_forget_and_a_dropped_backend_leave_the_pending_gauges_truthful(tmp_path
     assert (routed, forgotten) == (1, 0)
     assert busy[victim] == 1 and after_drop == {victim: 0, survivor: busy[survivor]}
     assert set(summary) == {survivor}
+
+
+def test_engines_on_one_physical_gpu_share_calibration_and_engines_on_two_do_not(tmp_path):
+    """Every actor sees its GPU as cuda:0, so the router groups engines by `shared_device` (node
+    and Ray's GPU ids), not by `device`: two engines on GPU 0 share what one step taught, one on
+    GPU 1 keeps its own rates."""
+    from tandem.actors.messages import StepTiming
+
+    async def scenario():
+        router = RouterActor("cost", None, calibration_alpha=0.5)
+        for backend_id, gpu in (("cuda0", "0"), ("cuda1", "0"), ("cuda2", "1")):
+            backend = FakeBackend(backend_id)
+            info = BackendInfo(backend_id, "i1", "cuda:0", "cuda", "cuda", "bfloat16", 1, 4, 16, "m", 2048,
+                               rates=SPEC_RATES["cuda0"], shared_device=f"node/cuda:{gpu}")
+            await router.add_backend(info, backend)
+        await router.report("cuda0", "i1", [], [StepTiming(0, 4, 4, 4 / (0.5 * 293))])  # half the rate
+        return await router.rates_in_use()
+
+    rates = run(scenario())
+    assert rates["cuda0"]["decode_tok_s"] == rates["cuda1"]["decode_tok_s"] == pytest.approx(0.75 * 293)
+    assert rates["cuda2"]["decode_tok_s"] == 293.0
