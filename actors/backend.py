@@ -74,7 +74,8 @@ class BackendActor:
             requested_device=self.requested_device, dtype=e.dtype, threads=self.threads, max_active=self.max_active,
             block_size=e.block_size, model_name=e.model_name, max_model_len=e.max_model_len, node_id=wire.node_id(),
             rates=self.rates, reconstructed=reconstructed, num_kv_tokens=e.num_kv_tokens,
-            cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "", shared_device=physical_device(e.device_kind))
+            cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "", shared_device=physical_device(e.device_kind),
+            max_priority_wait_s=e.max_priority_wait_s)
 
     async def info(self) -> BackendInfo:
         return self._info()

@@ -89,7 +89,8 @@ class EngineCore:
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
             model_name=engine.model_name, max_model_len=engine.max_model_len,
-            tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid()))
+            max_priority_wait_s=cfg.max_priority_wait_s, tokenizer=engine.tokenizer,
+            load_s=time.perf_counter() - start, pid=os.getpid()))
 
     def send(self, message: Message) -> None:
         self.conn.send_bytes(encode(message))

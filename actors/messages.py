@@ -80,6 +80,7 @@ class EngineCoreReady(_Message, tag="ready"):
     cpu_kernels: str
     model_name: str
     max_model_len: int
+    max_priority_wait_s: float  # the scheduler's starvation bound for less urgent requests
     tokenizer: Any  # the HF tokenizer (pickled)
     load_s: float
     pid: int
@@ -351,6 +352,7 @@ class BackendInfo:
     # The accelerator across the cluster (node and the GPU ids Ray assigned): backends naming the
     # same one share its compute. `device` cannot tell (each actor sees its GPU as cuda:0). "": cpu.
     shared_device: str = ""
+    max_priority_wait_s: float | None = None  # the scheduler's starvation bound; None: unknown
 
 
 @dataclass

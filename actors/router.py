@@ -128,7 +128,7 @@ class RouterActor:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
         self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active,
-                                            info.shared_device or None))
+                                            info.shared_device or None, info.max_priority_wait_s))
         self.backends[info.backend_id] = _Backend(info, handle, profile,
                                                   CacheMirror(info.block_size, cached_hashes))
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
@@ -232,7 +232,8 @@ class RouterActor:
             raise BackendUnavailableError("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         request = routing.RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
-                                       tuple(hashes[block_size]), block_size, priority, ttft_deadline_s)
+                                       tuple(hashes[block_size]), block_size, priority, ttft_deadline_s,
+                                       arrival_s=time.monotonic())
         try:
             record = self.router.route(request)
         except routing.NoBackendError as exc:

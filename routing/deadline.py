@@ -15,12 +15,14 @@ finish first, so it takes that share of the decode work ahead, `k / ahead x` its
 (the ledger's decode term over the same requests, new_token_ratio applied). Both terms use the
 rates the score uses, so calibration corrects them alike.
 
-The projection ignores the engine's starvation bound (a batch request older than
-`max_priority_wait_s` is admitted as if urgent), which can only put work ahead of an urgent
-request that the projection did not count. Below saturation that is rare; under sustained
-overload the whole batch backlog ages past the bound and the projection is optimistic by
-seconds (docs/benchmarks/deadlines-cpu-2core.md measures it). The histogram of observed minus
-projected TTFT shows it where it happens.
+The engine's starvation bound (a batch request older than the backend's `max_priority_wait_s`
+is admitted as if most urgent) also puts work ahead: every less urgent queued request that will
+have waited past the bound by the time this one would be admitted. Under sustained overload
+that is the whole batch backlog, seconds of work. So, where the backend states its bound and
+the request its arrival time, the projection adds the less urgent queued requests routed at or
+before `now + projection - bound`, and repeats with the longer projection (a few passes: each
+can only add requests, so the result is a lower bound of the fixed point, usually the point
+itself).
 
 Under a deadline the router keeps the routable backends whose projection meets it and lets the
 normal policy choose among them. If none does, it refuses: the work ahead drains at one second
@@ -37,14 +39,33 @@ from typing import Sequence
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.cost_model import decode_rate_for
 from tandem.routing.decision import BackendScore
-from tandem.routing.ledger import Ledger
+from tandem.routing.ledger import Ledger, WorkAhead
 from tandem.routing.rates import RateProfile
 
 
+AGING_PASSES = 3  # re-projections with the work aged ahead; each can only add requests
+
+
 def projected_ttft_s(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_token_ratio: float,
-                     priority: int, num_uncached_tokens: int) -> float:
-    """Seconds until a new request of class `priority` gets its first token on this backend."""
+                     priority: int, num_uncached_tokens: int, now_s: float | None = None) -> float:
+    """Seconds until a new request of class `priority`, arriving at `now_s` (the clock of the
+    ledger's `arrival_s`; None: aging ignored), gets its first token on this backend."""
     ahead = ledger.work_ahead(priority)
+    projected = _projection(spec, rates, new_token_ratio, ahead, num_uncached_tokens)
+    if spec.max_priority_wait_s is None or now_s is None:
+        return projected
+    for _ in range(AGING_PASSES):
+        aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s)
+        widened = _projection(spec, rates, new_token_ratio, ahead + aged, num_uncached_tokens)
+        if widened <= projected:
+            break
+        projected = widened
+    return projected
+
+
+def _projection(spec: BackendSpec, rates: RateProfile, new_token_ratio: float, ahead: WorkAhead,
+                num_uncached_tokens: int) -> float:
+    """Prefill of the work ahead and the request's own, plus the wait for a slot."""
     prefill_s = (ahead.num_prefill_tokens + num_uncached_tokens) / rates.prefill_tok_s
     num_to_finish = ahead.num_requests - spec.max_active + 1
     if num_to_finish <= 0:

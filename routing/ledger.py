@@ -20,6 +20,11 @@ at its class, `work_ahead(priority)`, costs O(number of classes): every active r
 ahead of it (the engine never preempts for priority), and so is every queued one of its class
 or a more urgent one. Reports carry absolute counts and the ledger
 keeps the maximum seen, so late, duplicated or reordered reports are harmless.
+
+A backend's scheduler bounds how long less urgent work waits: a queued request older than its
+`max_priority_wait_s` is admitted as if most urgent. Each entry keeps when it was routed
+(`arrival_s`, the router's clock), so `aged_work(priority, cutoff_s)` can say which less
+urgent queued requests will have aged past that bound by a given time, and so run first.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class LedgerEntry:
     priority: int = 0  # vLLM's: lower is more urgent; classes are compared by value
     num_computed_prompt_tokens: int | None = None  # None until the backend reports prefill
     num_output_tokens: int = 0
+    arrival_s: float | None = None  # when it was routed (the router's clock); None: never ages
 
     def num_prefill_tokens_left(self) -> int:
         if self.num_output_tokens > 0:
@@ -67,6 +73,10 @@ class WorkAhead:
         self.num_requests += sign
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
         self.num_decode_tokens += sign * entry.num_decode_tokens_left()
+
+    def __add__(self, other: WorkAhead) -> WorkAhead:
+        return WorkAhead(self.num_requests + other.num_requests, self.num_prefill_tokens + other.num_prefill_tokens,
+                         self.num_decode_tokens + other.num_decode_tokens)
 
 
 class Ledger:
@@ -99,6 +109,20 @@ class Ledger:
                 ahead.num_prefill_tokens -= queued.num_prefill_tokens
                 ahead.num_decode_tokens -= queued.num_decode_tokens
         return ahead
+
+    def aged_work(self, priority: int, cutoff_s: float) -> WorkAhead:
+        """The queued requests of less urgent classes than `priority` routed at or before
+        `cutoff_s`: those a starvation bound will have promoted ahead of a new request by the
+        time `cutoff_s` plus the bound has passed. O(queued requests of those classes), and
+        nothing at all without such requests."""
+        aged = WorkAhead()
+        if not any(p > priority for p in self.queued_by_priority):
+            return aged
+        for entry in self.entries.values():
+            if (entry.status == QUEUED and entry.priority > priority and entry.arrival_s is not None
+                    and entry.arrival_s <= cutoff_s):
+                aged.add(entry, +1)
+        return aged
 
     def add_queued(self, entry: LedgerEntry) -> None:
         if entry.req_id in self.entries:

@@ -31,7 +31,9 @@ class RouteRequest:
     prefix-cache hashes); without them the router neither homes the request by prefix nor
     counts it as in flight. `priority` is vLLM's (lower is more urgent, classes compared by
     value); `ttft_deadline_s`, if set, is the longest time to first token the caller accepts:
-    the router places the request only where its projection meets it (routing/deadline.py)."""
+    the router places the request only where its projection meets it (routing/deadline.py).
+    `arrival_s` is when it arrived on the router's clock (monotonic seconds); the ledger keeps
+    it so that projections can tell which queued requests age past a starvation bound."""
 
     req_id: str
     num_prompt_tokens: int
@@ -41,6 +43,7 @@ class RouteRequest:
     block_size: int = 0
     priority: int = 0
     ttft_deadline_s: float | None = None
+    arrival_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.ttft_deadline_s is not None and not self.ttft_deadline_s > 0:

@@ -194,7 +194,7 @@ class Router:
             num_uncached = request.num_prompt_tokens - s.num_cached_tokens
             s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
             s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
-                                                  request.priority, num_uncached)
+                                                  request.priority, num_uncached, request.arrival_s)
             scores.append(s)
         self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
@@ -260,6 +260,7 @@ class Router:
             max_tokens=request.max_tokens,
             num_prefill_tokens_est=request.num_prompt_tokens - scores[backend_id].num_cached_tokens,
             priority=request.priority,
+            arrival_s=request.arrival_s,
         )
         state = self._backends[backend_id]
         state.ledger.add_queued(entry)

@@ -30,7 +30,7 @@ def examples() -> list:
         m.EngineCoreAbort("r"),
         m.EngineCoreCall(3, "profile", [None, {"num_steps": 4}]),
         m.EngineCoreStop(),
-        m.EngineCoreReady("cpu", "cpu", "float32", 4, 16, 1024, "torch", "tiny", 256, {"vocab": [1, 2]}, 0.5, 99),
+        m.EngineCoreReady("cpu", "cpu", "float32", 4, 16, 1024, "torch", "tiny", 256, 5.0, {"vocab": [1, 2]}, 0.5, 99),
         m.EngineCoreFailed("Traceback ...\nRuntimeError: boom"),
         m.EngineCoreOutputs(added=[m.AddReply(7, 3, 2.5)],
                             replies=[m.CallReply.of(3, True, stats), m.CallReply.of(4, True, (1, "a")),

@@ -68,3 +68,19 @@ def test_the_first_report_of_a_token_is_compared_with_the_projection_once(tmp_pa
     errors = [c for c in calls if c[1] in ("tandem_router_ttft_late_seconds", "tandem_router_ttft_early_seconds")]
     assert not [c for c in before if c in errors]
     assert len(errors) == 1 and errors[0][3] == {"backend": "cuda0"} and errors[0][2] >= 0
+
+
+@pytest.mark.parametrize("bound_s, ahead", [(None, 0), (0.0, 64)])
+def test_a_backends_starvation_bound_puts_aged_batch_work_ahead_of_urgent_requests(tmp_path, bound_s, ahead):
+    async def scenario():
+        router, gpu, _ = make_router(tmp_path)
+        info = gpu.info("cuda")
+        info.max_priority_wait_s = bound_s
+        await router.add_backend(info, gpu)
+        await router.place("batch", PROMPT, 16, 1, 1)  # queued, less urgent
+        return router.place_many([(PlaceRequest("urgent", list(range(100, 164)), 16, 1, priority=0),)])
+
+    [placed] = run(scenario())
+    # With a bound of 0 s the queued batch request has aged by the time the urgent one is
+    # admitted, so its 64 prompt tokens are ahead; without a bound they are not.
+    assert placed.projected_ttft_s == pytest.approx((ahead + 64) / 2551)

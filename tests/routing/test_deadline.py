@@ -116,3 +116,55 @@ def test_decision_record_logs_the_class_deadline_and_projection():
     data = Router([g_spec()]).route(req(1, priority=1, ttft_deadline_s=0.75)).to_dict()
     assert (data["priority"], data["ttft_deadline_s"], data["placed"], data["retry_after_s"]) == (1, 0.75, True, None)
     assert data["per_backend"]["g"]["projected_ttft_s"] == 0.5
+
+
+def aging_router(bound: float | None = 5.0) -> Router:
+    """Backend g with a 5 s starvation bound and two batch requests queued, routed at t=0 and t=0.5."""
+    spec = g_spec()
+    spec.max_priority_wait_s = bound
+    router = Router([spec])
+    router.route(req(1, priority=1, arrival_s=0.0))
+    router.route(req(2, priority=1, arrival_s=0.5))
+    return router
+
+
+def test_batch_work_that_will_have_aged_past_the_bound_counts_ahead_of_an_urgent_request():
+    router = aging_router()
+    # At t=1 neither batch request ages before the urgent one's 0.1 s: its own prefill only.
+    assert router.score(req(3, prompt=100, arrival_s=1.0))[0].projected_ttft_s == pytest.approx(0.1)
+    # At t=6 both have waited past 5 s and are admitted first: 2 requests, 1000 prefill tokens and
+    # 200 decode tokens ahead, both slots taken, so half of their 2 s of decode as well.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.1 + 1.0)
+
+
+def test_aging_is_projected_until_no_more_work_joins():
+    router = aging_router()
+    # At t=4.95: 0.1 s puts r1 (routed at 0) past the bound; 0.6 s with it (one pass would stop
+    # there) puts r2 (routed at 0.5) past too.
+    assert router.score(req(3, prompt=100, arrival_s=4.95))[0].projected_ttft_s == pytest.approx(2.1)
+    # At t=4.8 not even r1 ages within the 0.1 s.
+    assert router.score(req(3, prompt=100, arrival_s=4.8))[0].projected_ttft_s == pytest.approx(0.1)
+
+
+def test_aging_is_ignored_without_a_bound_or_an_arrival_time():
+    assert aging_router(bound=None).score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s \
+        == pytest.approx(0.1)
+    assert aging_router().score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx(0.1)
+
+
+def test_aged_work_is_already_ahead_of_its_own_class():
+    # A batch request counts both queued batch requests whatever their age, and no more.
+    batch = aging_router().score(req(3, prompt=100, priority=1, arrival_s=6.0))[0]
+    assert batch.projected_ttft_s == pytest.approx(1.1 + 1.0)
+
+
+def test_a_refusal_under_aged_backlog_waits_for_it():
+    router = aging_router()
+    with pytest.raises(DeadlineUnmetError) as info:
+        router.route(req(3, prompt=100, arrival_s=6.0, ttft_deadline_s=0.5))
+    assert info.value.retry_after_s == pytest.approx(2.1 - 0.5)
+
+
+def test_starvation_bound_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_priority_wait_s"):
+        BackendSpec("g", "cuda", RateProfile(1000, 100, None), max_priority_wait_s=-1.0)
