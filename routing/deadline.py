@@ -15,14 +15,15 @@ finish first, so it takes that share of the decode work ahead, `k / ahead x` its
 (the ledger's decode term over the same requests, new_token_ratio applied). Both terms use the
 rates the score uses, so calibration corrects them alike.
 
-The engine's starvation bound (a batch request older than the backend's `max_priority_wait_s`
-is admitted as if most urgent) also puts work ahead: every less urgent queued request that will
-have waited past the bound by the time this one would be admitted. Under sustained overload
-that is the whole batch backlog, seconds of work. So, where the backend states its bound and
-the request its arrival time, the projection adds the less urgent queued requests routed at or
-before `now + projection - bound`, and repeats with the longer projection (a few passes: each
-can only add requests, so the result is a lower bound of the fixed point, usually the point
-itself).
+The engine's starvation bound also puts work ahead: a less urgent request that has waited
+longer than the backend's `max_priority_wait_s` takes turns with the more urgent waiting
+requests (engine/scheduler.py), so a new request waits behind up to one aged request per
+request queued ahead of it at its class or a more urgent one, plus one. Under sustained
+overload the whole batch backlog has aged, and that is seconds of work. So, where the backend
+states its bound and the request its arrival time, the projection adds that many of the oldest
+less urgent queued requests routed at or before `now + projection - bound`, and repeats with
+the longer projection (a few passes: each can only add requests, so the result is a lower
+bound of the fixed point, usually the point itself).
 
 Under a deadline the router keeps the routable backends whose projection meets it and lets the
 normal policy choose among them. If none does, it refuses: the work ahead drains at one second
@@ -54,8 +55,11 @@ def projected_ttft_s(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_
     projected = _projection(spec, rates, new_token_ratio, ahead, num_uncached_tokens)
     if spec.max_priority_wait_s is None or now_s is None:
         return projected
+    # Aged requests and more urgent ones take turns, an aged one first at worst: one per
+    # request queued ahead at this class or a more urgent one, plus one.
+    num_turns = ahead.num_requests - ledger.num_active + 1
     for _ in range(AGING_PASSES):
-        aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s)
+        aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s, num_turns)
         widened = _projection(spec, rates, new_token_ratio, ahead + aged, num_uncached_tokens)
         if widened <= projected:
             break

@@ -22,9 +22,9 @@ or a more urgent one. Reports carry absolute counts and the ledger
 keeps the maximum seen, so late, duplicated or reordered reports are harmless.
 
 A backend's scheduler bounds how long less urgent work waits: a queued request older than its
-`max_priority_wait_s` is admitted as if most urgent. Each entry keeps when it was routed
-(`arrival_s`, the router's clock), so `aged_work(priority, cutoff_s)` can say which less
-urgent queued requests will have aged past that bound by a given time, and so run first.
+`max_priority_wait_s` takes turns with the more urgent ones. Each entry keeps when it was
+routed (`arrival_s`, the router's clock), so `aged_work` can say which less urgent queued
+requests will have aged past that bound by a given time, and so run before a new request.
 """
 
 from __future__ import annotations
@@ -110,15 +110,17 @@ class Ledger:
                 ahead.num_decode_tokens -= queued.num_decode_tokens
         return ahead
 
-    def aged_work(self, priority: int, cutoff_s: float) -> WorkAhead:
-        """The queued requests of less urgent classes than `priority` routed at or before
-        `cutoff_s`: those a starvation bound will have promoted ahead of a new request by the
-        time `cutoff_s` plus the bound has passed. O(queued requests of those classes), and
-        nothing at all without such requests."""
+    def aged_work(self, priority: int, cutoff_s: float, limit: int) -> WorkAhead:
+        """The oldest `limit` queued requests of less urgent classes than `priority` routed at
+        or before `cutoff_s`: those a starvation bound will have let take turns with a new
+        request by the time `cutoff_s` plus the bound has passed. O(queued requests), and
+        nothing at all without less urgent ones."""
         aged = WorkAhead()
         if not any(p > priority for p in self.queued_by_priority):
             return aged
-        for entry in self.entries.values():
+        for entry in self.entries.values():  # routing order: oldest first
+            if aged.num_requests >= limit:
+                break
             if (entry.status == QUEUED and entry.priority > priority and entry.arrival_s is not None
                     and entry.arrival_s <= cutoff_s):
                 aged.add(entry, +1)

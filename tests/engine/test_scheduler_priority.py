@@ -78,7 +78,7 @@ def test_priority_never_preempts_a_running_request():
     assert [r.req_id for r in sched.waiting] == ["urgent"]
 
 
-def test_batch_work_older_than_the_bound_is_admitted_as_if_urgent():
+def test_batch_work_older_than_the_bound_goes_first_among_urgent_work():
     sched, clock = make(max_active=1, wait_s=5.0)
     add(sched, clock, "batch", priority=1)
     clock.now += 5.0  # exactly the bound: not yet aged
@@ -87,6 +87,27 @@ def test_batch_work_older_than_the_bound_is_admitted_as_if_urgent():
     clock.now += 0.5  # batch has waited 5.5 s > 5 s
     add(sched, clock, "urgent2")
     assert [r.req_id for r in sched.admission_order()] == ["batch", "urgent1", "urgent2"]
+
+
+def test_aged_and_urgent_requests_take_turns_then_the_rest_by_class():
+    sched, clock = make(max_active=1, wait_s=5.0)
+    for name in ("b1", "b2", "b3"):
+        add(sched, clock, name, priority=1)
+    clock.now += 6.0  # b1..b3 have aged
+    add(sched, clock, "u1")
+    add(sched, clock, "fresh_batch", priority=1)
+    add(sched, clock, "u2")
+    # One aged, one urgent, in turn; then the aged left; then fresh work by class.
+    assert [r.req_id for r in sched.admission_order()] == ["b1", "u1", "b2", "u2", "b3", "fresh_batch"]
+
+
+def test_an_urgent_request_waits_behind_as_many_aged_requests_as_urgent_ones():
+    sched, clock = make(max_active=1, wait_s=1.0)
+    for i in range(10):  # a backlog of batch work that has all aged
+        add(sched, clock, f"b{i}", priority=1)
+    clock.now += 2.0
+    add(sched, clock, "u")
+    assert admitted(sched)[:3] == ["b0", "u", "b1"]
 
 
 def test_a_starving_batch_request_runs_within_the_bound_under_a_stream_of_urgent_work():

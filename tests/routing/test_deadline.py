@@ -128,22 +128,30 @@ def aging_router(bound: float | None = 5.0) -> Router:
     return router
 
 
-def test_batch_work_that_will_have_aged_past_the_bound_counts_ahead_of_an_urgent_request():
+def test_an_aged_batch_request_takes_its_turn_ahead_of_an_urgent_one():
     router = aging_router()
     # At t=1 neither batch request ages before the urgent one's 0.1 s: its own prefill only.
     assert router.score(req(3, prompt=100, arrival_s=1.0))[0].projected_ttft_s == pytest.approx(0.1)
-    # At t=6 both have waited past 5 s and are admitted first: 2 requests, 1000 prefill tokens and
-    # 200 decode tokens ahead, both slots taken, so half of their 2 s of decode as well.
-    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.1 + 1.0)
+    # At t=6 both have aged; they take turns with urgent work, so one of them goes first.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(0.6)
+
+
+def test_an_urgent_request_waits_for_one_aged_turn_per_urgent_request_ahead():
+    router = aging_router()
+    router.route(req(0, prompt=100, arrival_s=5.9))  # urgent, queued
+    # r0, then both aged requests (one turn each for r0 and r3): 3 ahead with 1100 prefill
+    # tokens, both slots taken, so 2 of 3 must finish: 2/3 of their 3 s of decode.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.2 + 2.0)
 
 
 def test_aging_is_projected_until_no_more_work_joins():
     router = aging_router()
-    # At t=4.95: 0.1 s puts r1 (routed at 0) past the bound; 0.6 s with it (one pass would stop
-    # there) puts r2 (routed at 0.5) past too.
-    assert router.score(req(3, prompt=100, arrival_s=4.95))[0].projected_ttft_s == pytest.approx(2.1)
-    # At t=4.8 not even r1 ages within the 0.1 s.
-    assert router.score(req(3, prompt=100, arrival_s=4.8))[0].projected_ttft_s == pytest.approx(0.1)
+    router.route(req(0, prompt=100, arrival_s=4.9))  # urgent, queued: two aged turns
+    # At t=4.95: r0's 0.2 s puts r1 (routed at 0) past the bound; 1.7 s with it (one pass would
+    # stop there) puts r2 (routed at 0.5) past too.
+    assert router.score(req(3, prompt=100, arrival_s=4.95))[0].projected_ttft_s == pytest.approx(1.2 + 2.0)
+    # At t=4.7 not even r1 ages within the 0.2 s.
+    assert router.score(req(3, prompt=100, arrival_s=4.7))[0].projected_ttft_s == pytest.approx(0.2)
 
 
 def test_aging_is_ignored_without_a_bound_or_an_arrival_time():
@@ -158,11 +166,11 @@ def test_aged_work_is_already_ahead_of_its_own_class():
     assert batch.projected_ttft_s == pytest.approx(1.1 + 1.0)
 
 
-def test_a_refusal_under_aged_backlog_waits_for_it():
+def test_a_refusal_behind_an_aged_turn_waits_for_it():
     router = aging_router()
     with pytest.raises(DeadlineUnmetError) as info:
         router.route(req(3, prompt=100, arrival_s=6.0, ttft_deadline_s=0.5))
-    assert info.value.retry_after_s == pytest.approx(2.1 - 0.5)
+    assert info.value.retry_after_s == pytest.approx(0.6 - 0.5)
 
 
 def test_starvation_bound_must_not_be_negative():
