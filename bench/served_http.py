@@ -62,8 +62,16 @@ def workloads(scale: float, vocab: int, seed: int = 0) -> list[Workload]:
 
 # -- in-process -------------------------------------------------------------------------------
 def in_process(args: Any) -> tuple[dict[str, Any], list[Workload], list[int], int]:
-    import torch
+    """The in-process engine's figures, measured in a child process: the server started next
+    sizes its KV cache from the device's free memory, and only a process's exit reliably gives
+    back everything an engine held (cached allocator blocks, graph pools)."""
+    from concurrent.futures import ProcessPoolExecutor
 
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_in_process, args).result()
+
+
+def _in_process(args: Any) -> tuple[dict[str, Any], list[Workload], list[int], int]:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
@@ -110,9 +118,6 @@ def in_process(args: Any) -> tuple[dict[str, Any], list[Workload], list[int], in
         if i >= 2:
             ttfts.append(first)
     results["ttft"] = sorted(ttfts)[len(ttfts) // 2]
-    del engine
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return results, loads, ttft_prompt, vocab
 
 
