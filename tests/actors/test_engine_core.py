@@ -193,33 +193,84 @@ def test_a_restarted_actor_starts_a_fresh_core_and_serves(ray_local):
     ray_local.kill(actor, no_restart=True)
 
 
+def test_killing_the_core_closes_its_callers_wires_and_its_actor_exits(ray_local):
+    """Callers talk to the core directly, so its death reaches them as their wire closing
+    (`BackendGoneError`, which the ingress fails over), and the actor exits for Ray to restart
+    the pair."""
+    import signal
+
+    from tandem.actors.channel import open_stream
+    from tandem.engine.errors import BackendGoneError
+
+    actor = make_backend(ray_local, "core-killed")
+    pid = ray_local.get(actor.core_pid.remote())
+
+    async def killed_midway():
+        stream = open_stream(actor, "doomed", list(range(30, 50)),
+                             SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), time.time())
+        assert isinstance(await stream.next(), Admitted)
+        await stream.next()  # streaming
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            await stream.next()
+
+    with pytest.raises(BackendGoneError):
+        run(killed_midway())
+
+    def actor_gone():
+        try:
+            ray_local.get(actor.ping.remote(), timeout=5)
+            return False
+        except ray_local.exceptions.RayActorError:
+            return True
+
+    wait_until(actor_gone, "the actor to exit after its core died")
+
+
 def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_its_progress():
     """The front reports to the router at once on an idle message; without it a finished request's
     progress waited for the next step, and a sequential caller's next request was placed while
-    the router still counted the last one as load."""
+    the router still counted the last one as load. The request itself comes and goes on a
+    channel of the core's own wire; the core pipe carries no tokens."""
     import multiprocessing
+    import socket
 
     from tandem.actors import engine_core as core
-    from tandem.actors.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, decode, encode
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreOutputs, EngineCoreReady,
+                                        EngineCoreRequest, decode)
 
     front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
-    assert isinstance(decode(front.recv_bytes()), EngineCoreReady)
-    front.send_bytes(encode(EngineCoreRequest("r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0),
-                                              time.time(), call_id=1)))
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getpid())
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds([EngineCoreRequest(
+        "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
-        while front.poll(0):
+        while front.poll(0.05):
             messages.append(decode(front.recv_bytes()))
-        if messages and messages[-1].step is None and any(o.finished for m in messages for o in m.outputs):
+        if messages and messages[-1].step is None and any(m.finished for m in messages):
             break
-    assert [a.call_id for a in messages[0].added] == [1]
     last_step = max(i for i, m in enumerate(messages) if m.step is not None)
-    assert any(o.finished for o in messages[last_step].outputs), "the last step finished the request"
+    assert [f.finish_reason for f in messages[last_step].finished] == ["length"], "the last step finished it"
     idle = messages[last_step + 1]
     assert isinstance(idle, EngineCoreOutputs) and idle.step is None  # sent right after it, not after an idle poll
     statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
+    # The tokens went to the caller: its admission first (with the first token), then the rest.
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+    items = []
+    while not (items and getattr(items[-1], "finished", False)):
+        (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+        items.extend(decode(stream.read(size)).items)
+    assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == 4
+    assert sum(len(o.new_token_ids) for o in items[0].outputs + items[1:]) == 3
+    caller.close()
     child.close()
     front.close()
