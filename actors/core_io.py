@@ -118,9 +118,7 @@ class CoreIO:
             pass
 
     def _on_news(self, news: StepNews) -> None:
-        outputs = [EngineCoreOutput.of(o) for o in news.outputs]
-        if news.added or news.refused or outputs or self.fanout.holding:
-            self.fanout.on_step(news.added, news.refused, outputs)
+        self.fanout.on_step(news.added, news.refused, [EngineCoreOutput.of(o) for o in news.outputs])
         control = news.control
         if control is not None:
             control.finished = [FinishedRequest.of(o) for o in news.outputs if o.finished]

@@ -117,11 +117,6 @@ class Fanout:
         self._admitting: dict[str, _Admitting] = {}  # handed to the step loop, not queued yet
         self._awaiting_first: dict[str, _Admitting] = {}  # queued, admitted with their first outputs
 
-    @property
-    def holding(self) -> bool:
-        """Some channel has outputs held (paced, or its caller backed up)."""
-        return bool(self._holding)
-
     # -- from the channels -------------------------------------------------------------------
     def add(self, channel: ChannelState, requests: list[EngineCoreRequest]) -> None:
         """Hand a frame's requests to the step loop; each one's answer comes on the channel."""

@@ -2,13 +2,13 @@
 
 The router's ledgers need each request's progress, its cost model each step's size and time,
 and its mirror of this backend's prefix cache the block hashes published or evicted. All of it
-comes in the engine core's one control message per step (with the finished requests' timings
-for the latency metrics; their tokens go to their callers, not here); the router gets it in batches, at most every
-`interval_s` (and when the engine goes idle, so that a finished request stops counting as load
-before its caller's next request is placed), as one fire-and-forget `router.report.remote(...)`
-carrying the latest state of each request (reports carry absolute counts, so between two
-reports only the last state matters), without Ray's task events (see `_report`). Runs on the
-backend's core reader thread.
+comes in the engine core's one control message per step, with the finished requests' timings
+for the latency metrics (their tokens go to their callers, not here). The router gets it in
+batches, at most every `interval_s` (and when the engine goes idle, so that a finished request
+stops counting as load before its caller's next request is placed), as one fire-and-forget
+`router.report.remote(...)` carrying the latest state of each request (reports carry absolute
+counts, so between two reports only the last state matters), without Ray's task events (see
+`_report`). Runs on the backend actor's core reader thread.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
                                         EngineCoreRequest, decode)
 
     front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getpid())
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
     ready = decode(front.recv_bytes())
     assert isinstance(ready, EngineCoreReady)
     path, token = ready.wire_address
@@ -271,6 +271,73 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
         items.extend(decode(stream.read(size)).items)
     assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == 4
     assert sum(len(o.new_token_ids) for o in items[0].outputs + items[1:]) == 3
+    caller.close()
+    child.close()
+    front.close()
+
+
+def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
+    """A step that raises fails every request on the channels with the step's error (and frees
+    them in the engine); the actor hears `EngineCoreFailed` for its log; the next request is
+    served as usual."""
+    import multiprocessing
+    import socket
+
+    from tandem.actors import engine_core as core
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreReady,
+                                        EngineCoreRequest, Refusal, decode)
+    from tandem.engine.errors import BackendError
+
+    front, child = multiprocessing.Pipe()
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+
+    def read_items(until) -> list:
+        items: list = []
+        while not until(items):
+            (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+            items.extend(decode(stream.read(size)).items)
+        return items
+
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds(
+        [EngineCoreRequest("doomed", [5, 6, 7, 8], params, time.time())])))
+    engine_core.loop_once()  # queued and stepped once
+    real_step = engine_core.engine.step
+
+    def failing_step():
+        engine_core.engine.step = real_step
+        raise RuntimeError("boom")
+
+    engine_core.engine.step = failing_step
+    with pytest.raises(RuntimeError):
+        engine_core.loop_once()
+    engine_core.fail_all("Traceback ...\nRuntimeError: boom")  # what serve() does with it
+    items = read_items(lambda items: items and isinstance(items[-1], Refusal))
+    assert isinstance(items[-1].error, BackendError) and "engine failed: RuntimeError: boom" in str(items[-1].error)
+    for _ in range(20):  # the aborts the failure queued
+        engine_core.loop_once()
+        if not engine_core.engine.has_unfinished_requests():
+            break
+    assert not engine_core.engine.has_unfinished_requests()
+    messages = []
+    while front.poll(0.2):
+        messages.append(decode(front.recv_bytes()))
+    assert any(isinstance(m, EngineCoreFailed) for m in messages)
+
+    caller.sendall(wire.frame(ChannelAdds([EngineCoreRequest("next", [5, 6, 7, 8], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
+    for _ in range(20):
+        engine_core.loop_once()
+    items = read_items(lambda items: items and getattr(items[-1], "finished", False))
+    assert isinstance(items[0], Admitted) and items[-1].finish_reason == "length"
     caller.close()
     child.close()
     front.close()
