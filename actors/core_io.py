@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.actors import wire
-from tandem.actors.fanout import ChannelState, Fanout
-from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreAbort, EngineCoreFailed, EngineCoreOutput,
-                                    EngineCoreOutputs, FinishedRequest, Message, decode, encode)
+from tandem.actors.fanout import Abort, ChannelState, Fanout
+from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreOutput, EngineCoreOutputs,
+                                    FinishedRequest, Message, decode, encode)
 from tandem.engine.errors import BackendError
 
 logger = logging.getLogger("tandem.backend")
@@ -128,7 +128,7 @@ class CoreIO:
         last_line = trace.strip().splitlines()[-1]
         req_ids = self.fanout.fail_all(BackendError(f"backend {self.backend_id}: engine failed: {last_line}"))
         for req_id in req_ids:
-            self.inbox.put(EngineCoreAbort(req_id))
+            self.inbox.put(Abort(req_id))
         self._send(EngineCoreFailed(trace))
 
     async def _shut(self, error: BaseException) -> None:

@@ -18,8 +18,8 @@ way (a local socket, serialized on an output thread).
 The core pipe to the backend actor, both ways one `multiprocessing` Pipe carrying the typed
 messages of actors/messages.py in their one codec, is the control plane:
 
-- actor -> core: `EngineCoreCall` for the engine's other public methods and `profile`,
-  `EngineCoreAbort` (no answer), `EngineCoreStop`.
+- actor -> core: `EngineCoreCall` for the engine's other public methods (`abort` among them)
+  and `profile`, `EngineCoreStop`.
 - core -> actor: first `EngineCoreReady` (with the wire's address), or `EngineCoreFailed` if
   the engine cannot load; then one `EngineCoreOutputs` per engine step (or per batch of
   commands while idle): the router's progress, the step's timing, the prefix-cache changes,
@@ -39,7 +39,8 @@ import traceback
 from typing import Any
 
 from tandem.actors.core_io import CoreIO, FrontGone, StepNews
-from tandem.actors.messages import (CallReply, EngineCoreAbort, EngineCoreCall, EngineCoreFailed, EngineCoreOutputs,
+from tandem.actors.fanout import Abort
+from tandem.actors.messages import (CallReply, EngineCoreCall, EngineCoreFailed, EngineCoreOutputs,
                                     EngineCoreReady, EngineCoreRequest, EngineCoreStop, Message, StatsTotals,
                                     StepTiming, decode, encode)
 from tandem.engine.errors import BackendError
@@ -159,7 +160,7 @@ class EngineCore:
         if isinstance(command, list):  # a channel frame's requests
             for request in command:
                 self.add(request)
-        elif isinstance(command, EngineCoreAbort):
+        elif isinstance(command, Abort):
             self.engine.abort_request(command.req_id)
         elif isinstance(command, EngineCoreCall):
             try:

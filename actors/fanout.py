@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tandem.actors.messages import (Admitted, ChannelBatch, EngineCoreAbort, EngineCoreOutput, EngineCoreRequest,
+from tandem.actors.messages import (Admitted, ChannelBatch, EngineCoreOutput, EngineCoreRequest,
                                     Refusal, merge_core_outputs)
 from tandem.actors.wire import frame
 from tandem.engine.errors import BackendError, InvalidRequestError
@@ -47,6 +47,13 @@ MAX_STREAM_DELAY_S = 0.02
 CHANNEL_PACE_PER_STREAM_S = 0.00025
 # Above this many bytes written but not yet taken by its caller, a channel's outputs are held.
 MAX_UNSENT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A command for the step loop: abort this request (its caller is gone, or its step failed)."""
+
+    req_id: str
 
 
 @dataclass(eq=False)  # one per connection, compared and hashed by identity
@@ -106,7 +113,7 @@ class _Admitting:
 
 class Fanout:
     """Every channel of one engine core; everything here runs on the core's I/O thread.
-    `to_core` queues commands (a list of requests to add, an abort) for the step loop."""
+    `to_core` queues commands (a list of requests to add, an `Abort`) for the step loop."""
 
     def __init__(self, backend_id: str, to_core: Callable[[Any], None]) -> None:
         self.backend_id = backend_id
@@ -146,7 +153,7 @@ class Fanout:
         channel.closed = True
         for req_id in list(channel.req_ids):
             self.forget(req_id)
-            self.to_core(EngineCoreAbort(req_id))
+            self.to_core(Abort(req_id))
         self._holding.pop(id(channel), None)
 
     def forget(self, req_id: str) -> None:

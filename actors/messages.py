@@ -8,7 +8,7 @@ typed outputs batched per engine step, never one message per request. Two hops c
   way, a `ChannelBatch` of admissions and `EngineCoreOutput`s per step the other, on the
   same-node wire (actors/wire.py) or, from another node, on Ray as encoded bytes;
 - the core pipe between a backend actor and its engine core (actors/engine_core.py), the
-  control plane: `EngineCoreCall`s, `EngineCoreAbort` and `EngineCoreStop` to the core, one
+  control plane: `EngineCoreCall`s (an abort among them) and `EngineCoreStop` to the core, one
   `EngineCoreOutputs` per step back (progress, timing, cache changes, replies; no tokens).
 
 The router's batched `place` calls on the wire are `WireCalls`/`WireAnswers`.
@@ -56,10 +56,6 @@ class EngineCoreRequest(_Message, tag="req"):
 
 
 # -- front -> engine core (the core pipe) ---------------------------------------------------
-class EngineCoreAbort(_Message, tag="abort"):
-    req_id: str
-
-
 class EngineCoreCall(_Message, tag="call"):
     """Run the core's `call_<name>(*args)` between two steps (control plane)."""
 
@@ -296,7 +292,7 @@ class WireAnswers(_Message, tag="wanswers"):
     answers: list[WireAnswer]
 
 
-Message = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreCall, EngineCoreStop, EngineCoreReady,
+Message = Union[EngineCoreRequest, EngineCoreCall, EngineCoreStop, EngineCoreReady,
                 EngineCoreFailed, EngineCoreOutputs, ChannelOpen, ChannelAdds, ChannelBatch, WireCalls,
                 WireAnswers]
 

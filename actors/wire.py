@@ -1,7 +1,7 @@
 """The same-node wire between a caller process and a server process (a backend's engine core,
-the router actor): a Unix socket carrying length-prefixed typed messages, so a batch of routing calls, a batch of adds and a
-step's batch of outputs each cost one socket write instead of a Ray call or a streamed Ray
-object.
+the router actor): a Unix socket carrying length-prefixed typed messages, so a batch of routing
+calls, a batch of adds and a step's batch of outputs each cost one socket write instead of a Ray
+call or a streamed Ray object.
 
 Why. Over Ray, each of a request's data hops (its routing call, its add, its admission, its
 outputs) is a call or an item of a streaming generator: a task or an object on both sides

@@ -377,7 +377,7 @@ def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
 
 
 def test_a_duplicate_id_is_refused_and_a_closed_channel_aborts_its_requests():
-    from tandem.actors.messages import EngineCoreAbort
+    from tandem.actors.fanout import Abort
 
     commands: list = []
     fanout = Fanout("b", to_core=commands.append)
@@ -389,7 +389,7 @@ def test_a_duplicate_id_is_refused_and_a_closed_channel_aborts_its_requests():
     [refusal] = channel.sent[0]
     assert isinstance(refusal, Refusal) and isinstance(refusal.error, InvalidRequestError)
     fanout.close(channel)
-    assert commands[1:] == [EngineCoreAbort("r")] and not fanout.channel_of
+    assert commands[1:] == [Abort("r")] and not fanout.channel_of
 
 
 def test_a_caller_that_does_not_read_gets_its_outputs_merged_not_queued():

@@ -27,7 +27,6 @@ def examples() -> list:
     stats = EngineStats(1, 2, 3, 4, 0.5, 6, 7, 8)
     return [
         request,
-        m.EngineCoreAbort("r"),
         m.EngineCoreCall(3, "profile", [None, {"num_steps": 4}]),
         m.EngineCoreStop(),
         m.EngineCoreReady("cpu", "cpu", "float32", 4, 16, 1024, "torch", "tiny", 256, {"vocab": [1, 2]}, 0.5, 99,
