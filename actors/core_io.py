@@ -21,6 +21,7 @@ an abort queued after an add is applied after it. The step loop hands a step ove
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -66,10 +67,10 @@ class CoreIO:
         self.server = wire.WireServer()
         self.loop = asyncio.new_event_loop()
         self._channels: set[ChannelState] = set()
-        started = threading.Event()
+        started: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(started,), daemon=True, name="core-io")
         self._thread.start()
-        started.wait()
+        started.result()  # the server's error, if it could not start
 
     @property
     def address(self) -> tuple[str, bytes]:
@@ -94,11 +95,15 @@ class CoreIO:
                 logger.warning("backend %s: channels not flushed before the core stopped", self.backend_id)
 
     # -- the I/O thread ------------------------------------------------------------------------
-    def _run(self, started: threading.Event) -> None:
+    def _run(self, started: concurrent.futures.Future) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.start(self._serve_channel))
-        self.loop.add_reader(self.conn.fileno(), self._read_pipe)
-        started.set()
+        try:
+            self.loop.run_until_complete(self.server.start(self._serve_channel))
+            self.loop.add_reader(self.conn.fileno(), self._read_pipe)
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
         self.loop.run_forever()
 
     def _read_pipe(self) -> None:
