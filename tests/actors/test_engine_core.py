@@ -1,7 +1,9 @@
 """The engine core process behind a real Ray backend actor: streaming over the per-caller
-channel (the same-node wire), aborts, callers cancelled at random moments, the warm-up's way
-of loading a backend, and the core's life tied to its actor's (no orphan after `ray.kill`; a
-restarted actor starts a fresh core)."""
+channel (the same-node wire, served by the core itself), aborts, callers cancelled at random
+moments, the warm-up's way of loading a backend, and the core's life tied to its actor's (no
+orphan after `ray.kill`; a restarted actor starts a fresh core; a killed core closes its
+callers' wires and its actor exits). In-process: the core's per-step messages to its actor,
+and a failed step."""
 
 from __future__ import annotations
 
