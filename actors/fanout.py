@@ -31,6 +31,7 @@ has its unfinished requests aborted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,6 +40,8 @@ from tandem.actors.messages import (Admitted, ChannelBatch, EngineCoreOutput, En
                                     Refusal, merge_core_outputs)
 from tandem.actors.wire import frame
 from tandem.engine.errors import BackendError, InvalidRequestError
+
+logger = logging.getLogger("tandem.backend")
 
 # A request's outputs wait at most this long between two hand-overs, however large its channel.
 MAX_STREAM_DELAY_S = 0.02
@@ -95,8 +98,15 @@ class ChannelState:
         return self.writer is not None and self.writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES
 
     def send(self, items: list) -> None:
-        if self.writer is not None and not self.closed:
-            self.writer.write(frame(ChannelBatch(items)))
+        if self.writer is None or self.closed:
+            return
+        try:
+            data = frame(ChannelBatch(items))
+        except Exception:  # a batch that does not encode: end the wire rather than stall its requests
+            logger.exception("channel %s: could not encode a batch; closing its wire", self.channel_id)
+            self.writer.close()  # its caller fails the requests; the reading side aborts them
+            return
+        self.writer.write(data)
 
 
 @dataclass

@@ -416,6 +416,14 @@ def test_a_caller_that_does_not_read_gets_its_outputs_merged_not_queued():
     run(scenario())
 
 
+def test_a_batch_that_does_not_encode_closes_the_wire_instead_of_stalling_it():
+    error = ValueError("carries a lambda")
+    error.callback = lambda: None  # pickling the exception fails on it
+    writer = _FakeWriter()
+    ChannelState("ch", writer).send([Refusal("r", error)])
+    assert writer.closed and writer.written == []  # its caller sees the wire close
+
+
 class RecordingChannel(ChannelState):
     """A channel whose batches are recorded instead of written to a socket."""
 
@@ -432,6 +440,14 @@ class _FakeWriter:
         self.unsent = 0
         self.drained = asyncio.Event()
         self.transport = self
+        self.written: list = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        self.closed = True
 
     def get_write_buffer_size(self) -> int:
         return self.unsent
