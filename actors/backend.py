@@ -1,23 +1,21 @@
-"""`BackendActor`: the Ray actor in front of one engine core, serving many requests at once.
+"""`BackendActor`: the Ray actor in charge of one engine core, the control plane of one backend.
 
 Process layout. The engine runs in its own OS process, the engine core (actors/engine_core.py),
-whose loop is "take commands, step, send outputs" with no asyncio and no Ray, so its steps
-never wait for this process's GIL. This actor is its thin front, an async Ray actor made of
-three parts, one concern each:
+whose loop is "take commands, step, post the step's news" with no asyncio and no Ray, so its
+steps never wait for this process's GIL. The core also serves its callers' channels itself:
+a caller on this node connects to the core's socket (the address `wire_address` returns) and
+its requests' data never passes through this actor. This actor is the backend's control plane,
+made of two parts, one concern each:
 
 - `CoreClient` (actors/core_client.py): the core's lifecycle and the core pipe: start it, send
-  it requests and control calls, read its one message per step on a reader thread, and notice
-  its death, which makes this actor exit so that Ray restarts the backend with a fresh core;
-- `Fanout` (actors/fanout.py): the channels, one multiplexed stream per caller process: each
-  request's admission, and its outputs merged, paced and handed over in one batch per step;
+  it control calls, read its one message per step on a reader thread, and notice its death,
+  which makes this actor exit so that Ray restarts the backend with a fresh core;
 - `ProgressReporter` (actors/progress_reporter.py): the router's batched progress reports and
-  this backend's metrics.
+  this backend's metrics, from the core's per-step messages.
 
-A caller's channel reaches this actor on the same-node wire when it runs on this node
-(`wire_address`, actors/wire.py: a Unix socket, a frame per batch each way), and over Ray
-otherwise (`add_many`, sent one-way, plus one `subscribe` stream), carrying the same typed
-messages (actors/messages.py) either way; Ray's per-call and per-item costs are paid per step
-and per batch of adds, never per request. Ray itself stays the control plane: placement,
+A caller on another node cannot reach the core's socket: it uses `add_many` (sent one-way) and
+one `subscribe` stream per channel over Ray, which this actor relays to the core as a channel
+of its own (actors/relay.py), frames passed on undecoded. Ray is the control plane: placement,
 health, restarts, registration with the router, aborts, stats and profiling.
 """
 
@@ -32,10 +30,9 @@ from typing import Any
 
 from tandem.actors import wire
 from tandem.actors.core_client import CoreClient
-from tandem.actors.fanout import Fanout
-from tandem.actors.messages import (BackendInfo, ChannelBatch, EngineCoreFailed, EngineCoreOutputs, Message, decode,
-                                    encode)
+from tandem.actors.messages import BackendInfo, EngineCoreFailed, EngineCoreOutputs, Message
 from tandem.actors.progress_reporter import ProgressReporter
+from tandem.actors.relay import Relay
 from tandem.engine.errors import BackendError
 
 logger = logging.getLogger("tandem.backend")
@@ -58,9 +55,9 @@ class BackendActor:
             ready.cpu_kernels if ready.device_kind == "cpu" else ready.device_kind, threads,
             ready.max_active, ready.num_kv_tokens, ready.model_name, ready.load_s, ready.pid)
         self.max_active = ready.max_active
-        self.fanout = Fanout(backend_id, self.core)
         self.reporter = ProgressReporter(backend_id, self.instance_id, _router_handle(router), report_interval_s)
-        self._wire: wire.WireServer | None = None
+        self.relays: dict[str, Relay] = {}  # remote callers' channels, by channel id
+        self.stopping = False
         self.core.start_reading(self._on_message, self._core_exited)
         if router is not None and _was_reconstructed():
             # Ray restarted us after a crash: rejoin routing with the rates the router kept.
@@ -84,8 +81,12 @@ class BackendActor:
         return self.instance_id
 
     async def core_pid(self) -> int:
-        """The engine core's process id (tests check it dies with this actor)."""
+        """The engine core's process id (tests check it dies with this actor and serves the wire)."""
         return self.core.pid
+
+    async def num_channel_requests(self) -> int:
+        """Requests the core's channels still hold (not finished, not aborted): zero when idle."""
+        return await self.core.call("num_channel_requests")
 
     async def tokenizer(self) -> Any:
         """The engine's HF tokenizer object (picklable), so the HTTP ingress tokenizes alike."""
@@ -93,8 +94,6 @@ class BackendActor:
 
     async def profile(self, max_active: int | None = None, **kwargs: Any) -> dict[str, Any]:
         """Measure this backend's rates (nothing else may run meanwhile); see engine/profiler.py."""
-        if self.fanout.channel_of:
-            raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
         rates, totals = await self.core.call("profile", max_active, kwargs)
         self.reporter.totals = totals  # profile tokens are not served tokens: not in the counters
         return rates
@@ -121,11 +120,10 @@ class BackendActor:
 
     async def shutdown(self) -> None:
         """Fail every request and stop the engine core (the actor itself stays up)."""
-        self.fanout.stopping = True
-        self.fanout.fail_all(BackendError(f"backend {self.backend_id} is shutting down"))
+        self.stopping = True
         self.core.stop()
-        if self._wire is not None:
-            self._wire.close()
+        for relay in self.relays.values():
+            relay.close()
 
     async def abort(self, req_id: str) -> bool:
         """Abort a request: its channel gets a last output whose reason is "abort" (a caller that
@@ -139,54 +137,56 @@ class BackendActor:
     async def stats(self) -> Any:
         return await self.core.call("stats")
 
-    # -- requests: a channel per caller process ----------------------------------------------
+    # -- requests: a caller on another node, relayed to the core's channels -------------------
     async def add_many(self, channel_id: str, adds: bytes) -> None:
         """Admit the requests of an encoded `ChannelAdds`, whose outputs go to `channel_id`'s
         `subscribe` stream. Nothing is returned: each request's answer is its first item on that
         stream, `Admitted` (with its first outputs if they come within a step) or a `Refusal`
         (InvalidRequestError if the engine rejects it, BackendError if it cannot start). Callers
         send this one-way (actors/batching.py): an admission rides the channel's next batch."""
-        self.fanout.add(channel_id, decode(adds).requests)
+        self._relay(channel_id).add(adds)
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[bytes]:
         """The admissions and outputs of every request added with `channel_id`, one encoded
         `ChannelBatch` per hand-over. Ends when the caller closes it, which aborts that
         channel's unfinished requests."""
-        channel = self.fanout.open(channel_id)
+        relay = self._relay(channel_id)
         try:
-            while (batch := await self.fanout.next_batch(channel)) is not None:
-                yield encode(ChannelBatch(batch))
+            async for batch in relay.batches():
+                yield batch
         finally:
-            self.fanout.close(channel_id, channel)
+            relay.close()
+            if self.relays.get(channel_id) is relay:
+                del self.relays[channel_id]
+
+    def _relay(self, channel_id: str) -> Relay:
+        relay = self.relays.get(channel_id)
+        if relay is None:
+            if self.stopping:
+                raise BackendError(f"backend {self.backend_id} is not taking requests")
+            relay = self.relays[channel_id] = Relay(channel_id, self.core.ready.wire_address)
+        return relay
 
     async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
-        """(node id, address) of this backend's same-node wire, which a caller on the same node
-        uses instead of `add_many` + `subscribe`; started on the first call."""
-        if self._wire is None:
-            self._wire = wire.WireServer()
-            await self._wire.start(self.fanout.serve_wire)
-        return wire.node_id(), self._wire.address
+        """(node id, address) of the engine core's channel server, which a caller on the same node
+        connects to instead of calling `add_many` + `subscribe`."""
+        return wire.node_id(), self.core.ready.wire_address
 
     # -- the core reader thread ------------------------------------------------------------------
     def _on_message(self, message: Message) -> None:
         if isinstance(message, EngineCoreOutputs):
-            self.core.answer(self.fanout.on_step(message))
+            self.core.answer(message.replies)
             self.reporter.on_step(message)
-        elif isinstance(message, EngineCoreFailed):
+        elif isinstance(message, EngineCoreFailed):  # the core failed the step's requests itself
             logger.error("backend %s: engine step failed:\n%s", self.backend_id, message.traceback)
-            last_line = message.traceback.strip().splitlines()[-1]
-            for req_id in self.fanout.fail_all(BackendError(f"backend {self.backend_id}: engine failed: {last_line}")):
-                self.core.abort(req_id)
 
     def _core_exited(self) -> None:
-        if self.fanout.stopping:
+        if self.stopping:
             return
         code = self.core.exitcode()
         logger.error("backend %s: engine core exited (code %s); exiting so Ray restarts this backend",
                      self.backend_id, code)
-        error = BackendError(f"backend {self.backend_id}: engine core exited (code {code})")
-        self.fanout.fail_all(error)
-        self.core.fail_calls(error)
+        self.core.fail_calls(BackendError(f"backend {self.backend_id}: engine core exited (code {code})"))
         time.sleep(0.2)  # let the event loop hand the errors over before the process goes
         os._exit(1)
 

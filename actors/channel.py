@@ -12,9 +12,10 @@ read into one output, so a caller that falls behind reads fewer, larger deltas i
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
 
 A channel's transport is decided by locality: on the backend's own node, the same-node wire
-(a Unix socket, see actors/wire.py), which costs a socket write per batch each way; elsewhere
-Ray, a one-way `BackendActor.add_many` per batch of adds and one `BackendActor.subscribe`
-stream for the batches back. Both carry the same typed messages (actors/messages.py) in the
+to the backend's engine core process itself (a Unix socket, see actors/wire.py), which costs a
+socket write per batch each way; elsewhere Ray, a one-way `BackendActor.add_many` per batch of
+adds and one `BackendActor.subscribe` stream for the batches back, which the actor relays to
+its core (actors/relay.py). Both carry the same typed messages (actors/messages.py) in the
 same codec: `ChannelAdds` of `EngineCoreRequest`s one way, `ChannelBatch`es the other (over
 Ray as encoded bytes, which Ray passes without serializing them again).
 

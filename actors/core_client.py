@@ -1,13 +1,14 @@
-"""A backend actor's handle on its engine core process: start it, send it commands, read what
-it sends back, and notice when it dies.
+"""A backend actor's handle on its engine core process: start it, send it control calls, read
+what it sends back, and notice when it dies.
 
-The core (actors/engine_core.py) runs the engine alone in its own process; this is the
-actor's side of the core pipe between them. Two threads use it: the actor's event loop sends
-commands and awaits control calls (`call`), and one reader thread, started by `start_reading`,
-receives the core's messages (one `EngineCoreOutputs` per engine step) and hands each to the
-actor's `on_message`, then answers the control calls it carries. When the pipe ends (the core
-crashed or was killed), `on_exit` runs on the reader thread: the actor fails its requests and
-exits, so that Ray restarts the backend with a fresh core.
+The core (actors/engine_core.py) runs the engine in its own process and serves its callers'
+channels itself; this is the actor's side of the core pipe between them, the control plane.
+Two threads use it: the actor's event loop sends commands and awaits control calls (`call`),
+and one reader thread, started by `start_reading`, receives the core's messages (one
+`EngineCoreOutputs` per engine step: progress, timing, cache changes, replies) and hands each
+to the actor's `on_message`, then answers the control calls it carries. When the pipe ends (the
+core crashed or was killed), `on_exit` runs on the reader thread: the actor exits, so that Ray
+restarts the backend with a fresh core.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 from typing import Any, Callable
 
 from tandem.actors.engine_core import CoreProcess
-from tandem.actors.messages import CallReply, EngineCoreAbort, EngineCoreCall, EngineCoreReady, Message
+from tandem.actors.messages import CallReply, EngineCoreCall, EngineCoreReady, Message
 from tandem.engine.errors import BackendError
 
 logger = logging.getLogger("tandem.backend")
@@ -32,7 +33,7 @@ class CoreClient:
 
     def __init__(self, backend_id: str, engine_kwargs: dict[str, Any]) -> None:
         self.backend_id = backend_id
-        self.process = CoreProcess(engine_kwargs, name=f"engine-core-{backend_id}")
+        self.process = CoreProcess(backend_id, engine_kwargs)
         self.ready: EngineCoreReady = self.process.wait_ready(CORE_START_TIMEOUT_S)
         self.pid = self.process.pid
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -45,9 +46,6 @@ class CoreClient:
                                   name=f"core-reader-{self.backend_id}")
         thread.start()
 
-    def new_call_id(self) -> int:
-        return next(self._call_ids)
-
     def send(self, message: Message) -> None:
         """Send a command; BackendError if the core is gone (the reader thread fails the rest)."""
         try:
@@ -56,17 +54,10 @@ class CoreClient:
             self._calls.pop(getattr(message, "call_id", None), None)
             raise BackendError(f"backend {self.backend_id}: its engine core is not running") from None
 
-    def abort(self, req_id: str) -> None:
-        """Abort a request in the engine; nothing to do if the core is gone (nothing left to free)."""
-        try:
-            self.process.send(EngineCoreAbort(req_id))
-        except (OSError, ValueError):
-            pass
-
     async def call(self, name: str, *args: Any) -> Any:
         """Run the core's `call_<name>(*args)` between two steps and return its result."""
         loop = asyncio.get_running_loop()
-        call_id, future = self.new_call_id(), loop.create_future()
+        call_id, future = next(self._call_ids), loop.create_future()
         self._calls[call_id] = (loop, future)
         self.send(EngineCoreCall(call_id, name, list(args)))
         return await future

@@ -1,51 +1,61 @@
-"""The engine core: one `LLMEngine` in its own OS process, so its step loop never shares a GIL.
+"""The engine core: one `LLMEngine` in its own OS process, so its step loop never shares a GIL
+with a Ray actor, and the process that serves its callers' channels.
 
-A backend actor's event loop does serving work (Ray calls, streams, reports) and the engine
-does GPU or CPU steps; in one process they take turns on one GIL, and the step loop waits
-whenever the serving side runs. Here the engine runs alone in a child process started with
+A backend actor's event loop does control-plane work (Ray calls, reports, restarts) and the
+engine does GPU or CPU steps; in one process they take turns on one GIL, and the step loop
+waits whenever the serving side runs. Here the engine runs in a child process started with
 the 'spawn' context (a fresh interpreter: no copy of the actor's Ray state or threads; the
-child inherits the environment, so it sees the same `CUDA_VISIBLE_DEVICES`). Its loop is
-plain Python, no asyncio and no Ray: take every queued command, step, send outputs.
+child inherits the environment, so it sees the same `CUDA_VISIBLE_DEVICES`). Its main thread
+is the step loop, plain Python, no asyncio and no Ray: take every queued command, step, post
+the step's news to the I/O thread.
 
-The core pipe, both ways, is one `multiprocessing` Pipe carrying the typed messages of
-actors/messages.py in their one codec (bytes, not pickles of Python objects):
+A request's data goes straight between its caller and this process: the core serves the
+callers' channels itself on the same-node wire (actors/core_io.py runs the socket I/O on its
+own thread; actors/fanout.py admits, paces and batches), so a step's tokens leave in one frame
+per caller with no hop through the actor. vLLM's engine core talks to its front end the same
+way (a local socket, serialized on an output thread).
 
-- front -> core: `EngineCoreRequest` (an add), `EngineCoreAbort` (no answer), `EngineCoreCall`
-  for the engine's other public methods and `profile`, `EngineCoreStop`.
-- core -> front: one `EngineCoreOutputs` per engine step (or per batch of commands while
-  idle), carrying every request's new tokens and text, the router's progress and step timing,
-  the prefix-cache changes and the answers to the commands applied since the last message;
-  never one message per request. First of all the core sends `EngineCoreReady`, or
-  `EngineCoreFailed` if the engine cannot load.
+The core pipe to the backend actor, both ways one `multiprocessing` Pipe carrying the typed
+messages of actors/messages.py in their one codec, is the control plane:
 
-The core dies with its front: it exits when the pipe reaches end-of-file (the front process
-is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; a blocked
-send to a dead front fails with a broken pipe and exits as well.
+- actor -> core: `EngineCoreCall` for the engine's other public methods (`abort` among them)
+  and `profile`, `EngineCoreStop`.
+- core -> actor: first `EngineCoreReady` (with the wire's address), or `EngineCoreFailed` if
+  the engine cannot load; then one `EngineCoreOutputs` per engine step (or per batch of
+  commands while idle): the router's progress, the step's timing, the prefix-cache changes,
+  the finished requests' timings and the control calls' answers, never the requests' tokens.
+
+The core dies with its actor: it exits when the pipe reaches end-of-file (the actor's process
+is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; its callers
+then see their wires close. If the core dies, the actor sees the pipe end and exits too.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import time
 import traceback
 from typing import Any
 
-from tandem.actors.messages import (AddReply, CallReply, EngineCoreAbort, EngineCoreCall, EngineCoreFailed,
-                                    EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                                    EngineCoreStop, Message, StatsTotals, StepTiming, decode, encode)
+from tandem.actors.core_io import CoreIO, FrontGone, StepNews
+from tandem.actors.fanout import Abort
+from tandem.actors.messages import (CallReply, EngineCoreCall, EngineCoreFailed, EngineCoreOutputs,
+                                    EngineCoreReady, EngineCoreRequest, EngineCoreStop, Message, StatsTotals,
+                                    StepTiming, decode, encode)
 from tandem.engine.errors import BackendError
 
 IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
 # Progress (each changed request's absolute counts) goes out at most this often, and whenever
 # the engine goes idle: the front reports it to the router every ~20 ms, so draining it more
-# often only builds and encodes every running request's progress on the step loop for the
-# front to overwrite before its next report.
+# often only builds and encodes every running request's progress for the front to overwrite
+# before its next report.
 PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+def run_core(conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     """The child's entry point (a module-level function, so 'spawn' can import it)."""
     import signal
 
@@ -53,7 +63,7 @@ def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     # never in the middle of a step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        core = EngineCore(conn, engine_kwargs, parent_pid)
+        core = EngineCore(conn, backend_id, engine_kwargs, parent_pid)
     except BaseException:
         _send_quietly(conn, EngineCoreFailed(traceback.format_exc()))
         return
@@ -68,32 +78,35 @@ def _send_quietly(conn: Any, message: Message) -> None:
 
 
 class EngineCore:
-    """The loop of the child process. Everything here runs on its one thread."""
+    """The step loop: everything here runs on the process's main thread, the only one that
+    touches the engine. Commands come from `io.inbox` (the core pipe's and the channels'),
+    each step's news goes to `io.post`."""
 
-    def __init__(self, conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+    def __init__(self, conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
         from tandem.engine.config import EngineConfig
         from tandem.engine.llm_engine import LLMEngine
 
-        self.conn = conn
+        self.backend_id = backend_id
         self.parent_pid = parent_pid
         start = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(**engine_kwargs))
-        self.added: list[AddReply] = []
+        self.added: list[tuple[str, int, float]] = []
+        self.refused: list[tuple[str, BaseException]] = []
         self.replies: list[CallReply] = []
         self.running = True
+        self.stopped = False  # its actor asked it to stop (rather than going away)
         self.last_stats = 0.0
         self.last_progress = 0.0
         engine, cfg = self.engine, self.engine.config
-        self.send(EngineCoreReady(
+        # The pipe's first message is this one: the I/O thread starts sending only after it.
+        self.io = CoreIO(backend_id, conn)
+        conn.send_bytes(encode(EngineCoreReady(
             device=str(engine.device), device_kind=engine.device.type,
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
             model_name=engine.model_name, max_model_len=engine.max_model_len,
             max_priority_wait_s=cfg.max_priority_wait_s, tokenizer=engine.tokenizer,
-            load_s=time.perf_counter() - start, pid=os.getpid()))
-
-    def send(self, message: Message) -> None:
-        self.conn.send_bytes(encode(message))
+            load_s=time.perf_counter() - start, pid=os.getpid(), wire_address=self.io.address)))
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -102,45 +115,53 @@ class EngineCore:
             try:
                 self.loop_once()
                 failures = 0
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                return  # the front is gone: so are we
-            except Exception:  # a step failed: the front fails the requests, the engine keeps serving
+            except EOFError:
+                break  # the front is gone: so are we
+            except Exception:  # a step failed: its requests fail, the engine keeps serving
                 failures += 1
                 self.fail_all(traceback.format_exc())
                 if failures >= MAX_CONSECUTIVE_FAILURES:
-                    return
+                    break
+        self.io.close(BackendError(f"backend {self.backend_id} is shutting down") if self.stopped else None)
 
     def loop_once(self) -> None:
         busy = self.engine.has_unfinished_requests()
         self.take_commands(block=not busy)
         if not self.engine.has_unfinished_requests():
-            self.send_step([], None)  # replies, and the progress and cache changes of the last step
+            self.post_step([], None)  # answers, and the progress and cache changes of the last step
             return
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.send_step(outputs, time.perf_counter() - start)
+        self.post_step(outputs, time.perf_counter() - start)
         if not self.engine.has_unfinished_requests():
             # Idle now: the finished requests' progress goes out at once, and the idle message
             # makes the front report it at once, so the router does not count them as load
             # when the caller's next request comes (a sequential client would see it spill).
-            self.send_step([], None, force=True)
+            self.post_step([], None, force=True)
 
     def take_commands(self, block: bool) -> None:
-        conn = self.conn
-        if not conn.poll(IDLE_POLL_S if block else 0):
+        inbox = self.io.inbox
+        try:
+            command = inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait()
+        except queue.Empty:
             if block and os.getppid() != self.parent_pid:
-                raise EOFError("the front process is gone")
+                raise EOFError("the front process is gone") from None
             return
         while True:
-            self.apply(decode(conn.recv_bytes()))
-            if not self.running or not conn.poll(0):
+            self.apply(command)
+            if not self.running:
+                return
+            try:
+                command = inbox.get_nowait()
+            except queue.Empty:
                 return
 
-    def apply(self, command: Message) -> None:
-        if isinstance(command, EngineCoreAbort):
+    def apply(self, command: Any) -> None:
+        if isinstance(command, list):  # a channel frame's requests
+            for request in command:
+                self.add(request)
+        elif isinstance(command, Abort):
             self.engine.abort_request(command.req_id)
-        elif isinstance(command, EngineCoreRequest):
-            self.add(command)
         elif isinstance(command, EngineCoreCall):
             try:
                 value = getattr(self, "call_" + command.name)(*command.args)
@@ -149,27 +170,39 @@ class EngineCore:
             else:
                 self.replies.append(CallReply.of(command.call_id, True, value))
         elif isinstance(command, EngineCoreStop):
-            self.running = False
+            self.running, self.stopped = False, True
+        elif isinstance(command, FrontGone):
+            raise EOFError("the front process is gone")
 
     def add(self, request: EngineCoreRequest) -> None:
-        """Queue a request; its answer goes back in the next message."""
+        """Queue a request; its channel hears the answer with the next step's news."""
         try:
             num_prompt_tokens = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params,
                                                         request.arrival_time)
         except Exception as exc:
-            self.replies.append(CallReply.of(request.call_id, False, exc))
+            self.refused.append((request.req_id, exc))
         else:
-            self.added.append(AddReply(request.call_id, num_prompt_tokens, time.time()))
+            self.added.append((request.req_id, num_prompt_tokens, time.time()))
 
-    def send_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
-        """One message with the step's outputs (`elapsed` None: an idle message, which also
-        carries any held progress); nothing when there is nothing to say, unless `force`."""
+    def post_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
+        """Hand the I/O thread the step's outputs, the adds' fates and the control message
+        (`elapsed` None: an idle message, which also carries any held progress); nothing when
+        there is nothing to say, unless `force`."""
+        control = self.control_message(len(outputs), elapsed, force)
+        if not (outputs or self.added or self.refused or control):
+            return
+        added, self.added = self.added, []
+        refused, self.refused = self.refused, []
+        self.io.post(StepNews(outputs, added, refused, control))
+
+    def control_message(self, num_outputs: int, elapsed: float | None, force: bool) -> EngineCoreOutputs | None:
+        """The actor's share of a step: timing, progress, cache changes, stats, call replies."""
         engine = self.engine
         step = None
         if elapsed is not None:
             st = engine.get_stats()
             # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
-            step = StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or len(outputs),
+            step = StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or num_outputs,
                               elapsed)
         now = time.monotonic()
         progress = []
@@ -181,20 +214,20 @@ class EngineCore:
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
             stats = StatsTotals.of(engine.get_stats())
-        if not (force or outputs or progress or cache_changes or self.added or self.replies or step or stats):
-            return
-        added, self.added = self.added, []
+        if not (force or progress or cache_changes or self.replies or step or stats):
+            return None
         replies, self.replies = self.replies, []
-        self.send(EngineCoreOutputs(added, replies, [EngineCoreOutput.of(o) for o in outputs], progress, step,
-                                    cache_changes, stats))
+        return EngineCoreOutputs(replies=replies, progress=progress, step=step, cache_changes=cache_changes,
+                                 stats=stats)
 
     def fail_all(self, trace: str) -> None:
-        """A failed step: the front fails every stream and aborts its request (in order, after
-        this message), which frees what the engine still holds."""
+        """A failed step: the I/O thread fails every channel request and aborts it (after the
+        answers already due), which frees what the engine still holds."""
         added, self.added = self.added, []
+        refused, self.refused = self.refused, []
         replies, self.replies = self.replies, []
-        self.send(EngineCoreOutputs(added, replies))
-        self.send(EngineCoreFailed(trace))
+        self.io.post(StepNews([], added, refused, EngineCoreOutputs(replies=replies)))
+        self.io.post_failure(trace)
 
     # -- calls (CALL name -> call_<name>) ----------------------------------------------------
     def call_abort(self, req_id: str) -> bool:
@@ -202,6 +235,10 @@ class EngineCore:
 
     def call_stats(self) -> Any:
         return self.engine.get_stats()
+
+    def call_num_channel_requests(self) -> int:
+        """Requests the channels still hold (not finished, not aborted): zero when idle."""
+        return len(self.io.fanout.channel_of)
 
     def call_set_max_active(self, max_active: int) -> None:
         self.engine.set_max_active(max_active)
@@ -216,6 +253,8 @@ class EngineCore:
     def call_profile(self, max_active: int | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], StatsTotals]:
         from tandem.engine.profiler import measure_rates
 
+        if self.engine.has_unfinished_requests() or self.io.fanout.channel_of:
+            raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
         rates = measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)
         self.engine.drain_progress()  # profile requests are not served requests
         self.engine.drain_cache_changes()
@@ -230,14 +269,14 @@ class CoreProcess:
     terminates it; if the front is killed, the child sees the pipe's end-of-file and exits.
     """
 
-    def __init__(self, engine_kwargs: dict[str, Any], name: str = "engine-core") -> None:
+    def __init__(self, backend_id: str, engine_kwargs: dict[str, Any]) -> None:
         import multiprocessing
         import threading
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=run_core, args=(child_conn, engine_kwargs, os.getpid()), name=name,
-                                    daemon=True)
+        self._process = ctx.Process(target=run_core, args=(child_conn, backend_id, engine_kwargs, os.getpid()),
+                                    name=f"engine-core-{backend_id}", daemon=True)
         with _no_main_reimport():
             self._process.start()
         child_conn.close()  # ours is the only other end: the child's EOF is our death, and ours its

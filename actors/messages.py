@@ -1,11 +1,17 @@
 """Every message that crosses a process on the serving path, typed, and their one codec.
 
 vLLM v1's shape: the front end hands the engine core a typed `EngineCoreRequest` and gets back
-one typed `EngineCoreOutputs` per engine step, never one message per request. Here the same
-structs travel on both of a request's data hops: the core pipe between a backend actor and its
-engine core (actors/engine_core.py), and a caller's channel to a backend (actors/channel.py),
-whether that runs on the same-node wire (actors/wire.py) or, from another node, on Ray as
-encoded bytes. The router's batched `place` calls on the wire are `WireCalls`/`WireAnswers`.
+typed outputs batched per engine step, never one message per request. Two hops carry them:
+
+- a caller's channel to a backend's engine core (actors/channel.py is the caller's end,
+  actors/fanout.py the core's): `ChannelOpen`, then `ChannelAdds` of `EngineCoreRequest`s one
+  way, a `ChannelBatch` of admissions and `EngineCoreOutput`s per step the other, on the
+  same-node wire (actors/wire.py) or, from another node, on Ray as encoded bytes;
+- the core pipe between a backend actor and its engine core (actors/engine_core.py), the
+  control plane: `EngineCoreCall`s (an abort among them) and `EngineCoreStop` to the core, one
+  `EngineCoreOutputs` per step back (progress, timing, cache changes, replies; no tokens).
+
+The router's batched `place` calls on the wire are `WireCalls`/`WireAnswers`.
 
 Why msgspec structs with named fields: a reader of any hop sees `output.finished`, not
 `packed[3]`, and every field has a type the decoder checks. Why msgpack: a step's message of
@@ -39,22 +45,17 @@ class _Message(msgspec.Struct, array_like=True, gc=False, tag=True):
     by class so one decoder reads any of them."""
 
 
-# -- front -> engine core ------------------------------------------------------------------
+# -- a request, on its caller's channel -----------------------------------------------------
 class EngineCoreRequest(_Message, tag="req"):
-    """One request to add, built once by whoever tokenized it. `call_id` is set by the backend
-    actor that forwards it to its core; the core answers the add under it."""
+    """One request to add, built once by whoever tokenized it and sent on its caller's channel."""
 
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float | None = None
-    call_id: int = 0
 
 
-class EngineCoreAbort(_Message, tag="abort"):
-    req_id: str
-
-
+# -- front -> engine core (the core pipe) ---------------------------------------------------
 class EngineCoreCall(_Message, tag="call"):
     """Run the core's `call_<name>(*args)` between two steps (control plane)."""
 
@@ -84,10 +85,11 @@ class EngineCoreReady(_Message, tag="ready"):
     tokenizer: Any  # the HF tokenizer (pickled)
     load_s: float
     pid: int
+    wire_address: tuple[str, bytes]  # where the core serves its channels (actors/wire.py): path, token
 
 
 class EngineCoreFailed(_Message, tag="failed"):
-    """The engine could not load, or a step failed (then the core sends its outputs' message first)."""
+    """The engine could not load, or a step failed (the core has failed the step's channel requests)."""
 
     traceback: str
 
@@ -124,17 +126,9 @@ class EngineCoreOutput(_Message, tag="out"):
                              self.finished_time, self.index, self.logprobs)
 
 
-class AddReply(_Message, tag="added"):
-    """The core queued a request: how long its prompt is and when (`time.time()`) it was queued."""
-
-    call_id: int
-    num_prompt_tokens: int
-    queued_time: float
-
-
 class CallReply(_Message, tag="reply"):
-    """A call's result (`ok`) or exception, or a refused add's exception; pickled, since a
-    control call may return any Python object."""
+    """A control call's result (`ok`) or exception; pickled, since a control call may return
+    any Python object."""
 
     call_id: int
     ok: bool
@@ -175,15 +169,30 @@ class StatsTotals(_Message, tag="stats"):
                    st.num_preemptions)
 
 
-class EngineCoreOutputs(_Message, tag="outs"):
-    """Everything one engine step (or one batch of commands while idle) has to say: the
-    answers to the commands applied since the last message, every request's new tokens and
-    text, the router's progress (each changed request's absolute counts), the step's timing,
-    the prefix cache's published (True) and evicted (False) block hashes, and the stats."""
+class FinishedRequest(_Message, tag="finished"):
+    """A request's end and its timings (`time.time()` stamps): the front's latency metrics."""
 
-    added: list[AddReply] = []
+    finish_reason: str | None
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> FinishedRequest:
+        return cls(out.finish_reason, out.arrival_time, out.first_scheduled_time, out.first_token_time,
+                   out.finished_time)
+
+
+class EngineCoreOutputs(_Message, tag="outs"):
+    """What one engine step (or one batch of commands while idle) tells the front, the control
+    plane: the answers to the control calls applied since the last message, the requests that
+    finished, the router's progress (each changed request's absolute counts), the step's
+    timing, the prefix cache's published (True) and evicted (False) block hashes, and the
+    stats. The requests' tokens and text go to their callers' channels, not here."""
+
     replies: list[CallReply] = []
-    outputs: list[EngineCoreOutput] = []
+    finished: list[FinishedRequest] = []
     progress: list[RequestProgress] = []
     step: StepTiming | None = None
     cache_changes: dict[int, bool] = {}
@@ -200,8 +209,8 @@ class Admitted(_Message, tag="admitted"):
     request), so the first token reaches the caller with the answer instead of a channel
     message later; a request still queued then is admitted without them.
 
-    `received_time` (the backend actor took the add) and `queued_time` (the engine core queued
-    the request) are `time.time()` stamps that split the add's trip into its hops
+    `received_time` (the engine core read the add off its channel) and `queued_time` (its engine
+    queued the request) are `time.time()` stamps that split the add's trip into its hops
     (cluster/dispatch.py `admission_stages`); None where a path does not stamp them.
     """
 
@@ -284,7 +293,7 @@ class WireAnswers(_Message, tag="wanswers"):
     answers: list[WireAnswer]
 
 
-Message = Union[EngineCoreRequest, EngineCoreAbort, EngineCoreCall, EngineCoreStop, EngineCoreReady,
+Message = Union[EngineCoreRequest, EngineCoreCall, EngineCoreStop, EngineCoreReady,
                 EngineCoreFailed, EngineCoreOutputs, ChannelOpen, ChannelAdds, ChannelBatch, WireCalls,
                 WireAnswers]
 

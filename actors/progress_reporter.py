@@ -2,12 +2,13 @@
 
 The router's ledgers need each request's progress, its cost model each step's size and time,
 and its mirror of this backend's prefix cache the block hashes published or evicted. All of it
-comes in the engine core's one message per step; the router gets it in batches, at most every
-`interval_s` (and when the engine goes idle, so that a finished request stops counting as load
-before its caller's next request is placed), as one fire-and-forget `router.report.remote(...)`
-carrying the latest state of each request (reports carry absolute counts, so between two
-reports only the last state matters), without Ray's task events (see `_report`). Runs on the
-backend's core reader thread.
+comes in the engine core's one control message per step, with the finished requests' timings
+for the latency metrics (their tokens go to their callers, not here). The router gets it in
+batches, at most every `interval_s` (and when the engine goes idle, so that a finished request
+stops counting as load before its caller's next request is placed), as one fire-and-forget
+`router.report.remote(...)` carrying the latest state of each request (reports carry absolute
+counts, so between two reports only the last state matters), without Ray's task events (see
+`_report`). Runs on the backend actor's core reader thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tandem.actors.messages import EngineCoreOutput, EngineCoreOutputs, StatsTotals
+from tandem.actors.messages import EngineCoreOutputs, FinishedRequest, StatsTotals
 from tandem.actors.metrics import BACKEND_METRICS, Recorder
 
 
@@ -39,9 +40,8 @@ class ProgressReporter:
             self.metrics.inc("tandem_backend_step_seconds", step.elapsed_s)
             self.metrics.inc("tandem_backend_steps")
             self._steps.append(step)
-        for out in message.outputs:
-            if out.finished:
-                self._record_finished(out)
+        for finished in message.finished:
+            self._record_finished(finished)
         for p in message.progress:
             self._progress[p.req_id] = p
         if message.cache_changes:
@@ -71,7 +71,7 @@ class ProgressReporter:
             self.router.report.options(enable_task_events=False).remote(
                 self.backend_id, self.instance_id, progress, steps, cache_changes)
 
-    def _record_finished(self, out: EngineCoreOutput) -> None:
+    def _record_finished(self, out: FinishedRequest) -> None:
         self.metrics.inc("tandem_backend_requests_finished", tags={"finish_reason": out.finish_reason or "unknown"})
         if out.finish_reason == "abort":
             return

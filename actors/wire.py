@@ -1,7 +1,7 @@
-"""The same-node wire between a caller process and an actor (a backend, the router): a Unix
-socket carrying length-prefixed typed messages, so a batch of routing calls, a batch of adds and a
-step's batch of outputs each cost one socket write instead of a Ray call or a streamed Ray
-object.
+"""The same-node wire between a caller process and a server process (a backend's engine core,
+the router actor): a Unix socket carrying length-prefixed typed messages, so a batch of routing
+calls, a batch of adds and a step's batch of outputs each cost one socket write instead of a Ray
+call or a streamed Ray object.
 
 Why. Over Ray, each of a request's data hops (its routing call, its add, its admission, its
 outputs) is a call or an item of a streaming generator: a task or an object on both sides
@@ -9,11 +9,12 @@ outputs) is a call or an item of a streaming generator: a task or an object on b
 cross-thread wake-up). Under a high rate of short requests that makes the backend actor the
 busiest process on the machine, puts tens of milliseconds between the ingress and the engine,
 and caps the request rate well below what the engine serves (docs/benchmarks/served-path-h200.md
-compares the two paths). When the caller and the actor share a node none of that is needed: the
-actor listens on a socket, the caller learns its address with one Ray call (`wire_address`) and
-then talks to it directly. Ray stays the
-control plane (placement, health, restarts, aborts, stats, reports); only the per-request data
-leaves it. vLLM's front end and engine core talk the same way (a local socket, not RPC).
+compares the two paths). When the caller and the server share a node none of that is needed:
+the server listens on a socket, the caller learns its address with one Ray call to the actor
+(`wire_address`) and then talks to it directly; a backend's socket is its engine core's own, so
+a request's data skips the backend actor altogether. Ray stays the control plane (placement,
+health, restarts, aborts, stats, reports); only the per-request data leaves it. vLLM's front
+end and engine core talk the same way (a local socket, not RPC).
 
 Frames, both ways: a 4-byte big-endian length, then one message of actors/messages.py in its
 codec. A connection opens with the server's token (random bytes the caller got with the
@@ -21,12 +22,12 @@ address over Ray), checked before any frame is decoded (decoding may unpickle). 
 socket lives in the abstract namespace (no file to clean up after a killed process); elsewhere
 in a private temporary directory. Two protocols use it:
 
-- a backend's channel (actors/backend.py, actors/channel.py): the caller's first frame is a
-  `ChannelOpen`, every later one a `ChannelAdds`; the backend's frames are the `ChannelBatch`es
-  `subscribe` would yield. Either end
-  closing the socket ends the channel: the backend aborts the channel's unfinished requests,
-  and the caller fails them with `BackendGoneError` (it cannot tell a dead backend from a closed
-  wire, and either way the backend is not serving them);
+- a backend's channel (actors/channel.py is the caller's end; the backend's engine core
+  process serves it, actors/core_io.py): the caller's first frame is a `ChannelOpen`, every
+  later one a `ChannelAdds`; the core's frames are the `ChannelBatch`es `subscribe` would
+  yield. Either end closing the socket ends the channel: the core aborts the channel's
+  unfinished requests, and the caller fails them with `BackendGoneError` (it cannot tell a dead
+  backend from a closed wire, and either way the backend is not serving them);
 - batched calls (`call_server`, `WireCaller`; `WireCalls` answered by `WireAnswers`): the
   router's `place_many` (cluster/dispatch.py).
 """
@@ -55,14 +56,23 @@ TOKEN_BYTES = 16
 
 def frame(message: Message) -> bytes:
     """One frame: the length, then the encoded message."""
-    payload = messages.encode(message)
+    return frame_encoded(messages.encode(message))
+
+
+def frame_encoded(payload: bytes) -> bytes:
+    """One frame of a message encoded already (a relay passes it on without decoding it)."""
     return HEADER.pack(len(payload)) + payload
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Message:
     """The next frame's message; `asyncio.IncompleteReadError` at the end of the stream."""
+    return messages.decode(await read_encoded(reader))
+
+
+async def read_encoded(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's encoded message, not decoded."""
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return messages.decode(await reader.readexactly(size))
+    return await reader.readexactly(size)
 
 
 async def connect(address: tuple[str, bytes]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

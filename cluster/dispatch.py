@@ -263,10 +263,10 @@ def admission_stages(arrival: float, placed: float, admitted: float, first_outpu
     - `route`: arrival to the router's answer (reading and checking the request, tokenizing,
       the router's round trip);
     - the add's trip, where the backend stamped it (`Admitted.received_time`/`queued_time`):
-      `to_backend` placed to the backend actor taking the add (this process's batching and the
-      Ray call), `to_core` from there to the engine core queueing it (the actor's event loop,
-      the pipe, the core finishing its step in progress); without the stamps both count in the
-      next stage;
+      `to_backend` placed to the backend's engine core reading the add off its channel (this
+      process's batching and the wire, or over Ray the actor's relay), `to_core` from there to
+      the engine queueing it (the core finishing its step in progress); without the stamps both
+      count in the next stage;
     - with the first outputs in the admission (`Admitted.outputs`): `to_engine` queued (or
       placed) to first scheduled (its wait in the engine), `prefill` first scheduled to first
       token, and `back` first token to the admission's arrival here;

@@ -7,10 +7,13 @@ concurrency logic is tested here in-process with the tiny random model, in secon
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 
 from tandem.actors.backend import BackendActor
+from tandem.actors.fanout import MAX_UNSENT_BYTES, ChannelState, Fanout
 from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreOutput, EngineCoreRequest, Refusal,
                                     decode, encode)
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -124,7 +127,7 @@ def test_abort_ends_the_request_with_reason_abort(backend):
 
     async def abort_midway():
         reading = asyncio.ensure_future(collect(backend, "to-abort", list(range(70, 90)), params))
-        while "to-abort" not in backend.fanout.channel_of:
+        while not await backend.num_channel_requests():  # the core has it on its channel
             await asyncio.sleep(0.01)
         assert await backend.abort("to-abort")
         return await reading
@@ -276,11 +279,12 @@ def test_a_rejected_channel_add_is_answered_on_the_channel(backend):
 
 def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
     """The same-node wire carries what add_many + subscribe carry (admission first, then the
-    outputs, the tokens of a solo run), and a caller hanging up aborts its unfinished requests."""
+    outputs, the tokens of a solo run), and a caller hanging up aborts its unfinished requests
+    in the engine core."""
     from tandem.actors import wire
 
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    endless = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    endless = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # within the 1,024 context
     ids = list(range(70, 90))
     solo = [t for o in run(collect(backend, "wire-solo", ids, greedy)) for t in o.new_token_ids]
 
@@ -293,8 +297,9 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
         items: list = []
         while not any(i.req_id == "w6" and _finished(i) for i in items):
             items.extend((await wire.read_frame(reader)).items)
+        assert any(isinstance(i, Admitted) and i.req_id == "w-long" for i in items)
         writer.close()  # hang up with w-long still running
-        while backend.fanout.channel_of:  # the hang-up took w-long out of the channel...
+        while await backend.num_channel_requests():  # the hang-up took w-long out of the channel...
             await asyncio.sleep(0.01)
         while (await backend.stats()).num_running:  # ...and aborted it in the engine
             await asyncio.sleep(0.01)
@@ -310,36 +315,142 @@ def test_the_wire_admits_streams_and_aborts_on_hang_up(backend):
     tokens = [t for o in admitted.outputs for t in o.new_token_ids] + [
         t for i in mine[1:] for t in i.new_token_ids]
     assert tokens == solo
-    assert "ch-wire" not in backend.fanout.channels
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_wire_address_is_the_engine_core_s_own_socket(backend):
+    """A caller's channel goes to the engine core process, not through the actor: the socket
+    `wire_address` names is listened on by the core's pid, and no other process."""
+    _, (path, _) = run(backend.wire_address())
+    core_pid = run(backend.core_pid())
+    assert core_pid != os.getpid()
+    assert listening_pids(path) == [core_pid]
+
+
+def listening_pids(path: str) -> list[int]:
+    """The processes holding the listening Unix socket bound to `path` (abstract: leading NUL)."""
+    name = "@" + path[1:] if path.startswith("\0") else path
+    with open("/proc/net/unix") as table:
+        inodes = {line.split()[6] for line in table.read().splitlines()[1:]
+                  if len(line.split()) > 7 and line.split()[7] == name}
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(link == f"socket:[{inode}]" for link in links for inode in inodes):
+            pids.append(int(pid))
+    return pids
 
 
 def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
-    """With asynchronous scheduling a step's tokens come with the next step's message: the
-    admission is held for them one message, no longer, and a rejection is not held at all."""
-    from tandem.actors.fanout import ChannelState, Fanout, _Admitting
-    from tandem.actors.messages import AddReply, CallReply
-
-    fanout = Fanout("b", core=None)  # the bookkeeping only: no engine core
-    channel = ChannelState()
-    channel.req_ids.update({"r", "s"})
-    fanout._admitting = {7: _Admitting("r", channel, 1.0), 8: _Admitting("s", channel, 1.0)}
-    fanout.channel_of = {"r": channel, "s": channel}
+    """With asynchronous scheduling a step's tokens come with the next step: the admission is
+    held for them one step, no longer, and a rejection is not held at all."""
+    commands: list = []
+    fanout = Fanout("b", to_core=commands.append)  # the bookkeeping only: no engine core, no socket
+    channel = ChannelState("ch")
+    params = SamplingParams(max_tokens=4)
+    r, s = EngineCoreRequest("r", [1] * 20, params), EngineCoreRequest("s", [1] * 5, params)
+    fanout.add(channel, [r, s])
+    assert commands == [[r, s]] and channel.req_ids == {"r", "s"}
+    fanout._admitting["r"].received = fanout._admitting["s"].received = 1.0
     error = InvalidRequestError("too long")
-    other_reply = CallReply(3, True, None)  # not an add: a control call's, answered as before
-    replies, rest, admissions = fanout._admissions([AddReply(7, 20, 2.0)], [CallReply(8, False, error), other_reply],
-                                                   [])
-    assert replies == [other_reply] and rest == []
+    admissions: dict = {}
+    assert fanout._admissions([("r", 20, 2.0)], [("s", error)], [], admissions) == []
     assert admissions[id(channel)][1] == [Refusal("s", error)]
     assert "s" not in fanout.channel_of  # a rejected request leaves its channel
     first = EngineCoreOutput("r", [5], "x", False, None, 20, 1, 0)
     other = EngineCoreOutput("q", [6], "y", False, None, 3, 1, 0)
-    replies, rest, admissions = fanout._admissions([], [], [first, other])
-    assert replies == [] and rest == [other]
+    admissions = {}
+    assert fanout._admissions([], [], [first, other], admissions) == [other]
     assert admissions[id(channel)][1] == [Admitted("r", "b", 20, [first], 1.0, 2.0)]
-    assert fanout._admissions([], [], [first]) == ([], [first], {})  # admitted: later ones take the channel
-    # A request with no output in the next message either (queued) is admitted without outputs.
-    fanout._admitting[9] = _Admitting("s", channel, 1.0)
-    assert fanout._admissions([AddReply(9, 5, 2.0)], [], []) == ([], [], {})
-    replies, rest, admissions = fanout._admissions([], [], [other])
-    assert rest == [other] and admissions[id(channel)][1] == [Admitted("s", "b", 5, [], 1.0, 2.0)]
+    admissions = {}
+    assert fanout._admissions([], [], [first], admissions) == [first] and admissions == {}  # admitted already
+    # A request with no output in the next step either (queued) is admitted without outputs.
+    fanout.add(channel, [s])
+    fanout._admitting["s"].received = 1.0
+    assert fanout._admissions([("s", 5, 2.0)], [], [], admissions) == [] and admissions == {}
+    assert fanout._admissions([], [], [other], admissions) == [other]
+    assert admissions[id(channel)][1] == [Admitted("s", "b", 5, [], 1.0, 2.0)]
     assert not fanout._awaiting_first
+
+
+def test_a_duplicate_id_is_refused_and_a_closed_channel_aborts_its_requests():
+    from tandem.actors.fanout import Abort
+
+    commands: list = []
+    fanout = Fanout("b", to_core=commands.append)
+    channel = RecordingChannel("ch")
+    request = EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=4))
+    fanout.add(channel, [request])
+    fanout.add(channel, [request])
+    assert commands == [[request]]  # the duplicate never reaches the engine
+    [refusal] = channel.sent[0]
+    assert isinstance(refusal, Refusal) and isinstance(refusal.error, InvalidRequestError)
+    fanout.close(channel)
+    assert commands[1:] == [Abort("r")] and not fanout.channel_of
+
+
+def test_a_caller_that_does_not_read_gets_its_outputs_merged_not_queued():
+    """A backed-up channel holds its outputs, one merged delta per request, and sends them once
+    its caller has taken what was written: the step loop never waits, the buffer stays bounded."""
+    async def scenario():
+        fanout = Fanout("b", to_core=lambda command: None)
+        writer = _FakeWriter()
+        channel = RecordingChannel("ch", writer)
+        fanout.add(channel, [EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=4))])
+        fanout.on_step([("r", 2, 0.0)], [], [EngineCoreOutput("r", [7], "a", False, None, 2, 1, 0)])
+        assert [type(i).__name__ for i in channel.sent[-1]] == ["Admitted"]
+        writer.unsent = MAX_UNSENT_BYTES + 1  # the caller stops reading
+        for n in range(2, 5):
+            fanout.on_step([], [], [EngineCoreOutput("r", [7], "a", n == 4, "length" if n == 4 else None, 2, n, 0)])
+        assert len(channel.sent) == 1  # nothing more written while backed up
+        writer.unsent = 0
+        writer.drained.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        [merged] = channel.sent[-1]
+        assert merged.new_token_ids == [7, 7, 7] and merged.new_text == "aaa" and merged.finished
+
+    run(scenario())
+
+
+def test_a_batch_that_does_not_encode_closes_the_wire_instead_of_stalling_it():
+    error = ValueError("carries a lambda")
+    error.callback = lambda: None  # pickling the exception fails on it
+    writer = _FakeWriter()
+    ChannelState("ch", writer).send([Refusal("r", error)])
+    assert writer.closed and writer.written == []  # its caller sees the wire close
+
+
+class RecordingChannel(ChannelState):
+    """A channel whose batches are recorded instead of written to a socket."""
+
+    def __init__(self, channel_id: str, writer=None) -> None:
+        super().__init__(channel_id, writer)
+        self.sent: list = []
+
+    def send(self, items: list) -> None:
+        self.sent.append(items)
+
+
+class _FakeWriter:
+    def __init__(self) -> None:
+        self.unsent = 0
+        self.drained = asyncio.Event()
+        self.transport = self
+        self.written: list = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    async def drain(self) -> None:
+        await self.drained.wait()

@@ -1,7 +1,9 @@
 """The engine core process behind a real Ray backend actor: streaming over the per-caller
-channel (the same-node wire), aborts, callers cancelled at random moments, the warm-up's way
-of loading a backend, and the core's life tied to its actor's (no orphan after `ray.kill`; a
-restarted actor starts a fresh core)."""
+channel (the same-node wire, served by the core itself), aborts, callers cancelled at random
+moments, the warm-up's way of loading a backend, and the core's life tied to its actor's (no
+orphan after `ray.kill`; a restarted actor starts a fresh core; a killed core closes its
+callers' wires and its actor exits). In-process: the core's per-step messages to its actor,
+and a failed step."""
 
 from __future__ import annotations
 
@@ -193,33 +195,151 @@ def test_a_restarted_actor_starts_a_fresh_core_and_serves(ray_local):
     ray_local.kill(actor, no_restart=True)
 
 
+def test_killing_the_core_closes_its_callers_wires_and_its_actor_exits(ray_local):
+    """Callers talk to the core directly, so its death reaches them as their wire closing
+    (`BackendGoneError`, which the ingress fails over), and the actor exits for Ray to restart
+    the pair."""
+    import signal
+
+    from tandem.actors.channel import open_stream
+    from tandem.engine.errors import BackendGoneError
+
+    actor = make_backend(ray_local, "core-killed")
+    pid = ray_local.get(actor.core_pid.remote())
+
+    async def killed_midway():
+        stream = open_stream(actor, "doomed", list(range(30, 50)),
+                             SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), time.time())
+        assert isinstance(await stream.next(), Admitted)
+        await stream.next()  # streaming
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            await stream.next()
+
+    with pytest.raises(BackendGoneError):
+        run(killed_midway())
+
+    def actor_gone():
+        try:
+            ray_local.get(actor.ping.remote(), timeout=5)
+            return False
+        except ray_local.exceptions.RayActorError:
+            return True
+
+    wait_until(actor_gone, "the actor to exit after its core died")
+
+
 def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_its_progress():
     """The front reports to the router at once on an idle message; without it a finished request's
     progress waited for the next step, and a sequential caller's next request was placed while
-    the router still counted the last one as load."""
+    the router still counted the last one as load. The request itself comes and goes on a
+    channel of the core's own wire; the core pipe carries no tokens."""
     import multiprocessing
+    import socket
 
     from tandem.actors import engine_core as core
-    from tandem.actors.messages import EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, decode, encode
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreOutputs, EngineCoreReady,
+                                        EngineCoreRequest, decode)
 
     front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
-    assert isinstance(decode(front.recv_bytes()), EngineCoreReady)
-    front.send_bytes(encode(EngineCoreRequest("r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0),
-                                              time.time(), call_id=1)))
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds([EngineCoreRequest(
+        "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
-        while front.poll(0):
+        while front.poll(0.05):
             messages.append(decode(front.recv_bytes()))
-        if messages and messages[-1].step is None and any(o.finished for m in messages for o in m.outputs):
+        if messages and messages[-1].step is None and any(m.finished for m in messages):
             break
-    assert [a.call_id for a in messages[0].added] == [1]
     last_step = max(i for i, m in enumerate(messages) if m.step is not None)
-    assert any(o.finished for o in messages[last_step].outputs), "the last step finished the request"
+    assert [f.finish_reason for f in messages[last_step].finished] == ["length"], "the last step finished it"
     idle = messages[last_step + 1]
     assert isinstance(idle, EngineCoreOutputs) and idle.step is None  # sent right after it, not after an idle poll
     statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
+    # The tokens went to the caller: its admission first (with the first token), then the rest.
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+    items = []
+    while not (items and getattr(items[-1], "finished", False)):
+        (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+        items.extend(decode(stream.read(size)).items)
+    assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == 4
+    assert sum(len(o.new_token_ids) for o in items[0].outputs + items[1:]) == 3
+    caller.close()
+    child.close()
+    front.close()
+
+
+def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
+    """A step that raises fails every request on the channels with the step's error (and frees
+    them in the engine); the actor hears `EngineCoreFailed` for its log; the next request is
+    served as usual."""
+    import multiprocessing
+    import socket
+
+    from tandem.actors import engine_core as core
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreReady,
+                                        EngineCoreRequest, Refusal, decode)
+    from tandem.engine.errors import BackendError
+
+    front, child = multiprocessing.Pipe()
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+
+    def read_items(until) -> list:
+        items: list = []
+        while not until(items):
+            (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+            items.extend(decode(stream.read(size)).items)
+        return items
+
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds(
+        [EngineCoreRequest("doomed", [5, 6, 7, 8], params, time.time())])))
+    engine_core.loop_once()  # queued and stepped once
+    real_step = engine_core.engine.step
+
+    def failing_step():
+        engine_core.engine.step = real_step
+        raise RuntimeError("boom")
+
+    engine_core.engine.step = failing_step
+    with pytest.raises(RuntimeError):
+        engine_core.loop_once()
+    engine_core.fail_all("Traceback ...\nRuntimeError: boom")  # what serve() does with it
+    items = read_items(lambda items: items and isinstance(items[-1], Refusal))
+    assert isinstance(items[-1].error, BackendError) and "engine failed: RuntimeError: boom" in str(items[-1].error)
+    for _ in range(20):  # the aborts the failure queued
+        engine_core.loop_once()
+        if not engine_core.engine.has_unfinished_requests():
+            break
+    assert not engine_core.engine.has_unfinished_requests()
+    messages = []
+    while front.poll(0.2):
+        messages.append(decode(front.recv_bytes()))
+    assert any(isinstance(m, EngineCoreFailed) for m in messages)
+
+    caller.sendall(wire.frame(ChannelAdds([EngineCoreRequest("next", [5, 6, 7, 8], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
+    for _ in range(20):
+        engine_core.loop_once()
+    items = read_items(lambda items: items and getattr(items[-1], "finished", False))
+    assert isinstance(items[0], Admitted) and items[-1].finish_reason == "length"
+    caller.close()
     child.close()
     front.close()

@@ -23,19 +23,19 @@ OUTPUT = m.EngineCoreOutput("r", [5, 6], "ab", True, "stop", 10, 2, 8, 1.5, 1.6,
 
 
 def examples() -> list:
-    request = m.EngineCoreRequest("r", [1, 2, 3], PARAMS, 1.25, call_id=7)
+    request = m.EngineCoreRequest("r", [1, 2, 3], PARAMS, 1.25)
     stats = EngineStats(1, 2, 3, 4, 0.5, 6, 7, 8)
     return [
         request,
-        m.EngineCoreAbort("r"),
         m.EngineCoreCall(3, "profile", [None, {"num_steps": 4}]),
         m.EngineCoreStop(),
-        m.EngineCoreReady("cpu", "cpu", "float32", 4, 16, 1024, "torch", "tiny", 256, 5.0, {"vocab": [1, 2]}, 0.5, 99),
+        m.EngineCoreReady("cpu", "cpu", "float32", 4, 16, 1024, "torch", "tiny", 256, 5.0, {"vocab": [1, 2]}, 0.5, 99,
+                          ("\0tandem-wire-1", b"\x00\xfftoken")),
         m.EngineCoreFailed("Traceback ...\nRuntimeError: boom"),
-        m.EngineCoreOutputs(added=[m.AddReply(7, 3, 2.5)],
-                            replies=[m.CallReply.of(3, True, stats), m.CallReply.of(4, True, (1, "a")),
+        m.EngineCoreOutputs(replies=[m.CallReply.of(3, True, stats), m.CallReply.of(4, True, (1, "a")),
                                      m.CallReply.of(5, False, InvalidRequestError("too long"))],
-                            outputs=[OUTPUT, m.EngineCoreOutput("q", [], "", False, None, 1, 0, 0)],
+                            finished=[m.FinishedRequest("stop", 1.5, 1.6, 1.7, 1.8),
+                                      m.FinishedRequest(None, 2.0, None, None, None)],
                             progress=[RequestProgress("r", "running", 10, 8, 10, 2, 7)],
                             step=m.StepTiming(10, 4, 4, 0.012), cache_changes={2**63 + 5: True, 17: False},
                             stats=m.StatsTotals(1, 2, 0.25, 30, 40, 20, 100, 50, 1)),

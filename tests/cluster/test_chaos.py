@@ -194,10 +194,9 @@ def leftovers(tandem) -> dict:
     found = {}
     for backend_id, backend in backends.items():
         stats = ray.get(backend.stats.remote(), timeout=TIMEOUT_S)
-        requests = ray.get(backend.__ray_call__.remote(lambda actor: len(actor.fanout.channel_of)),
-                           timeout=TIMEOUT_S)
+        requests = ray.get(backend.num_channel_requests.remote(), timeout=TIMEOUT_S)
         for name, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
-                            ("kv_cache_usage", stats.kv_cache_usage), ("actor channel requests", requests)):
+                            ("kv_cache_usage", stats.kv_cache_usage), ("core channel requests", requests)):
             if value:
                 found[f"{backend_id} {name}"] = value
     for backend_id, summary in ray.get(tandem.router.pending_summary.remote(), timeout=TIMEOUT_S).items():
