@@ -91,14 +91,14 @@ class RouterActor:
                  health_check_period_s: float = 1.0,
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False,
-                 spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
+                 spill_margin: float = 0.0, spill_allow_queue: bool = True, device_shares: bool = False) -> None:
         from tandem.routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(
             [], policy=policy,
             new_token_ratio=NewTokenRatioConfig() if new_token_ratio else None,
             calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None,
-            spill_guard=SpillGuard(spill_margin, spill_allow_queue))
+            spill_guard=SpillGuard(spill_margin, spill_allow_queue), device_shares=device_shares)
         self.policy = self.router.policy
         self.health_check_period_s = health_check_period_s
         self.backends: dict[str, _Backend] = {}

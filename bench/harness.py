@@ -209,7 +209,8 @@ class BenchCluster:
         self.tandem = start(config, log=lambda line: logger.info("%s", line))
         self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
         self.router_settings = {"calibration_alpha": config.calibration_alpha, "spill_margin": config.spill_margin,
-                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": config.warmup_tokens}
+                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": config.warmup_tokens,
+                                "device_shares": config.device_shares}
         return self
 
     def configure(self, arm: str, accel_max_active: int) -> None:

@@ -112,6 +112,9 @@ class TandemConfig(BaseModel):
     spill_allow_queue: bool = False  # let a CPU queue requests while an accelerator could take them
     warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
+    # Engines that share one device are scored by their share of it (routing/device_share.py):
+    # waking an idle engine beside a busy one costs what it does. Off until it has run live.
+    device_shares: bool = False
     # Running requests per backend; None: by device (engine/memory.py: cpu 4, a GPU 256 split
     # among the engines that share it, mps 32).
     max_active: int | None = Field(default=None, ge=1)

@@ -298,7 +298,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
              config.health_check_period_s,
              calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio,
-             spill_margin=config.spill_margin, spill_allow_queue=config.spill_allow_queue)
+             spill_margin=config.spill_margin, spill_allow_queue=config.spill_allow_queue,
+             device_shares=config.device_shares)
     placements = _cpu_backend_placements(plans) if config.address else {}
     backends = {plan.backend_id: _create_backend(BackendActor, plan, config, placements.get(plan.backend_id))
                 for plan in plans}

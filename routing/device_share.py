@@ -9,10 +9,9 @@ and calibration multiplies an observed step's throughput by it, so the rates it 
 per-engine-alone rates rather than absorbing the neighbours' load as well.
 
 A backend's work counts as "there" while its ledger holds a request, active or queued. A
-backend without a device (None) is alone on its own: share 1. The live router knows its
-backends' devices (it shares calibration among identical engines on one, routing/router.py)
-but does not turn this on: only route-sim's scenarios can (docs/routing.md, "Several engines
-on one GPU", says what it does there).
+backend without a device (None) is alone on its own: share 1. `tandem serve --device-shares`
+(the `device_shares` setting, off by default) and route-sim's scenarios turn it on;
+docs/routing.md, "Several engines on one GPU", says what it does.
 """
 
 from __future__ import annotations

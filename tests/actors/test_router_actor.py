@@ -214,3 +214,23 @@ def test_engines_on_one_physical_gpu_share_calibration_and_engines_on_two_do_not
     rates = run(scenario())
     assert rates["cuda0"]["decode_tok_s"] == rates["cuda1"]["decode_tok_s"] == pytest.approx(0.75 * 293)
     assert rates["cuda2"]["decode_tok_s"] == 293.0
+
+
+@pytest.mark.parametrize("device_shares", [False, True])
+def test_with_device_shares_light_traffic_stays_on_the_busy_engine_of_a_shared_gpu(tmp_path, device_shares):
+    """Two engines on one GPU (a decode step of 2 costs about what a step of 1 does), one request
+    on cuda0. Scored alone, idle cuda1 looks free; scored by its share of the device, waking it
+    halves both engines' speed, so the second request batches on cuda0."""
+    rates = {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0, "decode_tok_s_by_batch": {1: 293.0, 2: 580.0}}
+
+    async def scenario():
+        router = RouterActor("cost", None, device_shares=device_shares)
+        for backend_id in ("cuda0", "cuda1"):
+            info = BackendInfo(backend_id, "i1", "cuda:0", "cuda", "cuda", "bfloat16", 1, 4, 16, "m", 2048,
+                               rates=rates, shared_device="node/cuda:0")
+            await router.add_backend(info, FakeBackend(backend_id))
+        first = await router.place("r1", list(range(64)), 16)
+        second = await router.place("r2", list(range(100, 164)), 16)
+        return first.backend_id, second.backend_id
+
+    assert run(scenario()) == ("cuda0", "cuda0" if device_shares else "cuda1")
