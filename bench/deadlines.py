@@ -10,7 +10,8 @@ requests (short prompt and output, `priority` 0 and a TTFT deadline) among batch
 - `fcfs`: the same requests with neither (every request class 0, no deadline): the baseline
   whose urgent TTFT is measured against the same deadline.
 
-Both arms replay the same workload (arrivals, classes, prompts) at each rate. Per arm and
+Both arms replay the same workload (arrivals, classes, prompt lengths) at each rate, each with
+prompts of its own, so that no arm starts on another's prefix cache. Per arm and
 rate it reports: urgent TTFT p50/p95 and the share of urgent requests served within the
 deadline (refused ones counted apart), batch output tokens/s (batch output tokens over the
 span from the first batch send to the last batch end), the refusal latency (send to the 429),
@@ -78,14 +79,20 @@ class Outcome:
         return None if self.first_text_s is None else self.first_text_s - self.send_s
 
 
-def make_workload(rate_per_s: float, duration_s: float, traffic: Traffic, seed: int) -> list[Request]:
-    """Poisson arrivals over `duration_s`; each request urgent with probability `urgent_share`."""
+def make_workload(rate_per_s: float, duration_s: float, traffic: Traffic, seed: int,
+                  prompts_of: str = "") -> list[Request]:
+    """Poisson arrivals over `duration_s`; each request urgent with probability `urgent_share`.
+
+    Arrivals and classes come from `seed` alone, so every arm sees the same traffic; the prompts'
+    tokens also from the rate and `prompts_of` (the arm), because the arms and rates run one after
+    another on one cluster and a prompt seen before would be a prefix-cache hit for the later one."""
     rng = random.Random(seed)
+    tokens = random.Random(f"{seed}/{rate_per_s}/{prompts_of}")
     requests, t = [], rng.expovariate(rate_per_s)
     while t < duration_s:
         urgent = rng.random() < traffic.urgent_share
         num_prompt = traffic.urgent_prompt_tokens if urgent else traffic.batch_prompt_tokens
-        prompt = [rng.randrange(32, 127) for _ in range(num_prompt)]  # valid ids in a byte vocabulary too
+        prompt = [tokens.randrange(32, 127) for _ in range(num_prompt)]  # valid ids in a byte vocabulary too
         max_tokens = traffic.urgent_max_tokens if urgent else traffic.batch_max_tokens
         requests.append(Request(len(requests), t, urgent, prompt, max_tokens))
         t += rng.expovariate(rate_per_s)
@@ -209,8 +216,8 @@ def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic
             arms: tuple[str, ...] = ARMS) -> dict[str, Any]:
     rows, runs = [], []
     for rate in rates:
-        workload = make_workload(rate, duration_s, traffic, seed)
         for arm in arms:
+            workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
             outcomes = asyncio.run(run_load(url, model, workload, arm, traffic))
             rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
             runs.append({"arm": arm, "rate_per_s": rate, "requests": [asdict(o) for o in outcomes]})

@@ -23,6 +23,12 @@ def test_workload_mix_and_bodies_are_seeded_and_per_arm():
     a, b = make_workload(20, 10, traffic, seed=1), make_workload(20, 10, traffic, seed=1)
     assert [(r.arrival_s, r.urgent, r.prompt) for r in a] == [(r.arrival_s, r.urgent, r.prompt) for r in b]
     assert {len(r.prompt) for r in a if r.urgent} == {64} and {len(r.prompt) for r in a if not r.urgent} == {256}
+    # Another arm or rate: the same arrivals and classes, prompts that share no block with these.
+    other = make_workload(20, 10, traffic, seed=1, prompts_of="fcfs")
+    assert [(r.arrival_s, r.urgent) for r in other] == [(r.arrival_s, r.urgent) for r in a]
+    assert not {tuple(r.prompt[:16]) for r in a} & {tuple(r.prompt[:16]) for r in other}
+    assert {tuple(r.prompt[:16]) for r in make_workload(40, 10, traffic, seed=1)}.isdisjoint(
+        {tuple(r.prompt[:16]) for r in a})
     urgent = next(r for r in a if r.urgent)
     batch = next(r for r in a if not r.urgent)
     assert (request_body("m", urgent, "deadline", traffic)["priority"],
