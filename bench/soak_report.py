@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 MIN_INTERVALS = 3
 
@@ -21,17 +21,29 @@ def _check(name: str, passed: bool | None, value: Any, bound: Any, detail: str) 
     return {"name": name, "passed": passed, "value": value, "bound": bound, "detail": detail}
 
 
-def rss_slope_mib_per_min(intervals: list[dict[str, Any]]) -> float | None:
-    """Least-squares slope of the server's RSS over the intervals' end times, from the second on."""
-    points = [(row["end_s"] / 60.0, row["rss_mib"]) for row in intervals[1:]]
-    if len(points) < 2:
-        return None
-    mean_t = sum(t for t, _ in points) / len(points)
-    mean_m = sum(m for _, m in points) / len(points)
-    var = sum((t - mean_t) ** 2 for t, _ in points)
-    if var == 0:
-        return None
-    return round(sum((t - mean_t) * (m - mean_m) for t, m in points) / var, 2)
+def rss_slope_mib_per_min(intervals: list[dict[str, Any]], kills_at_s: Sequence[float] = ()) -> float | None:
+    """Least-squares slope of the server's RSS over the intervals' end times, from the second on.
+
+    A killed backend's processes go and fresh ones come back with their start-up memory: a step
+    in the RSS, not a trend. So the samples are split at each kill, the first sample after a
+    kill (taken while the replacement starts) is left out, and the slope is fitted with one
+    intercept per segment (the pooled within-segment slope)."""
+    segments: list[list[tuple[float, float]]] = [[]]
+    kills = sorted(kills_at_s)
+    for row in intervals[1:]:
+        passed = [k for k in kills if k <= row["end_s"]]
+        if passed:
+            kills = kills[len(passed):]
+            segments.append([])
+            continue  # the sample the kill's restart falls in
+        segments[-1].append((row["end_s"] / 60.0, row["rss_mib"]))
+    cov = var = 0.0
+    for points in (p for p in segments if len(p) >= 2):
+        mean_t = sum(t for t, _ in points) / len(points)
+        mean_m = sum(m for _, m in points) / len(points)
+        var += sum((t - mean_t) ** 2 for t, _ in points)
+        cov += sum((t - mean_t) * (m - mean_m) for t, m in points)
+    return round(cov / var, 2) if var > 0 else None
 
 
 def checks(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -48,10 +60,10 @@ def checks(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
     growth = round(intervals[-1]["rss_mib"] - intervals[1]["rss_mib"], 1) if enough else None
     out.append(_check("rss_growth_mib", None if growth is None else growth <= args.max_rss_growth_mib, growth,
                       args.max_rss_growth_mib, "server RSS (idle pool workers aside), last interval minus the second"))
-    slope = rss_slope_mib_per_min(intervals) if enough else None
+    slope = rss_slope_mib_per_min(intervals, [k["at_s"] for k in report.get("kills", [])]) if enough else None
     out.append(_check("rss_slope_mib_per_min", None if slope is None else slope <= args.max_rss_slope_mib_per_min,
                       slope, args.max_rss_slope_mib_per_min, "least-squares slope of server RSS from the second "
-                      "interval on"))
+                      "interval on, fitted per segment between backend kills"))
     second, last = (intervals[1].get("p99_ms"), intervals[-1].get("p99_ms")) if enough else (None, None)
     ratio = round(last / second, 3) if second and last is not None else None
     out.append(_check("p99_last_over_second", None if ratio is None else ratio <= 1 + args.max_p99_growth, ratio,

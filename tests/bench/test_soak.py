@@ -183,6 +183,11 @@ def test_checks_pass_and_fail_on_their_bounds():
     # RSS after warm-up: 1000, 1010, 1020 MiB one minute apart: 10 MiB/min, +20 MiB.
     assert rss_slope_mib_per_min([{"end_s": 60.0, "rss_mib": 500.0}, {"end_s": 120.0, "rss_mib": 1000.0},
                                   {"end_s": 180.0, "rss_mib": 1010.0}, {"end_s": 240.0, "rss_mib": 1020.0}]) == 10.0
+    # A kill at 200 s: the sample at 240 s (a replacement starting) is left out, and the step
+    # from one segment to the next is not growth: 1000, 1010 | 1300, 1310, 1320 is 10 MiB/min.
+    rows = [{"end_s": 60.0 * (i + 1), "rss_mib": m} for i, m in enumerate([500, 1000, 1010, 900, 1300, 1310, 1320])]
+    assert rss_slope_mib_per_min(rows, [200.0]) == 10.0
+    assert rss_slope_mib_per_min(rows) > 50  # fitted across the step
     good = {c["name"]: c for c in checks(_report([500, 1000, 1010, 1020], [900, 100, 300, 119]), _args())}
     assert all(c["passed"] for c in good.values()), good
     assert (good["rss_growth_mib"]["value"], good["rss_slope_mib_per_min"]["value"]) == (20.0, 10.0)
