@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_served_path_bench_writes_a_row_per_system(tmp_path):
     out = tmp_path / "served.json"
@@ -34,6 +36,10 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
     assert len(result["rows"]) == 3
     for row in result["rows"]:
         assert row["in_process_tok_s"] > 0 and row["http_tok_s"] > 0
+        # one rate per repeat (the warm-up excluded) on each side, the best among them
+        assert len(row["in_process_tok_s_runs"]) == len(row["http_tok_s_runs"]) == 1
+        assert max(row["http_tok_s_runs"]) == pytest.approx(row["http_tok_s"], abs=0.1)
+        assert row["ratio_of_medians"] > 0
         for p50, worst in row["ttft_p50_max_ms"].values():
             assert 0 < p50 <= worst
         stages = row["admission_stages_mean_ms"]  # read back from the server's own metrics
