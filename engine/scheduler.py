@@ -12,12 +12,12 @@ Admission order. Preempted requests go first (they were running), then waiting r
 classes compared by value), so an urgent request goes ahead of waiting batch work. With one
 class this is FCFS. Batch work is never starved: a request that has waited longer than
 `max_priority_wait_s` takes turns with the more urgent waiting requests, one admission each
-(aged requests by arrival; the turn carries over from one step to the next). So under a stream of urgent work aged batch work gets at
-least every other admission, and under sustained overload, when the whole batch backlog has
-aged, an urgent request waits behind as many aged requests as urgent ones, never behind the
-whole backlog (giving aged work full urgency instead would make the order FCFS exactly when
-priorities matter most). Priority never preempts a running request: an urgent request waits for a free
-slot like any other, which keeps running requests' latency independent of later arrivals and
+(aged requests by arrival; the turn carries over from one step to the next). So under a
+stream of urgent work aged batch work gets at least every other admission, and under sustained
+overload, when the whole batch backlog has aged, an urgent request waits behind as many aged
+requests as urgent ones, never behind the whole backlog (giving aged work full urgency instead
+would make the order FCFS exactly when priorities matter most). Priority never preempts a
+running request: an urgent request waits for a free slot like any other, which keeps running requests' latency independent of later arrivals and
 spares the recompute. The head of that order is not overtaken when its blocks do not fit. The
 clock is injectable so the starvation bound is tested without sleeping.
 No torch here: the scheduler is tested on exact block ids in milliseconds.
@@ -25,7 +25,6 @@ No torch here: the scheduler is tested on exact block ids in milliseconds.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -246,13 +245,18 @@ class Scheduler:
 def _take_turns(aged: list[Request], fresh: list[Request],
                 aged_turn: bool) -> tuple[list[Request], dict[str, bool]]:
     """Aged requests (in arrival order) and fresh ones (in (priority, arrival) order) take turns,
-    starting with an aged one if `aged_turn`, while the fresh one is of a more urgent class than
-    the aged one; then the rest of the aged, then the rest of the fresh. Also returns, for the
-    requests placed by turns, whether each is aged."""
+    starting with an aged one if `aged_turn`, where the fresh one is of a more urgent class than
+    the aged one; an aged request of the fresh one's class or a more urgent one simply goes
+    first. Then the rest of the aged, then the rest of the fresh. Also returns, for the requests
+    placed by turns, whether each is aged."""
     order: list[Request] = []
     turns: dict[str, bool] = {}
     a = f = 0
-    while a < len(aged) and f < len(fresh) and fresh[f].priority < aged[a].priority:
+    while a < len(aged) and f < len(fresh):
+        if fresh[f].priority >= aged[a].priority:
+            order.append(aged[a])
+            a += 1
+            continue
         request = aged[a] if aged_turn else fresh[f]
         a, f = (a + 1, f) if aged_turn else (a, f + 1)
         order.append(request)

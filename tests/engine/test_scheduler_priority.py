@@ -101,6 +101,16 @@ def test_aged_and_urgent_requests_take_turns_then_the_rest_by_class():
     assert [r.req_id for r in sched.admission_order()] == ["b1", "u1", "b2", "u2", "b3", "fresh_batch"]
 
 
+def test_an_aged_urgent_request_goes_first_and_aged_batch_work_still_takes_turns():
+    sched, clock = make(max_active=1, wait_s=5.0)
+    add(sched, clock, "old_urgent", priority=0)
+    add(sched, clock, "old_batch", priority=1)
+    clock.now += 6.0
+    add(sched, clock, "u1")
+    add(sched, clock, "u2")
+    assert [r.req_id for r in sched.admission_order()] == ["old_urgent", "old_batch", "u1", "u2"]
+
+
 def test_an_urgent_request_waits_behind_as_many_aged_requests_as_urgent_ones():
     sched, clock = make(max_active=1, wait_s=1.0)
     for i in range(10):  # a backlog of batch work that has all aged
