@@ -231,7 +231,7 @@ async def _http_rows(args: Any, url: str, model: str, loads: list[Workload], ttf
                 if rep:  # the first burst warms up, as in-process
                     results[("runs", w.name)].append(round(rate, 1))
                 after = await settled_scrape(metrics_url, before.get("route", [0.0, 0.0])[1] + len(w.prompts))
-                if rate > best:  # the client's own CPU: near 100% means the client sets the pace
+                if rep and rate > best:  # the client's own CPU: near 100% means the client sets the pace
                     best, results["client_cpu"][w.name] = rate, round(cpu / elapsed, 2)
                     results[("ttft", w.name)] = ttft_spread([sent - start + first for _, first, sent in done])
                     # how long this one client took to send the burst: a part of the TTFTs above
