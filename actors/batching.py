@@ -69,7 +69,7 @@ class CallBatcher:
 
 class NoticeBatcher:
     """Coalesces one-way notices made on the running event loop: the notices of one turn go out
-    as one `send(batch)` (a one-way actor call, say `functools.partial(method.remote, ...)`),
+    as one `send(batch)`, a list of the notified items (a one-way actor call, say, or a frame),
     which nobody awaits. A send that fails at once (its arguments do not serialize, say) hands
     the batch and the error to `on_error`; what happens to a sent batch is for the receiver to
     say by other means."""
@@ -77,12 +77,12 @@ class NoticeBatcher:
     def __init__(self, send: Any, on_error: Any = None) -> None:
         self._send = send
         self._on_error = on_error
-        self._pending: list[tuple] = []
+        self._pending: list = []
 
-    def notify(self, *args: Any) -> None:
+    def notify(self, item: Any) -> None:
         if not self._pending:
             detached(asyncio.get_running_loop().call_soon, self._flush)
-        self._pending.append(args)
+        self._pending.append(item)
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []

@@ -5,68 +5,89 @@ A Ray streaming generator per request costs an item (an object, a task event, a 
 both sides) per request per message; at 64 streams and a message per stream every few
 milliseconds that per-item cost, not the engine, sets the pace. Here each caller process opens
 one channel per backend and adds its requests on it (the adds of one event-loop turn in one
-batch, actors/batching.py); every engine step then comes back as one batch holding this
+batch, actors/batching.py); every engine step then comes back as one `ChannelBatch` holding this
 caller's admissions (each with the request's first outputs) and outputs, which a reader task
 sorts into per-request queues. A request's reader merges whatever has piled up since its last
 read into one output, so a caller that falls behind reads fewer, larger deltas instead of
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
 
-A channel's transport: on the backend's own node, the same-node wire (a Unix socket, see
-actors/wire.py), which costs a socket write per batch each way; elsewhere Ray, a one-way
-`BackendActor.add_many` per batch of adds and one `BackendActor.subscribe` stream for the
-batches back.
+A channel's transport is decided by locality: on the backend's own node, the same-node wire
+to the backend's engine core process itself (a Unix socket, see actors/wire.py), which costs a
+socket write per batch each way; elsewhere Ray, a one-way `BackendActor.add_many` per batch of
+adds and one `BackendActor.subscribe` stream for the batches back, which the actor relays to
+its core (actors/relay.py). Both carry the same typed messages (actors/messages.py) in the
+same codec: `ChannelAdds` of `EngineCoreRequest`s one way, `ChannelBatch`es the other (over
+Ray as encoded bytes, which Ray passes without serializing them again).
 
-`open_stream` returns an object with `await next()` (first `Admitted`, then `RequestOutput`s)
-and `close()`; errors are those of the per-request generator: `InvalidRequestError` from the
+`open_stream` returns a `RequestStream`, with `await next()` (first `Admitted`, then
+`RequestOutput`s) and `close()`; its errors: `InvalidRequestError` when the engine refuses the
 add, `BackendError` for a failed engine, Ray's `RayActorError` if the backend died (or
-`BackendGone`, when the wire closed). `TANDEM_STREAM_HOP=generate` uses one Ray streaming
-generator per request instead (`BackendActor.generate`), and `TANDEM_WIRE=0` keeps channels on
-Ray, e.g. to measure them.
+`BackendGoneError`, when the wire closed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import time
 import uuid
 from typing import Any
 
 from tandem.actors import wire
 from tandem.actors.batching import NoticeBatcher
 from tandem.actors.detached import detached
-from tandem.actors.engine_core import unpack_output
-from tandem.actors.messages import Admitted, BackendError, BackendGone
+from tandem.actors.messages import Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal, decode, encode
+from tandem.engine.errors import BackendError, BackendGoneError
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
 
-STREAM_HOP_ENV = "TANDEM_STREAM_HOP"
-_channels: dict[tuple[int, str], BackendChannel] = {}
+_channels: dict[tuple[int, str], Channel] = {}
 
 
 def open_stream(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                arrival_time: float | None) -> Any:
+                arrival_time: float | None) -> RequestStream:
     """Start a request on the backend behind `handle`; read it with `await stream.next()`."""
-    if os.environ.get(STREAM_HOP_ENV, "channel") == "generate":
-        return GeneratorStream(handle, req_id, prompt_token_ids, params, arrival_time)
-    return ChannelStream(channel_for(handle), req_id, prompt_token_ids, params, arrival_time)
+    return RequestStream(channel_for(handle), EngineCoreRequest(req_id, prompt_token_ids, params, arrival_time))
 
 
-def channel_for(handle: Any) -> BackendChannel:
+def run_to_end(requests: list[tuple[Any, str, list[int], Any]]) -> None:
+    """Run requests `(backend handle, req_id, prompt_token_ids, params)` straight on their
+    backends, without the router, until each finished: the warm-up's and the benchmarks' way to
+    load a backend. On an event loop of its own (in a thread), so a caller that has a running
+    loop can call it too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def one(handle: Any, req_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        stream = open_stream(handle, req_id, prompt_token_ids, params, time.time())
+        try:
+            await stream.next()  # the admission
+            while not (await stream.next()).finished:
+                pass
+        finally:
+            stream.close()
+
+    async def all_of_them() -> None:
+        await asyncio.gather(*(one(*request) for request in requests))
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, all_of_them()).result()
+
+
+def channel_for(handle: Any) -> Channel:
     """This event loop's channel to the backend behind `handle` (one per actor, shared)."""
     loop = asyncio.get_running_loop()
     key = (id(loop), handle._actor_id.hex())
     channel = _channels.get(key)
     if channel is None or channel.error is not None:
-        channel = _channels[key] = BackendChannel(handle, key)
+        channel = _channels[key] = Channel(handle, key)
     return channel
 
 
-class BackendChannel:
+class Channel:
     """The caller's end of one channel. Its transport is settled by the reader task: the
-    same-node wire when the backend is on this node (and `TANDEM_WIRE` is not 0), else Ray
-    (`add_many` and `subscribe`); adds made before that is known wait in `_unsent`."""
+    same-node wire when the backend is on this node, else Ray (`add_many` and `subscribe`);
+    adds made before that is known wait in `_unsent`."""
 
     def __init__(self, handle: Any, key: tuple[int, str]) -> None:
         self.handle = handle
@@ -77,26 +98,26 @@ class BackendChannel:
         self.error: BaseException | None = None
         self.transport: str | None = None  # "wire" or "ray", once the reader task knows
         self._writer: asyncio.StreamWriter | None = None
-        self._unsent: list[tuple] = []
+        self._unsent: list[EngineCoreRequest] = []
         self.task = detached(asyncio.get_running_loop().create_task, self._read())  # outlives its first request
 
-    def _send_adds(self, batch: list[tuple]) -> None:
+    def _send_adds(self, batch: list[EngineCoreRequest]) -> None:
         if self.transport == "wire":
-            self._write_wire(batch)
+            self._write_wire(ChannelAdds(batch))
         elif self.transport == "ray":
-            self.handle.add_many.remote(self.channel_id, batch)
+            self.handle.add_many.remote(self.channel_id, encode(ChannelAdds(batch)))
         else:
             self._unsent.extend(batch)
 
-    def _write_wire(self, batch: list[tuple]) -> None:
+    def _write_wire(self, adds: ChannelAdds) -> None:
         """A wire that closed under the backend (killed, restarting) before the reader task saw
-        it fails these adds as `BackendGone`, which fails over, rather than as the transport's
+        it fails these adds as `BackendGoneError`, which fails over, rather than as the transport's
         own error (uvloop raises RuntimeError on a closed handle; asyncio drops the bytes)."""
-        gone = BackendGone(f"the wire of backend channel {self.channel_id} closed before its adds were sent")
+        gone = BackendGoneError(f"the wire of backend channel {self.channel_id} closed before its adds were sent")
         if self._writer.is_closing():
             raise gone
         try:
-            self._writer.write(wire.encode(batch))
+            self._writer.write(wire.frame(adds))
         except (RuntimeError, ConnectionError) as exc:
             raise gone from exc
 
@@ -122,19 +143,19 @@ class BackendChannel:
         gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
         self._start("ray")
         async for ref in gen:
-            self._sort(await ref)
+            self._sort(decode(await ref).items)
         raise BackendError(f"backend channel {self.channel_id} ended")
 
     async def _read_wire(self, address: tuple[str, bytes]) -> None:
         reader, self._writer = await wire.connect(address)
-        self._writer.write(wire.encode(self.channel_id))
+        self._writer.write(wire.frame(ChannelOpen(self.channel_id)))
         self._start("wire")
         while True:
             try:
                 batch = await wire.read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
-                raise BackendGone(f"the wire of backend channel {self.channel_id} closed") from None
-            self._sort(batch)
+                raise BackendGoneError(f"the wire of backend channel {self.channel_id} closed") from None
+            self._sort(batch.items)
 
     def _start(self, transport: str) -> None:
         """Send the adds that waited for the transport, then every add as it comes."""
@@ -143,30 +164,35 @@ class BackendChannel:
             batch, self._unsent = self._unsent, []
             self._send_adds(batch)
 
-    def _sort(self, batch: list) -> None:
-        """Packed outputs, or (req_id, Admitted) or (req_id, error) for one request, each to its
-        request's queue."""
-        for item in batch:
-            queue = self.queues.get(item[0])
-            if queue is not None:
-                queue.put_nowait(item[1] if len(item) == 2 else unpack_output(item))
+    def _sort(self, items: list) -> None:
+        """A batch's items (`EngineCoreOutput`, `Admitted` or `Refusal`), each to its request's
+        queue: an output as a `RequestOutput`, a refusal as its exception."""
+        for item in items:
+            queue = self.queues.get(item.req_id)
+            if queue is None:
+                continue
+            if isinstance(item, Refusal):
+                queue.put_nowait(item.error)
+            elif isinstance(item, Admitted):
+                queue.put_nowait(item)
+            else:
+                queue.put_nowait(item.to_request_output())
 
-    def _adds_failed(self, batch: list[tuple], error: BaseException) -> None:
+    def _adds_failed(self, batch: list[EngineCoreRequest], error: BaseException) -> None:
         """The adds could not be sent: each request hears it as its answer."""
-        for args in batch:
-            queue = self.queues.get(args[0])
+        for request in batch:
+            queue = self.queues.get(request.req_id)
             if queue is not None:
                 queue.put_nowait(error)
 
 
-class ChannelStream:
-    """One request on a `BackendChannel`."""
+class RequestStream:
+    """One request on a `Channel`."""
 
-    def __init__(self, channel: BackendChannel, req_id: str, prompt_token_ids: list[int], params: Any,
-                 arrival_time: float | None) -> None:
+    def __init__(self, channel: Channel, request: EngineCoreRequest) -> None:
         self.channel = channel
-        self.req_id = req_id
-        self._add_args = (req_id, prompt_token_ids, params, arrival_time)
+        self.req_id = request.req_id
+        self._request = request
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending_error: BaseException | None = None
         self._ready: list = []  # merged outputs of other choices, returned before reading more
@@ -205,7 +231,7 @@ class ChannelStream:
         if channel.error is not None:
             self.close()
             raise channel.error
-        channel.adds.notify(*self._add_args)
+        channel.adds.notify(self._request)
         try:
             admitted = await self._queue.get()  # the admission comes first, on the channel
         except BaseException:
@@ -215,7 +241,7 @@ class ChannelStream:
             self.close()
             raise admitted
         self._admitted = True
-        self._first = [unpack_output(t) for t in admitted.outputs]
+        self._first = [out.to_request_output() for out in admitted.outputs]
         if self._first and self._first[-1].finished:
             self.close()
         return admitted
@@ -223,18 +249,3 @@ class ChannelStream:
     def close(self) -> None:
         if self.channel.queues.get(self.req_id) is self._queue:
             del self.channel.queues[self.req_id]
-
-
-class GeneratorStream:
-    """One request on its own Ray streaming generator (`BackendActor.generate`)."""
-
-    def __init__(self, handle: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                 arrival_time: float | None) -> None:
-        self._gen = handle.generate.options(num_returns="streaming").remote(
-            req_id, prompt_token_ids, params, arrival_time)
-
-    async def next(self) -> Any:
-        return await (await self._gen.__anext__())
-
-    def close(self) -> None:
-        pass

@@ -10,7 +10,7 @@ Serve cancels a request's task when its client hangs up, and with it went:
   cancel and had not run yet: the request ran to its last token, holding its blocks;
 - a batch of calls flushed in that request's turn (other requests' routes and adds);
 - a reader or watcher task the request happened to start first, which serves every later
-  request of the process (a channel's `subscribe` stream, the fixed-choice watch).
+  request of the process (a channel's `subscribe` stream, the router wire's reader).
 
 `detached(fn, *args)` runs `fn` in an empty context, so what it submits or starts has no
 parent request. Everything shared by many requests, or that must outlive the one it cleans up

@@ -1,101 +1,61 @@
-"""The engine core: one `LLMEngine` in its own OS process, so its step loop never shares a GIL.
+"""The engine core: one `LLMEngine` in its own OS process, so its step loop never shares a GIL
+with a Ray actor, and the process that serves its callers' channels.
 
-A backend actor's event loop does serving work (Ray calls, streams, reports) and the engine
-does GPU or CPU steps; in one process they take turns on one GIL, and the step loop waits
-whenever the serving side runs. Here the engine runs alone in a child process started with
+A backend actor's event loop does control-plane work (Ray calls, reports, restarts) and the
+engine does GPU or CPU steps; in one process they take turns on one GIL, and the step loop
+waits whenever the serving side runs. Here the engine runs in a child process started with
 the 'spawn' context (a fresh interpreter: no copy of the actor's Ray state or threads; the
-child inherits the environment, so it sees the same `CUDA_VISIBLE_DEVICES`). Its loop is
-plain Python, no asyncio and no Ray: take every queued command, step, send outputs.
+child inherits the environment, so it sees the same `CUDA_VISIBLE_DEVICES`). Its main thread
+is the step loop, plain Python, no asyncio and no Ray: take every queued command, step, post
+the step's news to the I/O thread.
 
-The wire, both ways, is one `multiprocessing` Pipe carrying pickled plain tuples (measured
-cheaper than dataclasses; see `pack_output`):
+A request's data goes straight between its caller and this process: the core serves the
+callers' channels itself on the same-node wire (actors/core_io.py runs the socket I/O on its
+own thread; actors/fanout.py admits, paces and batches), so a step's tokens leave in one frame
+per caller with no hop through the actor. vLLM's engine core talks to its front end the same
+way (a local socket, serialized on an output thread).
 
-- front -> core: `(ADD, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize)`,
-  `(ABORT, req_id)` (no answer), `(CALL, call_id, name, args)` for the engine's other public
-  methods and `profile`, `(STOP,)`.
-- core -> front: one `(STEP, replies, outputs, progress, step, cache_changes, stats)` message
-  per engine step (or per batch of commands while idle), carrying every request's new tokens
-  and text, the router's progress and step timing, and the prefix-cache changes; never one
-  message per request. `replies` answers the commands applied since the last message as
-  `(call_id, ok, value_or_error)`; an add's value is `(num_prompt_tokens, time queued)`. First
-  of all the core sends `(READY, info)`, or `(FAILED, traceback)` if the engine cannot load.
+The core pipe to the backend actor, both ways one `multiprocessing` Pipe carrying the typed
+messages of actors/messages.py in their one codec, is the control plane:
 
-The core dies with its front: it exits when the pipe reaches end-of-file (the front process
-is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; a blocked
-send to a dead front fails with a broken pipe and exits as well.
+- actor -> core: `EngineCoreCall` for the engine's other public methods (`abort` among them)
+  and `profile`, `EngineCoreStop`.
+- core -> actor: first `EngineCoreReady` (with the wire's address), or `EngineCoreFailed` if
+  the engine cannot load; then one `EngineCoreOutputs` per engine step (or per batch of
+  commands while idle): the router's progress, the step's timing, the prefix-cache changes,
+  the finished requests' timings and the control calls' answers, never the requests' tokens.
+
+The core dies with its actor: it exits when the pipe reaches end-of-file (the actor's process
+is gone, however it died: Ctrl-C, SIGTERM, `ray.kill`) or when it is re-parented; its callers
+then see their wires close. If the core dies, the actor sees the pipe end and exits too.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import time
 import traceback
 from typing import Any
 
-READY, FAILED, STEP = "ready", "failed", "step"
-ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
+from tandem.actors.core_io import CoreIO, FrontGone, StepNews
+from tandem.actors.fanout import Abort
+from tandem.actors.messages import (CallReply, EngineCoreCall, EngineCoreFailed, EngineCoreOutputs,
+                                    EngineCoreReady, EngineCoreRequest, EngineCoreStop, Message, StatsTotals,
+                                    StepTiming, decode, encode)
+from tandem.engine.errors import BackendError
+
 IDLE_POLL_S = 0.05
 STATS_INTERVAL_S = 0.5
 # Progress (each changed request's absolute counts) goes out at most this often, and whenever
 # the engine goes idle: the front reports it to the router every ~20 ms, so draining it more
-# often only builds and pickles every running request's progress on the step loop for the
-# front to overwrite before its next report.
+# often only builds and encodes every running request's progress for the front to overwrite
+# before its next report.
 PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-def pack_output(out: Any) -> tuple:
-    """A `RequestOutput` as a plain tuple (pickles in about a third of the time)."""
-    u = out.usage
-    return (out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
-            u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
-            out.first_token_time, out.finished_time, out.index, out.logprobs)
-
-
-def unpack_output(t: tuple) -> Any:
-    from tandem.engine.outputs import RequestOutput, Usage
-
-    return RequestOutput(t[0], t[1], t[2], t[3], t[4], Usage(t[5], t[6], t[7]), t[8], t[9], t[10], t[11],
-                         t[12], t[13])
-
-
-def merge_packed(outputs: list[tuple]) -> list[tuple]:
-    """`merge_outputs` on packed outputs (consecutive ones of one request): one delta per choice,
-    in the order of each choice's latest output, without building a `RequestOutput` each."""
-    if len(outputs) == 1:
-        return outputs
-    by_index: dict[int, tuple] = {}
-    for t in outputs:
-        earlier = by_index.pop(t[12], None)
-        if earlier is not None:
-            logprobs = earlier[13] if t[13] is None else t[13] if earlier[13] is None else earlier[13] + t[13]
-            t = (t[0], earlier[1] + t[1], earlier[2] + t[2], *t[3:13], logprobs)
-        by_index[t[12]] = t
-    return list(by_index.values())
-
-
-def pack_progress(p: Any) -> tuple:
-    return (p.req_id, p.status, p.num_prompt_tokens, p.num_cached_tokens, p.num_computed_prompt_tokens,
-            p.num_output_tokens, p.max_tokens)
-
-
-def unpack_progress(t: tuple) -> Any:
-    from tandem.engine.outputs import RequestProgress
-
-    return RequestProgress(*t)
-
-
-def stats_totals(st: Any) -> tuple:
-    """The stats the front exports as gauges and counters (see actors/metrics.py)."""
-    return (st.num_running, st.num_waiting, st.kv_cache_usage, st.num_free_blocks, st.prefix_cache_queries,
-            st.prefix_cache_hits, st.num_prompt_tokens_total, st.num_generation_tokens_total, st.num_preemptions)
-
-
-class CoreDied(RuntimeError):
-    """The engine core process exited (crashed, or was killed) while its front still needed it."""
-
-
-def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+def run_core(conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     """The child's entry point (a module-level function, so 'spawn' can import it)."""
     import signal
 
@@ -103,42 +63,50 @@ def run_core(conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     # never in the middle of a step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        core = EngineCore(conn, engine_kwargs, parent_pid)
+        core = EngineCore(conn, backend_id, engine_kwargs, parent_pid)
     except BaseException:
-        _send_quietly(conn, (FAILED, traceback.format_exc()))
+        _send_quietly(conn, EngineCoreFailed(traceback.format_exc()))
         return
     core.serve()
 
 
-def _send_quietly(conn: Any, message: tuple) -> None:
+def _send_quietly(conn: Any, message: Message) -> None:
     try:
-        conn.send(message)
+        conn.send_bytes(encode(message))
     except OSError:  # the front is gone: nobody to tell
         pass
 
 
 class EngineCore:
-    """The loop of the child process. Everything here runs on its one thread."""
+    """The step loop: everything here runs on the process's main thread, the only one that
+    touches the engine. Commands come from `io.inbox` (the core pipe's and the channels'),
+    each step's news goes to `io.post`."""
 
-    def __init__(self, conn: Any, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+    def __init__(self, conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
         from tandem.engine.config import EngineConfig
         from tandem.engine.llm_engine import LLMEngine
 
-        self.conn = conn
+        self.backend_id = backend_id
         self.parent_pid = parent_pid
         start = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(**engine_kwargs))
-        self.replies: list[tuple] = []
+        self.added: list[tuple[str, int, float]] = []
+        self.refused: list[tuple[str, BaseException]] = []
+        self.replies: list[CallReply] = []
         self.running = True
+        self.stopped = False  # its actor asked it to stop (rather than going away)
         self.last_stats = 0.0
         self.last_progress = 0.0
         engine, cfg = self.engine, self.engine.config
-        conn.send((READY, dict(
+        # The pipe's first message is this one: the I/O thread starts sending only after it.
+        self.io = CoreIO(backend_id, conn)
+        conn.send_bytes(encode(EngineCoreReady(
             device=str(engine.device), device_kind=engine.device.type,
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
             model_name=engine.model_name, max_model_len=engine.max_model_len,
-            tokenizer=engine.tokenizer, load_s=time.perf_counter() - start, pid=os.getpid())))
+            max_priority_wait_s=cfg.max_priority_wait_s, tokenizer=engine.tokenizer,
+            load_s=time.perf_counter() - start, pid=os.getpid(), wire_address=self.io.address)))
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -147,92 +115,119 @@ class EngineCore:
             try:
                 self.loop_once()
                 failures = 0
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                return  # the front is gone: so are we
-            except Exception:  # a step failed: the front fails the requests, the engine keeps serving
+            except EOFError:
+                break  # the front is gone: so are we
+            except Exception:  # a step failed: its requests fail, the engine keeps serving
                 failures += 1
                 self.fail_all(traceback.format_exc())
                 if failures >= MAX_CONSECUTIVE_FAILURES:
-                    return
+                    break
+        self.io.close(BackendError(f"backend {self.backend_id} is shutting down") if self.stopped else None)
 
     def loop_once(self) -> None:
         busy = self.engine.has_unfinished_requests()
         self.take_commands(block=not busy)
         if not self.engine.has_unfinished_requests():
-            self.send_step([], None)  # replies, and the progress and cache changes of the last step
+            self.post_step([], None)  # answers, and the progress and cache changes of the last step
             return
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.send_step(outputs, time.perf_counter() - start)
+        self.post_step(outputs, time.perf_counter() - start)
         if not self.engine.has_unfinished_requests():
             # Idle now: the finished requests' progress goes out at once, and the idle message
             # makes the front report it at once, so the router does not count them as load
             # when the caller's next request comes (a sequential client would see it spill).
-            self.send_step([], None, force=True)
+            self.post_step([], None, force=True)
 
     def take_commands(self, block: bool) -> None:
-        conn = self.conn
-        if not conn.poll(IDLE_POLL_S if block else 0):
+        inbox = self.io.inbox
+        try:
+            command = inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait()
+        except queue.Empty:
             if block and os.getppid() != self.parent_pid:
-                raise EOFError("the front process is gone")
+                raise EOFError("the front process is gone") from None
             return
         while True:
-            self.apply(conn.recv())
-            if not self.running or not conn.poll(0):
+            self.apply(command)
+            if not self.running:
+                return
+            try:
+                command = inbox.get_nowait()
+            except queue.Empty:
                 return
 
-    def apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == ABORT:
-            self.engine.abort_request(command[1])
-        elif kind == ADD:
-            _, call_id, req_id, prompt_token_ids, params, arrival_time, detokenize = command
-            self.answer(call_id, lambda: (self.engine.add_request(req_id, prompt_token_ids, params, arrival_time,
-                                                                  detokenize), time.time()))
-        elif kind == CALL:
-            _, call_id, name, args = command
-            self.answer(call_id, lambda: getattr(self, "call_" + name)(*args))
-        elif kind == STOP:
-            self.running = False
+    def apply(self, command: Any) -> None:
+        if isinstance(command, list):  # a channel frame's requests
+            for request in command:
+                self.add(request)
+        elif isinstance(command, Abort):
+            self.engine.abort_request(command.req_id)
+        elif isinstance(command, EngineCoreCall):
+            try:
+                value = getattr(self, "call_" + command.name)(*command.args)
+            except Exception as exc:  # a command's failure is its caller's error, never the loop's
+                self.replies.append(CallReply.of(command.call_id, False, exc))
+            else:
+                self.replies.append(CallReply.of(command.call_id, True, value))
+        elif isinstance(command, EngineCoreStop):
+            self.running, self.stopped = False, True
+        elif isinstance(command, FrontGone):
+            raise EOFError("the front process is gone")
 
-    def answer(self, call_id: int, fn: Any) -> None:
-        """Run one command; its result or exception goes back in the next message. A command's
-        failure is its caller's error, never the loop's."""
+    def add(self, request: EngineCoreRequest) -> None:
+        """Queue a request; its channel hears the answer with the next step's news."""
         try:
-            self.replies.append((call_id, True, fn()))
+            num_prompt_tokens = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params,
+                                                        request.arrival_time)
         except Exception as exc:
-            self.replies.append((call_id, False, exc))
+            self.refused.append((request.req_id, exc))
+        else:
+            self.added.append((request.req_id, num_prompt_tokens, time.time()))
 
-    def send_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
-        """One message with the step's outputs (`elapsed` None: an idle message, which also
-        carries any held progress); nothing when there is nothing to say, unless `force`."""
+    def post_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
+        """Hand the I/O thread the step's outputs, the adds' fates and the control message
+        (`elapsed` None: an idle message, which also carries any held progress); nothing when
+        there is nothing to say, unless `force`."""
+        control = self.control_message(len(outputs), elapsed, force)
+        if not (outputs or self.added or self.refused or control):
+            return
+        added, self.added = self.added, []
+        refused, self.refused = self.refused, []
+        self.io.post(StepNews(outputs, added, refused, control))
+
+    def control_message(self, num_outputs: int, elapsed: float | None, force: bool) -> EngineCoreOutputs | None:
+        """The actor's share of a step: timing, progress, cache changes, stats, call replies."""
         engine = self.engine
         step = None
         if elapsed is not None:
             st = engine.get_stats()
             # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
-            step = (st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or len(outputs), elapsed)
+            step = StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or num_outputs,
+                              elapsed)
         now = time.monotonic()
         progress = []
         if elapsed is None or now - self.last_progress >= PROGRESS_INTERVAL_S:
             self.last_progress = now
-            progress = [pack_progress(p) for p in engine.drain_progress()]
+            progress = engine.drain_progress()
         cache_changes = engine.drain_cache_changes()
         stats = None
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
-            stats = stats_totals(engine.get_stats())
-        if not (force or outputs or progress or cache_changes or self.replies or step or stats):
-            return
+            stats = StatsTotals.of(engine.get_stats())
+        if not (force or progress or cache_changes or self.replies or step or stats):
+            return None
         replies, self.replies = self.replies, []
-        self.conn.send((STEP, replies, [pack_output(o) for o in outputs], progress, step, cache_changes, stats))
+        return EngineCoreOutputs(replies=replies, progress=progress, step=step, cache_changes=cache_changes,
+                                 stats=stats)
 
     def fail_all(self, trace: str) -> None:
-        """A failed step: the front fails every stream and aborts its request (in order, after
-        this message), which frees what the engine still holds."""
+        """A failed step: the I/O thread fails every channel request and aborts it (after the
+        answers already due), which frees what the engine still holds."""
+        added, self.added = self.added, []
+        refused, self.refused = self.refused, []
         replies, self.replies = self.replies, []
-        self.conn.send((STEP, replies, [], [], None, {}, None))
-        self.conn.send((FAILED, trace))
+        self.io.post(StepNews([], added, refused, EngineCoreOutputs(replies=replies)))
+        self.io.post_failure(trace)
 
     # -- calls (CALL name -> call_<name>) ----------------------------------------------------
     def call_abort(self, req_id: str) -> bool:
@@ -240,6 +235,10 @@ class EngineCore:
 
     def call_stats(self) -> Any:
         return self.engine.get_stats()
+
+    def call_num_channel_requests(self) -> int:
+        """Requests the channels still hold (not finished, not aborted): zero when idle."""
+        return len(self.io.fanout.channel_of)
 
     def call_set_max_active(self, max_active: int) -> None:
         self.engine.set_max_active(max_active)
@@ -251,13 +250,15 @@ class EngineCore:
         self.engine.drain_cache_changes()  # the snapshot supersedes them
         return self.engine.cached_block_hashes()
 
-    def call_profile(self, max_active: int | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], tuple]:
+    def call_profile(self, max_active: int | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], StatsTotals]:
         from tandem.engine.profiler import measure_rates
 
+        if self.engine.has_unfinished_requests() or self.io.fanout.channel_of:
+            raise BackendError(f"backend {self.backend_id} is serving requests; profile it idle")
         rates = measure_rates(self.engine, max_active or self.engine.config.max_active, **kwargs)
         self.engine.drain_progress()  # profile requests are not served requests
         self.engine.drain_cache_changes()
-        return rates, stats_totals(self.engine.get_stats())
+        return rates, StatsTotals.of(self.engine.get_stats())
 
 
 class CoreProcess:
@@ -268,41 +269,42 @@ class CoreProcess:
     terminates it; if the front is killed, the child sees the pipe's end-of-file and exits.
     """
 
-    def __init__(self, engine_kwargs: dict[str, Any], name: str = "engine-core") -> None:
+    def __init__(self, backend_id: str, engine_kwargs: dict[str, Any]) -> None:
         import multiprocessing
         import threading
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=run_core, args=(child_conn, engine_kwargs, os.getpid()), name=name,
-                                    daemon=True)
+        self._process = ctx.Process(target=run_core, args=(child_conn, backend_id, engine_kwargs, os.getpid()),
+                                    name=f"engine-core-{backend_id}", daemon=True)
         with _no_main_reimport():
             self._process.start()
         child_conn.close()  # ours is the only other end: the child's EOF is our death, and ours its
         self._send_lock = threading.Lock()
         self.pid = self._process.pid
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float) -> EngineCoreReady:
         """Block until the engine has loaded; returns what it told about itself."""
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.1):
             if not self._process.is_alive():
-                raise CoreDied(f"engine core exited with code {self._process.exitcode} while loading")
+                raise BackendError(f"engine core exited with code {self._process.exitcode} while loading")
             if time.monotonic() > deadline:
                 self.kill()
-                raise CoreDied(f"engine core did not load within {timeout_s:.0f} s")
-        kind, payload = self._conn.recv()
-        if kind != READY:
+                raise BackendError(f"engine core did not load within {timeout_s:.0f} s")
+        message = self.recv()
+        if not isinstance(message, EngineCoreReady):
             self.kill()
-            raise CoreDied(f"engine core failed to start:\n{payload}")
-        return payload
+            raise BackendError(f"engine core failed to start:\n{getattr(message, 'traceback', message)}")
+        return message
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
+        data = encode(message)
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send_bytes(data)
 
-    def recv(self) -> tuple:
-        return self._conn.recv()
+    def recv(self) -> Message:
+        return decode(self._conn.recv_bytes())
 
     def exitcode(self) -> int | None:
         self._process.join(timeout=1.0)
@@ -311,7 +313,7 @@ class CoreProcess:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit after its current step; kill it if it does not."""
         try:
-            self.send((STOP,))
+            self.send(EngineCoreStop())
         except (OSError, ValueError):
             pass
         self._process.join(timeout_s)

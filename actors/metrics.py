@@ -52,6 +52,9 @@ logger = logging.getLogger("tandem.metrics")
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# |observed - projected| TTFT: Ray's histograms take only positive bounds, so the error's sign
+# is the metric (tandem_router_ttft_late_seconds / _early_seconds), its size the value.
+TTFT_ERROR_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 FLUSH_S = 0.5
@@ -122,16 +125,29 @@ ROUTER_METRICS = (
     MetricSpec("tandem_router_backends_alive", GAUGE, "Backends currently routable.", ()),
     MetricSpec("tandem_router_backend_failures", COUNTER, "Backends dropped from routing after a failure.", B),
     MetricSpec("tandem_router_reroutes", COUNTER, "Requests routed again after their backend failed.", B),
+    MetricSpec("tandem_router_ttft_late_seconds", HISTOGRAM, "Observed minus projected time to first token, for "
+               "requests whose first token came later than projected (observed: decision to the first report "
+               "of a token).", B, TTFT_ERROR_BUCKETS_S),
+    MetricSpec("tandem_router_ttft_early_seconds", HISTOGRAM, "Projected minus observed time to first token, for "
+               "requests whose first token came no later than projected.", B, TTFT_ERROR_BUCKETS_S),
+    MetricSpec("tandem_router_deadline_refusals", COUNTER, "Requests refused because no backend could meet their "
+               "TTFT deadline, by the backend with the best projection.", B),
 )
+
+# cluster/dispatch.py's `admission_stages`, declared up front so a panel has every stage at 0
+# before the first request.
+ADMISSION_STAGES = ("route", "to_backend", "to_core", "to_engine", "prefill", "back", "admit")
 
 INGRESS_METRICS = (
     MetricSpec("tandem_http_requests", COUNTER, "HTTP API requests, by endpoint and status code.", ("endpoint", "status"),
                known_values=(("endpoint", HTTP_ENDPOINTS), ("status", ("200",)))),
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
     MetricSpec("tandem_http_stage_seconds", HISTOGRAM, "A request's time from arrival to admission, per stage "
-               "(route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S),
+               "(route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S,
+               known_values=(("stage", ADMISSION_STAGES),)),
     # The exact sum behind each stage's mean (see tandem_backend_step_seconds).
-    MetricSpec("tandem_http_stage_time_seconds", COUNTER, "Seconds per admission stage, summed (exact).", ("stage",)),
+    MetricSpec("tandem_http_stage_time_seconds", COUNTER, "Seconds per admission stage, summed (exact).", ("stage",),
+               known_values=(("stage", ADMISSION_STAGES),)),
 )
 
 REGISTRY: dict[str, MetricSpec] = {

@@ -12,17 +12,25 @@ after Ray restarts it. It is dropped at once when a caller reports that a call t
 callers (see cluster/dispatch.py), which re-route them. Each registration carries a fresh
 `instance_id`, so a late failure report about the previous incarnation cannot drop the new one.
 
-Fixed choices. When every request must go to one backend (it is the only routable one), a
-caller need not wait for a decision: `watch_fixed_choice` tells callers that backend as it
-changes (a long poll, answered when membership, policy or cordons change), they send requests
-there at once and tell the router after with `note_placed_many`, which places them as `place`
-would have. A note can come after the backend reported its request finished, or after the
-caller's `forget`: the router keeps the ids of such unknown requests for a while (tombstones)
-and drops their late notes, so no ledger entry outlives its request.
+Placing a request has one verb: `place` returns the whole `Decision` (its record, the
+backend's handle) for tests and diagnostics, and `place_many` places a batch for the serving
+path (cluster/dispatch.py), each request a `PlaceRequest` answered with a `Placement` (backend
+id, instance id, estimated seconds, projected TTFT) only, since every caller pays to receive
+the reply.
+
+Deadlines and priorities. A placement may carry the request's priority class and TTFT deadline
+(routing/deadline.py); a request whose deadline no backend can meet is refused (routing's
+`DeadlineUnmetError`: the best projection, when to retry), placed nowhere, and logged as a
+decision with `placed` false. The caller hears engine/errors.py's `DeadlineUnmetError` (an
+overload: retry later), or an `InvalidRequestError` when even an idle backend would miss the
+deadline. Every placement answers with the projected TTFT it was placed with, and the router
+compares it with the TTFT it observes (decision to the first report that shows a token):
+`tandem_router_ttft_late_seconds` / `_early_seconds`.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
-plus a timestamp and the per-backend cache answers), and exported as metrics: decisions by
-backend and policy, each backend's score, pending seconds, and estimated vs realised
+plus a timestamp, the per-backend cache answers, and the request's lengths and prompt block
+hashes, from which `tandem route-sim --replay` replays the traffic), and exported as metrics:
+decisions by backend and policy, each backend's score, pending seconds, and estimated vs realised
 completion time (decision to the backend's "finished" report).
 """
 
@@ -37,24 +45,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from tandem.actors import wire
 from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
 from tandem.actors.detached import detached
-from tandem.actors.messages import BackendInfo, Decision
+from tandem.actors.messages import BackendInfo, Decision, Placement, PlaceRequest, StepTiming
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
+from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, InvalidRequestError
 
 PENDING_EXPORT_S = 0.05
-# How many finished-or-forgotten ids of requests the router never placed it remembers, so
-# their late `note_placed_many` is dropped (see the module docstring); and how long a
-# `watch_fixed_choice` call waits for a change before answering anyway.
-MAX_TOMBSTONES = 65536
-WATCH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("tandem.router")
-
-
-class NoBackendAvailable(RuntimeError):
-    """No backend is alive (or none the policy may use)."""
 
 
 @dataclass
@@ -65,12 +67,23 @@ class _Backend:
     cache: CacheMirror
 
 
+def deadline_error(exc: Any) -> Exception:
+    """routing's `DeadlineUnmetError` as the caller's error: an overload (a 429, retry after the
+    drain) while backends are busy, the request's own fault (a 400) when even an idle backend
+    would miss the deadline (its prefill alone is too long)."""
+    if exc.retry_after_s is None:
+        return InvalidRequestError(str(exc), param="ttft_deadline_ms", code="deadline_unmeetable")
+    return DeadlineUnmetError(str(exc), exc.projected_ttft_s, exc.retry_after_s)
+
+
 @dataclass
 class _Routed:
     backend_id: str
     num_cached_tokens: int
     decided_at: float
     estimated_s: float
+    projected_ttft_s: float = 0.0
+    first_token_seen: bool = False
 
 
 class RouterActor:
@@ -78,14 +91,14 @@ class RouterActor:
                  health_check_period_s: float = 1.0,
                  rates_by_backend: dict[str, dict[str, Any]] | None = None,
                  calibration_alpha: float | None = None, new_token_ratio: bool = False,
-                 spill_margin: float = 0.0, spill_allow_queue: bool = True) -> None:
+                 spill_margin: float = 0.0, spill_allow_queue: bool = True, device_shares: bool = False) -> None:
         from tandem.routing import CalibrationConfig, NewTokenRatioConfig, Router, SpillGuard
 
         self.router = Router(
             [], policy=policy,
             new_token_ratio=NewTokenRatioConfig() if new_token_ratio else None,
             calibration=CalibrationConfig(calibration_alpha) if calibration_alpha else None,
-            spill_guard=SpillGuard(spill_margin, spill_allow_queue))
+            spill_guard=SpillGuard(spill_margin, spill_allow_queue), device_shares=device_shares)
         self.policy = self.router.policy
         self.health_check_period_s = health_check_period_s
         self.backends: dict[str, _Backend] = {}
@@ -99,10 +112,6 @@ class RouterActor:
             self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
         self._health_task: asyncio.Task | None = None
         self._pending_export: asyncio.TimerHandle | None = None
-        self._tombstones: dict[str, None] = {}  # insertion-ordered: the oldest go first
-        self._watched = False  # a caller asked for the fixed choice: notes may come
-        self._choice_version = 0
-        self._choice_changed = asyncio.Event()
         self._wire: wire.WireServer | None = None
 
     # -- membership --------------------------------------------------------------------------
@@ -118,13 +127,13 @@ class RouterActor:
         if info.backend_id in self.backends:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
-        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active))
+        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active,
+                                            info.shared_device or None, info.max_priority_wait_s))
         self.backends[info.backend_id] = _Backend(info, handle, profile,
                                                   CacheMirror(info.block_size, cached_hashes))
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
                        info.instance_id, "rejoined" if info.reconstructed else "joined")
         self._export_membership()
-        self._routing_changed()
         self._ensure_health_task()
 
     async def backend_failed(self, backend_id: str, instance_id: str | None = None, reason: str = "") -> bool:
@@ -143,7 +152,6 @@ class RouterActor:
             self.routed.pop(req_id, None)
         logger.warning("router: dropped backend %s (%s); %d queued and %d active requests fail over at "
                        "their callers", backend_id, reason, len(removed.queued), len(removed.active))
-        self._routing_changed()
         # Nothing is pending on a backend that is out of routing; its gauges would otherwise
         # keep their last values until it rejoins.
         self.metrics.set("tandem_router_pending_seconds", 0.0, tags={"backend": backend_id})
@@ -157,7 +165,6 @@ class RouterActor:
         self.policy = self.router.policy
         for backend_id in self.router.backend_ids():
             self.router.set_cordoned(backend_id, backend_id in cordoned)
-        self._routing_changed()
 
     async def set_max_active(self, backend_id: str, max_active: int) -> None:
         """A backend changed its max_active (BackendActor.set_max_active tells us)."""
@@ -181,114 +188,75 @@ class RouterActor:
         return {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in self.router.backend_ids()}
 
     # -- decisions ---------------------------------------------------------------------------
-    async def route(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1) -> Decision:
+    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int = 1,
+                    priority: int = 0, ttft_deadline_s: float | None = None) -> Decision:
         """Place a request and return the whole decision: its record and the backend's handle.
-        `attempt` > 1 means its previous backend failed before it started."""
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
+        `attempt` > 1 means its previous backend failed before it started; `priority` and
+        `ttft_deadline_s` are as in `PlaceRequest`."""
+        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt, priority, ttft_deadline_s)
         return Decision(req_id, record.backend_id, backend.info.instance_id, record.to_dict(), record.chosen.score_s,
-                        backend.handle)
+                        backend.handle, record.chosen.projected_ttft_s)
 
-    async def place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                    attempt: int = 1) -> tuple[str, str, float]:
-        """`route` for the serving path: (backend id, instance id, estimated seconds) and nothing
-        else, since every caller pays to receive the reply (callers keep the handles from
-        `list_backends`)."""
-        return self._placement(req_id, prompt_token_ids, max_tokens, attempt)
-
-    async def place_many(self, requests: list[tuple]) -> list[Any]:
-        """`place` for several requests in one call (actors/batching.py), in order; each item is
-        its answer or the exception `place` would have raised."""
-        return self._place_all(requests)
+    def place_many(self, requests: list[tuple]) -> list[Any]:
+        """Place several requests, each the one-item argument tuple `(PlaceRequest,)`, in order
+        (actors/batching.py); each answer is a `Placement`, or the exception `place` would have
+        raised. Callers keep the handles from `list_backends`."""
+        answers: list[Any] = []
+        for (request,) in requests:
+            try:
+                request = msgspec.convert(request, PlaceRequest)  # an array when it came on the wire
+                record, backend = self._place(request.req_id, request.prompt_token_ids, request.max_tokens,
+                                              request.attempt, request.priority, request.ttft_deadline_s)
+            except Exception as exc:
+                answers.append(exc)
+            else:
+                answers.append(Placement(record.backend_id, backend.info.instance_id, record.chosen.score_s,
+                                         record.chosen.projected_ttft_s))
+        return answers
 
     async def wire_address(self) -> tuple[str, tuple[str, bytes]]:
         """(node id, address) of the same-node wire on which callers of this node send their
         `place_many` batches without a Ray call each (actors/wire.py); started on first call."""
         if self._wire is None:
             self._wire = wire.WireServer()
-            await self._wire.start(wire.call_server(self._place_all))
+            await self._wire.start(wire.call_server(self.place_many))
         return wire.node_id(), self._wire.address
 
-    def _place_all(self, requests: list[tuple]) -> list[Any]:
-        answers: list[Any] = []
-        for request in requests:
-            try:
-                answers.append(self._placement(*request))
-            except Exception as exc:
-                answers.append(exc)
-        return answers
-
-    # -- fixed choices (see the module docstring) --------------------------------------------
-    async def watch_fixed_choice(self, version: int = -1,
-                                 timeout_s: float = WATCH_TIMEOUT_S) -> tuple[int, str | None, str | None]:
-        """(version, backend id, instance id) of the backend every request goes to, or
-        (version, None, None) while requests have a choice. Answers at once if the caller's
-        `version` is not the current one, else when it changes or after `timeout_s`."""
-        self._watched = True
-        if version == self._choice_version:
-            try:
-                await asyncio.wait_for(self._choice_changed.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-        backend_id = self.router.fixed_choice()
-        backend = self.backends.get(backend_id) if backend_id is not None else None
-        if backend is None:
-            return self._choice_version, None, None
-        return self._choice_version, backend_id, backend.info.instance_id
-
-    async def note_placed_many(self, requests: list[tuple]) -> None:
-        """Requests a caller sent to the fixed choice without asking, as `place_many`'s
-        (req_id, prompt_token_ids, max_tokens, attempt): placed now, as `place` would have
-        (the ledger, the routing log, the metrics), unless the request already ended."""
-        for request in requests:
-            if request[0] in self._tombstones:  # finished or forgotten before this note came
-                del self._tombstones[request[0]]
-                continue
-            try:
-                self._place(*request)
-            except Exception:  # no backend left, or a duplicate id: nothing to account
-                logger.debug("router: note of request %s not placed", request[0], exc_info=True)
-
-    def _routing_changed(self) -> None:
-        self._choice_version += 1
-        self._choice_changed.set()
-        self._choice_changed = asyncio.Event()
-
-    def _bury(self, req_id: str) -> None:
-        """Remember a request the router never placed, which ended (see the module docstring);
-        only once a caller watches the fixed choice, since only such a caller sends notes."""
-        if not self._watched:
-            return
-        self._tombstones[req_id] = None
-        if len(self._tombstones) > MAX_TOMBSTONES:
-            del self._tombstones[next(iter(self._tombstones))]
-
-    def _placement(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
-                   attempt: int) -> tuple[str, str, float]:
-        record, backend = self._place(req_id, prompt_token_ids, max_tokens, attempt)
-        return record.backend_id, backend.info.instance_id, record.chosen.score_s
-
-    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int) -> tuple[Any, _Backend]:
-        from tandem.routing import NoBackendError, RouteRequest
+    def _place(self, req_id: str, prompt_token_ids: list[int], max_tokens: int, attempt: int,
+               priority: int = 0, ttft_deadline_s: float | None = None) -> tuple[Any, _Backend]:
+        from tandem import routing
 
         hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
         num_cached = self._num_cached(hashes, len(prompt_token_ids))
         if not self.backends:
-            raise NoBackendAvailable("no backend is alive")
+            raise BackendUnavailableError("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
+        request = routing.RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
+                                       tuple(hashes[block_size]), block_size, priority, ttft_deadline_s,
+                                       arrival_s=time.monotonic())
         try:
-            record = self.router.route(RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
-                                                    tuple(hashes[block_size]), block_size))
-        except NoBackendError as exc:
-            raise NoBackendAvailable(str(exc)) from None
+            record = self.router.route(request)
+        except routing.NoBackendError as exc:
+            raise BackendUnavailableError(str(exc)) from None
+        except routing.DeadlineUnmetError as exc:
+            self._refused(exc, request, attempt)
+            raise deadline_error(exc) from None
         chosen = record.chosen
         now = time.time()
-        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s)
+        self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
+                                      chosen.projected_ttft_s)
         if self._log is not None:
-            self._log_decision(now, record.to_dict(), num_cached, attempt)
+            self._log_decision(now, record.to_dict(), request, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
         return record, self.backends[record.backend_id]
+
+    def _refused(self, exc: Any, request: Any, attempt: int) -> None:
+        """Account a request refused for its deadline: the log line and the refusal counter."""
+        if self._log is not None and exc.record is not None:
+            self._log_decision(time.time(), exc.record.to_dict(), request, attempt)
+        self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
@@ -303,12 +271,14 @@ class RouterActor:
         found = self.router.forget(req_id)
         if found:
             self._export_pending()
-        else:
-            self._bury(req_id)
         return found
 
-    def _log_decision(self, now: float, record: dict[str, Any], num_cached: dict[str, int], attempt: int) -> None:
-        line = {"ts": round(now, 6), **record, "cache_answers": num_cached, "attempt": attempt}
+    def _log_decision(self, now: float, record: dict[str, Any], request: Any, attempt: int) -> None:
+        """One JSON line: the decision, the cache answers, and what `tandem route-sim --replay`
+        needs to replay the request (its lengths and its prompt's block hashes)."""
+        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens, "attempt": attempt,
+                "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
+                "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _export_decision(self, record: Any) -> None:
@@ -346,11 +316,10 @@ class RouterActor:
 
     # -- progress ----------------------------------------------------------------------------
     async def report(self, backend_id: str, instance_id: str, progress: list[Any],
-                     steps: list[tuple[int, int, int, float]] = (),
-                     cache_changes: dict[int, bool] | None = None) -> int:
+                     steps: list[StepTiming] = (), cache_changes: dict[int, bool] | None = None) -> int:
         """A backend's batch of `engine.outputs.RequestProgress` (absolute counts), of its
-        steps as (prefill tokens, decode tokens, batch size, seconds), and of its prefix-cache
-        index changes (block hash -> published or evicted)."""
+        steps' `StepTiming`s, and of its prefix-cache index changes (block hash -> published or
+        evicted)."""
         backend = self.backends.get(backend_id)
         if backend is None or backend.info.instance_id != instance_id:
             return 0
@@ -358,12 +327,16 @@ class RouterActor:
             backend.cache.apply(cache_changes)
             self.metrics.set("tandem_router_mirrored_cached_blocks", len(backend.cache.cached),
                              tags={"backend": backend_id})
-        for num_prefill, num_decode, batch_size, elapsed in steps:
-            if elapsed > 0:
-                self.router.observe_step(backend_id, num_prefill, num_decode, batch_size, elapsed)
+        for step in steps:
+            if step.elapsed_s > 0:
+                self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
+                                         step.elapsed_s)
         events = []
+        now = time.time()
         for p in progress:
             events.extend(self._events_for(p))
+            if p.num_output_tokens > 0:
+                self._record_first_token(backend_id, p.req_id, now)
             if p.status == "finished":
                 self._record_finished(backend_id, p.req_id)
         applied = self.router.on_progress(backend_id, events)
@@ -384,10 +357,19 @@ class RouterActor:
                 ProgressEvent(p.req_id, "prefill", p.num_computed_prompt_tokens),
                 ProgressEvent(p.req_id, "generated", p.num_output_tokens)]
 
+    def _record_first_token(self, backend_id: str, req_id: str, now: float) -> None:
+        """Observed against projected TTFT, once per request: its first report with a token."""
+        routed = self.routed.get(req_id)
+        if routed is None or routed.first_token_seen:
+            return
+        routed.first_token_seen = True
+        error_s = (now - routed.decided_at) - routed.projected_ttft_s
+        name = "tandem_router_ttft_late_seconds" if error_s > 0 else "tandem_router_ttft_early_seconds"
+        self.metrics.observe(name, abs(error_s), tags={"backend": backend_id})
+
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)
         if routed is None:
-            self._bury(req_id)
             return
         realised = time.time() - routed.decided_at
         tags = {"backend": backend_id}

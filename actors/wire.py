@@ -1,7 +1,7 @@
-"""The same-node wire between a caller process and an actor (a backend, the router): a Unix
-socket carrying length-prefixed pickles, so a batch of routing calls, a batch of adds and a
-step's batch of outputs each cost one socket write instead of a Ray call or a streamed Ray
-object.
+"""The same-node wire between a caller process and a server process (a backend's engine core,
+the router actor): a Unix socket carrying length-prefixed typed messages, so a batch of routing
+calls, a batch of adds and a step's batch of outputs each cost one socket write instead of a Ray
+call or a streamed Ray object.
 
 Why. Over Ray, each of a request's data hops (its routing call, its add, its admission, its
 outputs) is a call or an item of a streaming generator: a task or an object on both sides
@@ -9,25 +9,27 @@ outputs) is a call or an item of a streaming generator: a task or an object on b
 cross-thread wake-up). Under a high rate of short requests that makes the backend actor the
 busiest process on the machine, puts tens of milliseconds between the ingress and the engine,
 and caps the request rate well below what the engine serves (docs/benchmarks/served-path-h200.md
-compares the two paths). When the caller and the actor share a node none of that is needed: the
-actor listens on a socket, the caller learns its address with one Ray call (`wire_address`) and
-then talks to it directly. Ray stays the
-control plane (placement, health, restarts, aborts, stats, reports); only the per-request data
-leaves it. vLLM's front end and engine core talk the same way (a local socket, not RPC).
+compares the two paths). When the caller and the server share a node none of that is needed:
+the server listens on a socket, the caller learns its address with one Ray call to the actor
+(`wire_address`) and then talks to it directly; a backend's socket is its engine core's own, so
+a request's data skips the backend actor altogether. Ray stays the control plane (placement,
+health, restarts, aborts, stats, reports); only the per-request data leaves it. vLLM's front
+end and engine core talk the same way (a local socket, not RPC).
 
-Frames, both ways: a 4-byte big-endian length, then a pickle (protocol 5). A connection opens
-with the server's token (random bytes the caller got with the address over Ray), checked
-before anything is unpickled. On Linux the socket lives in the abstract namespace (no file to
-clean up after a killed process); elsewhere in a private temporary directory. Two protocols
-use it:
+Frames, both ways: a 4-byte big-endian length, then one message of actors/messages.py in its
+codec. A connection opens with the server's token (random bytes the caller got with the
+address over Ray), checked before any frame is decoded (decoding may unpickle). On Linux the
+socket lives in the abstract namespace (no file to clean up after a killed process); elsewhere
+in a private temporary directory. Two protocols use it:
 
-- a backend's channel (actors/backend.py, actors/channel.py): the caller's first frame is its
-  channel id, every later one a list of adds `(req_id, prompt_token_ids, params,
-  arrival_time)`; the backend's frames are the lists `subscribe` would yield. Either end
-  closing the socket ends the channel: the backend aborts the channel's unfinished requests,
-  and the caller fails them with `BackendGone` (it cannot tell a dead backend from a closed
-  wire, and either way the backend is not serving them);
-- batched calls (`call_server`, `WireCaller`): the router's `place_many` (cluster/dispatch.py).
+- a backend's channel (actors/channel.py is the caller's end; the backend's engine core
+  process serves it, actors/core_io.py): the caller's first frame is a `ChannelOpen`, every
+  later one a `ChannelAdds`; the core's frames are the `ChannelBatch`es `subscribe` would
+  yield. Either end closing the socket ends the channel: the core aborts the channel's
+  unfinished requests, and the caller fails them with `BackendGoneError` (it cannot tell a dead
+  backend from a closed wire, and either way the backend is not serving them);
+- batched calls (`call_server`, `WireCaller`; `WireCalls` answered by `WireAnswers`): the
+  router's `place_many` (cluster/dispatch.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import pickle
 import secrets
 import shutil
 import socket
@@ -45,28 +46,33 @@ import tempfile
 import uuid
 from typing import Any, Awaitable, Callable
 
+from tandem.actors import messages
 from tandem.actors.detached import detached
+from tandem.actors.messages import Message, WireAnswer, WireAnswers, WireCall, WireCalls
 
 HEADER = struct.Struct("!I")
 TOKEN_BYTES = 16
-# TANDEM_WIRE=0 keeps every hop on Ray (to measure the two, or where Unix sockets misbehave).
-WIRE_ENV = "TANDEM_WIRE"
 
 
-def enabled() -> bool:
-    return os.environ.get(WIRE_ENV, "1") != "0"
+def frame(message: Message) -> bytes:
+    """One frame: the length, then the encoded message."""
+    return frame_encoded(messages.encode(message))
 
 
-def encode(obj: Any) -> bytes:
-    """One frame: the length, then the pickle."""
-    payload = pickle.dumps(obj, protocol=5)
+def frame_encoded(payload: bytes) -> bytes:
+    """One frame of a message encoded already (a relay passes it on without decoding it)."""
     return HEADER.pack(len(payload)) + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next frame's object; `asyncio.IncompleteReadError` at the end of the stream."""
+async def read_frame(reader: asyncio.StreamReader) -> Message:
+    """The next frame's message; `asyncio.IncompleteReadError` at the end of the stream."""
+    return messages.decode(await read_encoded(reader))
+
+
+async def read_encoded(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's encoded message, not decoded."""
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
+    return await reader.readexactly(size)
 
 
 async def connect(address: tuple[str, bytes]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -95,9 +101,7 @@ def node_id() -> str:
 
 async def same_node_address(handle: Any) -> tuple[str, bytes] | None:
     """The wire address of the actor behind `handle` (its `wire_address()`), if it runs on this
-    node; None if it does not, or the wire is turned off."""
-    if not enabled():
-        return None
+    node; None if it does not."""
     actor_node, address = await handle.wire_address.remote()
     return address if actor_node and actor_node == node_id() else None
 
@@ -151,16 +155,17 @@ class WireClosed(ConnectionError):
 
 
 def call_server(fn: Callable[[list[tuple]], list[Any]]) -> Callable[..., Awaitable[None]]:
-    """A `WireServer` handler answering `WireCaller`s: each frame is a batch of calls
-    `[(call_id, args), ...]`, answered in one frame `[(call_id, result or exception), ...]`
-    by `fn` (a list of argument tuples -> a list of answers, as an actor's `*_many` method)."""
+    """A `WireServer` handler answering `WireCaller`s: each `WireCalls` frame is answered in
+    one `WireAnswers` frame (a result or an exception per call) by `fn` (a list of argument
+    tuples -> a list of answers, as an actor's `*_many` method)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                calls = await read_frame(reader)
-                answers = fn([args for _, args in calls])
-                writer.write(encode([(call_id, answer) for (call_id, _), answer in zip(calls, answers)]))
+                calls = (await read_frame(reader)).calls
+                answers = fn([tuple(call.args) for call in calls])
+                writer.write(frame(WireAnswers([WireAnswer(call.call_id, answer)
+                                                for call, answer in zip(calls, answers)])))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the caller is gone
         finally:
@@ -211,9 +216,9 @@ class WireCaller:
 
     def _flush(self) -> None:
         calls, self._unsent = self._unsent, []
-        calls = [(call_id, args) for call_id, args in calls if call_id in self._futures]
+        calls = [WireCall(call_id, list(args)) for call_id, args in calls if call_id in self._futures]
         if calls and self._writer is not None:
-            self._writer.write(encode(calls))
+            self._writer.write(frame(WireCalls(calls)))
 
     async def _run(self, address: Callable[[], Awaitable[tuple[str, bytes] | None]]) -> None:
         try:
@@ -224,14 +229,14 @@ class WireCaller:
             reader, self._writer = await connect(where)
             self._flush()
             while True:
-                for call_id, answer in await read_frame(reader):
-                    future = self._futures.get(call_id)
+                for answer in (await read_frame(reader)).answers:
+                    future = self._futures.get(answer.call_id)
                     if future is None or future.done():
                         continue
-                    if isinstance(answer, BaseException):
-                        future.set_exception(answer)
+                    if isinstance(answer.value, BaseException):
+                        future.set_exception(answer.value)
                     else:
-                        future.set_result(answer)
+                        future.set_result(answer.value)
         except (asyncio.IncompleteReadError, ConnectionError):
             self._close(WireClosed("the wire closed with calls in flight"))
         except BaseException as exc:  # the address call failed (the actor is gone), or the loop closes

@@ -1,17 +1,19 @@
-"""`tandem bench {seed,sweep,tenants,report}`: the end-to-end benchmarks through the HTTP endpoint.
+"""`tandem bench {seed,sweep,tenants,soak,report}`: the end-to-end benchmarks through the HTTP endpoint.
 
     tandem bench seed  --out out/seed  [--num-requests 8,48] [--runs 3] [--report docs/benchmarks/x.md]
     tandem bench sweep --out out/sweep [--accel-max-active 1,2,4,8,16,32] [--cache-hit 0,0.5,0.96] ...
                        [--with-seed --seed-report docs/benchmarks/seed-x.md] [--report docs/benchmarks/sweep-x.md]
     tandem bench tenants --out out/tenants --backends cpu,cuda*2 [--tenants 4,16] [--prefix-tokens 1024]
                        [--arrival-rates 10,40,100] [--num-kv-blocks N] [--report docs/benchmarks/tenants-x.md]
+    tandem bench soak --out out/soak --model tiny-llama-random --flags='--backends cpu*2' [--duration-s 600]
     tandem bench report out/sweep --report seed-x.md --sweep-report sweep-x.md   # re-render from the JSON
 
 `seed` and `sweep` write OUT/meta.json first, one JSON per run under OUT/runs/ as it finishes,
 then OUT/summary.json (cells, means and spreads, oracle) and the reports asked for, each with
 its plots and one JSON of everything it shows beside it. See bench/seed.py, bench/sweep.py and
 bench/runner.py for what runs where, bench/report.py for what the reports show; bench/tenants.py
-and bench/tenants_report.py for the multi-tenant mode.
+and bench/tenants_report.py for the multi-tenant mode; bench/soak.py for the long mixed-traffic
+run against one `tandem serve` (lost requests, memory growth, latency drift).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _arms(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,report}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,soak,report}", required=True)
     seed = sub.add_parser("seed", help="the design's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
     _seed_arguments(seed, "--num-requests")
@@ -72,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tenants = sub.add_parser("tenants", help="routing policies on many tenants with long shared prefixes "
                              "(Zipf popularity, Poisson arrivals), one reused cluster")
     _tenants_arguments(tenants)
+    from bench import soak
+
+    soak.add_arguments(sub.add_parser("soak", help="one `tandem serve` under mixed traffic for a long time: "
+                                      "lost requests, memory growth, latency drift"))
     report = sub.add_parser("report", help="render the reports from a finished bench's JSON")
     report.add_argument("out", help="the bench's output folder (meta.json and runs/)")
     report.add_argument("--report", help="seed report (markdown) to write")
@@ -220,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
         return _render(Path(args.out), args.report, args.sweep_report) if args.report or args.sweep_report else 0
     if args.bench_command == "tenants":
         return _run_tenants(args)
+    if args.bench_command == "soak":
+        from bench import soak
+
+        return soak.run(args)
     from tqdm import tqdm
 
     from bench import harness, runner

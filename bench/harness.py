@@ -71,6 +71,7 @@ class Layout:
     accel_id: str  # the backend `auto` resolved to (the design's "GPU")
     has_accelerator: bool
     cpu_threads: int | None
+    devices: dict[str, str] = field(default_factory=dict)  # accelerator backend id -> its device, "cuda:0"
 
     def arm_backends(self, arm: str, accel_max_active: int, cpu_max_active: int) -> list[dict[str, Any]]:
         """Every accelerator backend (and the `auto` slot, a cpu backend on a machine without
@@ -133,7 +134,23 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
-    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads)
+    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads,
+                  device_names(plans))
+
+
+def device_names(plans: list[Any]) -> dict[str, str]:
+    """Each accelerator backend's device: `cuda:N` with the plan's engines per GPU filling one
+    GPU after another, `mps` for Apple's one GPU. cpu backends are left out: each has cores of
+    its own (cluster/plan.py splits them), so none shares another's. Which engines Ray puts
+    together on a machine with several GPUs is Ray's choice; the counts per GPU are the plan's."""
+    names, num_cuda = {}, 0
+    for p in plans:
+        if p.device == "cuda":
+            names[p.backend_id] = f"cuda:{num_cuda // p.engines_per_gpu}"
+            num_cuda += 1
+        elif p.device != "cpu":
+            names[p.backend_id] = p.device
+    return names
 
 
 def profile_rates(layout: Layout, accel_max_active: int, cpu_max_active: int, out_dir: Path) -> Path:
@@ -192,7 +209,8 @@ class BenchCluster:
         self.tandem = start(config, log=lambda line: logger.info("%s", line))
         self.infos = dict(zip(self.tandem.backends, ray.get([b.info.remote() for b in self.tandem.backends.values()])))
         self.router_settings = {"calibration_alpha": config.calibration_alpha, "spill_margin": config.spill_margin,
-                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": config.warmup_tokens}
+                                "spill_allow_queue": config.spill_allow_queue, "warmup_tokens": config.warmup_tokens,
+                                "device_shares": config.device_shares}
         return self
 
     def configure(self, arm: str, accel_max_active: int) -> None:
@@ -251,16 +269,14 @@ def seed_caches(cluster: BenchCluster, workload: Workload) -> dict[str, int]:
     """Prefill every seed prompt on every backend; return each backend's reusable prefix for request 0."""
     import ray
 
+    from tandem.actors.channel import run_to_end
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step: warms it too
     backends = cluster.tandem.backends
     for handle in backends.values():
-        for prompt in workload.seed_prompts:
-            stream = handle.generate.options(num_returns="streaming").remote(
-                f"seed-{uuid.uuid4().hex}", prompt, params, time.time())
-            for ref in stream:
-                ray.get(ref)
+        for prompt in workload.seed_prompts:  # one at a time: each seed prompt is cached before the next
+            run_to_end([(handle, f"seed-{uuid.uuid4().hex}", prompt, params)])
     probe = workload.requests[0].prompt_token_ids
     return dict(zip(backends, ray.get([h.num_cached_tokens.remote(probe) for h in backends.values()])))
 

@@ -1,10 +1,10 @@
 """What serving through the Ray actors costs, against the engine's own speed in the same run.
 
-Serving adds work per request and per streamed message (Ray calls and streaming items, the
-router, the backend front's hand-offs). Default mode: the same N concurrent requests (a)
-in-process through `LLMEngine` and (b) through `cluster.start(...)`'s driver API (router +
-backend actor + engine core, no HTTP) once per `--stream-intervals` value and once per
-`--max-stream-messages` budget, with output tok/s beside the in-process baseline.
+Serving adds work per request and per streamed message (the router, the backend front's
+hand-offs, the channel). Default mode: the same N concurrent requests (a) in-process through
+`LLMEngine` and (b) through `cluster.start(...)`'s driver API (router + backend actor + engine
+core on the serving path's channels, no HTTP), with output tok/s beside the in-process
+baseline.
 
 `--http` (the GPU mode, see bench/served_http.py): the in-process engine against the same
 workloads through `tandem serve`'s HTTP API with a streaming HTTP client, the ratio per row,
@@ -37,11 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=40, help="prompt tokens per request (default 40)")
     parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per request, EOS ignored")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default 1)")
-    parser.add_argument("--stream-intervals", default="0,0.01",
-                        help="comma-separated stream_interval_s values to serve with (default 0,0.01)")
-    parser.add_argument("--max-stream-messages", default="0",
-                        help="comma-separated budgets of one backend's generate messages per second, each "
-                             "served with the last stream interval (default 0: none)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system; the best is reported")
     parser.add_argument("--out", default="out/bench_served_path.json", help="JSON output path")
     http = parser.add_argument_group("--http mode")
@@ -86,14 +81,13 @@ def run_in_process(args: argparse.Namespace) -> float:
     return best
 
 
-def run_served(args: argparse.Namespace, stream_interval_s: float, max_messages: float, tmp: Path) -> dict:
+def run_served(args: argparse.Namespace, tmp: Path) -> dict:
     from tandem import cluster
 
     tandem = cluster.start(model=args.model, backends=["cpu"], cpu_threads=args.threads,
                            max_active=args.num_requests, serve_http=False, rates=str(tmp / "rates.json"),
                            rates_cache=str(tmp / "rates-cache.json"), profile="never",
-                           routing_log=str(tmp / "routing.jsonl"), stream_interval_s=stream_interval_s,
-                           max_stream_messages_per_s=max_messages, metrics_port=_free_port(),
+                           routing_log=str(tmp / "routing.jsonl"), metrics_port=_free_port(),
                            log=lambda line: None)
     try:
         runs = [asyncio.run(_served_run(tandem, args)) for _ in range(args.repeats + 1)][1:]
@@ -127,25 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     (tmp / "rates.json").write_text(json.dumps({"cpu": {"prefill_tok_s": 500.0, "decode_tok_s": 50.0}}))
     baseline = run_in_process(args)
     rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
-    intervals = [float(v) for v in args.stream_intervals.split(",")]
-    caps = [float(v) for v in args.max_stream_messages.split(",")]
-    settings = [("wire", intervals[-1], 0.0), ("channel", intervals[-1], 0.0)]  # channels: wire, then Ray
-    settings += [("generate", i, 0.0) for i in intervals]
-    settings += [("generate", intervals[-1], c) for c in caps if c > 0]
-    for hop, interval, cap in settings:
-        os.environ["TANDEM_STREAM_HOP"] = "channel" if hop == "wire" else hop
-        os.environ["TANDEM_WIRE"] = "1" if hop == "wire" else "0"
-        served = run_served(args, interval, cap, tmp)
-        if hop == "wire":
-            name = "through actors, one channel per caller on the same-node wire (the default)"
-        elif hop == "channel":
-            name = "through actors, one channel per caller over Ray"
-        else:
-            name = f"through actors, a generator per request, stream_interval_s={interval:g}"
-            name += f", budget {cap:g} msgs/s" if cap else ""
-        rows.append({"system": name, **served})
-    os.environ.pop("TANDEM_STREAM_HOP", None)
-    os.environ.pop("TANDEM_WIRE", None)
+    rows.append({"system": "through actors, one channel per caller on the same-node wire", **run_served(args, tmp)})
     print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
           f"{args.threads} engine thread(s), best of {args.repeats}")
     print(f"{'system':<72} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")

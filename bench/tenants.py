@@ -179,6 +179,8 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
     for b in cluster.layout.arm_backends(HYBRID_ARM, cluster.accel_max_active, cluster.cpu_max_active):
         backend = {"backend_id": b["id"], "device_kind": b["device"], "max_active": b["max_active"],
                    "rates": rates.get(b["id"]) or rates[b["device"]]}
+        if b["id"] in cluster.layout.devices:  # engines on one GPU share it in the simulator too
+            backend["device"] = cluster.layout.devices[b["id"]]
         if b.get("num_kv_blocks"):
             backend["num_kv_blocks"] = b["num_kv_blocks"]
         backends.append(backend)

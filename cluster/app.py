@@ -5,14 +5,17 @@ API key (401) -> `Content-Type: application/json` (415) -> the body, read in chu
 off at the size limit (413) -> JSON, bounded in depth and number size, and fields, each
 range-checked (400) -> model name (404) -> admission (429) -> tokenize and check the context
 (400) -> route and wait for the backend to admit it (400 if the engine rejects it, 503 if no
-backend can take it) -> respond. Only then does a streamed response start, so its status code
+backend can take it, 429 with the router's projection and a `Retry-After` from it if no backend
+can meet the request's TTFT deadline, `ttft_deadline_ms` or the `x-tandem-ttft-deadline-ms`
+header, while they are busy) -> respond; the TTFT the router projected is in the
+`x-tandem-projected-ttft-ms` header and the `tandem` field. Only then does a streamed response start, so its status code
 is still meaningful; the serving backend is named in the `x-tandem-backend` header and in a
 `tandem` field of every response and chunk. With a key set, every route but `/health` and
 `/metrics` needs it, the API's own description included (`/openapi.json`, and the `/docs` and
 `/redoc` pages that read it: FastAPI's are off, these are the ingress's own routes, which check
 the key first); unknown routes answer 401 before 404, so they do not reveal which routes exist.
 
-Errors are raised as one exception class per meaning (cluster/dispatch.py's, plus the few only
+Errors are raised as one exception class per meaning (engine/errors.py's, plus the few only
 HTTP has, below) and translated into a status code, an OpenAI error type and, for 429 and 503,
 a `Retry-After` once, in `HTTP_ERRORS`. A body never carries internals (tracebacks, pids, actor
 ids): an error's `detail` goes to the server log under the request id that the body's
@@ -37,6 +40,7 @@ uses is defined above it: Serve serializes the class when it is decorated.)
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -53,10 +57,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem.cluster.choices import Choice, LogprobsFormatter
-from tandem.cluster.dispatch import BackendUnavailable, InvalidRequest, RequestFailed, RequestStream
+from tandem.cluster.dispatch import RoutedRequest
 from tandem.cluster.http_server import ReplicaHTTPServer
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.sse import ChunkTemplate, sse_event
+from tandem.engine.errors import (BackendUnavailableError, DeadlineUnmetError, InvalidRequestError, OverloadedError,
+                                  TandemError)
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
@@ -82,6 +88,10 @@ from tandem.engine.tokenizer import encode_chat, encode_prompt
 logger = logging.getLogger("tandem.app")
 
 BACKEND_HEADER = "x-tandem-backend"
+# A request's TTFT deadline, as the body's ttft_deadline_ms says it (the body wins), and the
+# TTFT the router projected where it placed the request (docs/routing.md, "Deadlines").
+DEADLINE_HEADER = "x-tandem-ttft-deadline-ms"
+PROJECTED_TTFT_HEADER = "x-tandem-projected-ttft-ms"
 REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Retry-After: a full admission queue drains within about a request's time; a failed backend's
@@ -116,77 +126,76 @@ class IngressSettings:
     http_port: int | None = None
 
 
-class Unauthorized(RequestFailed):
+# The HTTP edge's own refusals: client errors (InvalidRequestError) that only the ingress raises,
+# each its own class because each has its own status.
+class Unauthorized(InvalidRequestError):
     """No API key, or the wrong one."""
 
 
-class RouteNotFound(RequestFailed):
+class RouteNotFound(InvalidRequestError):
     """No such endpoint."""
 
 
-class MethodNotAllowed(RequestFailed):
+class MethodNotAllowed(InvalidRequestError):
     """The endpoint exists, but not for this HTTP method."""
 
 
-class ModelNotFound(RequestFailed):
+class ModelNotFound(InvalidRequestError):
     """The request names a model this server does not serve."""
 
 
-class PayloadTooLarge(RequestFailed):
+class PayloadTooLarge(InvalidRequestError):
     """The body is over the size limit."""
 
 
-class UnsupportedMediaType(RequestFailed):
+class UnsupportedMediaType(InvalidRequestError):
     """A POST body that does not say it is UTF-8 JSON."""
-
-
-class Overloaded(RequestFailed):
-    """The admission limit is reached; the request was not queued."""
-
-
-class GenerationFailed(RequestFailed):
-    """The engine failed this request alone while generating it (a 500, as an internal error)."""
 
 
 # Every error class -> (HTTP status, OpenAI error type, Retry-After seconds or None); a class
 # not listed takes its nearest listed base's entry.
-HTTP_ERRORS: dict[type[RequestFailed], tuple[int, str, int | None]] = {
-    InvalidRequest: (400, "invalid_request_error", None),
+HTTP_ERRORS: dict[type[TandemError], tuple[int, str, int | None]] = {
+    InvalidRequestError: (400, "invalid_request_error", None),
     Unauthorized: (401, "invalid_request_error", None),
     RouteNotFound: (404, "not_found_error", None),
     ModelNotFound: (404, "invalid_request_error", None),
     MethodNotAllowed: (405, "invalid_request_error", None),
     PayloadTooLarge: (413, "invalid_request_error", None),
     UnsupportedMediaType: (415, "invalid_request_error", None),
-    Overloaded: (429, "rate_limit_error", OVERLOADED_RETRY_AFTER_S),
-    BackendUnavailable: (503, "service_unavailable", UNAVAILABLE_RETRY_AFTER_S),
-    RequestFailed: (500, "internal_error", None),
+    OverloadedError: (429, "rate_limit_error", OVERLOADED_RETRY_AFTER_S),
+    DeadlineUnmetError: (429, "rate_limit_error", None),  # Retry-After from the router's projection
+    BackendUnavailableError: (503, "service_unavailable", UNAVAILABLE_RETRY_AFTER_S),
+    TandemError: (500, "internal_error", None),
 }
 
 
-def http_error(exc: RequestFailed) -> tuple[int, str, int | None]:
+def http_error(exc: TandemError) -> tuple[int, str, int | None]:
     return next(HTTP_ERRORS[cls] for cls in type(exc).__mro__ if cls in HTTP_ERRORS)
 
 
-def error_response(exc: RequestFailed, request_id: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(exc: TandemError, request_id: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The one translation of an error into an HTTP answer; its detail goes to the log only."""
     status, error_type, retry_after_s = http_error(exc)
     _log_failure(exc, request_id, status)
     headers = {REQUEST_ID_HEADER: request_id, **(headers or {})}
+    if isinstance(exc, DeadlineUnmetError):
+        # Retry-After is whole seconds: round the router's drain time up, so a retry is not early.
+        retry_after_s = max(1, math.ceil(exc.retry_after_s))
+        headers[PROJECTED_TTFT_HEADER] = f"{exc.projected_ttft_s * 1000:.1f}"
     if retry_after_s is not None:
         headers["retry-after"] = str(retry_after_s)
     body = error_body(exc.message, error_type, exc.param, exc.code, request_id)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error_event(exc: RequestFailed, request_id: str) -> dict[str, Any]:
+def error_event(exc: TandemError, request_id: str) -> dict[str, Any]:
     """The same error as the last event of a stream that already started."""
     status, error_type, _ = http_error(exc)
     _log_failure(exc, request_id, status)
     return error_body(exc.message, error_type, exc.param, exc.code, request_id)
 
 
-def _log_failure(exc: RequestFailed, request_id: str, status: int) -> None:
+def _log_failure(exc: TandemError, request_id: str, status: int) -> None:
     if status >= 500 or exc.detail:
         logger.warning("request %s: %d %s: %s%s", request_id, status, type(exc).__name__, exc.message,
                        f" ({exc.detail})" if exc.detail else "")
@@ -194,15 +203,15 @@ def _log_failure(exc: RequestFailed, request_id: str, status: int) -> None:
         logger.info("request %s: %d %s: %s", request_id, status, type(exc).__name__, exc.message)
 
 
-def _internal(request_id: str) -> RequestFailed:
-    return RequestFailed(f"internal error; the server logged it under request id {request_id}")
+def _internal(request_id: str) -> TandemError:
+    return TandemError(f"internal error; the server logged it under request id {request_id}")
 
 
 def _check_output(out: Any, request_id: str) -> None:
-    """Raise `GenerationFailed` for an output the engine ended with an error."""
+    """Raise `TandemError` for an output the engine ended with an error."""
     if out.finish_reason == ENGINE_ERROR_REASON:
-        raise GenerationFailed(f"the request failed while generating; the server logged it under request id "
-                               f"{request_id}", detail=f"the engine ended choice {out.index} with an error")
+        raise TandemError(f"the request failed while generating; the server logged it under request id "
+                          f"{request_id}", detail=f"the engine ended choice {out.index} with an error")
 
 
 def _echo(value: str) -> str:
@@ -216,7 +225,7 @@ def _new_request_id(prefix: str = "req") -> str:
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    failure = {404: RouteNotFound, 405: MethodNotAllowed}.get(exc.status_code, InvalidRequest)
+    failure = {404: RouteNotFound, 405: MethodNotAllowed}.get(exc.status_code, InvalidRequestError)
     return error_response(failure(f"{request.method} {request.url.path[:MAX_ECHOED_CHARS]}: "
                                   f"{'not found' if exc.status_code == 404 else 'not allowed'}"),
                           _new_request_id())
@@ -296,7 +305,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 @dataclass
 class _ChunkMaker:
-    stream: RequestStream
+    stream: RoutedRequest
     model: str
     created: int
     chat: bool
@@ -343,11 +352,29 @@ class _OnceClosedStreamingResponse(StreamingResponse):
                 await cleanup()
 
 
-def _headers(stream: RequestStream) -> dict[str, str]:
+def _headers(stream: RoutedRequest) -> dict[str, str]:
     headers = {REQUEST_ID_HEADER: stream.req_id}
     if stream.backend_id:
         headers[BACKEND_HEADER] = stream.backend_id
+        headers[PROJECTED_TTFT_HEADER] = f"{stream.decision.projected_ttft_s * 1000:.1f}"
     return headers
+
+
+def ttft_deadline_s(request: Request, body: Any) -> float | None:
+    """The request's TTFT deadline in seconds: the body's `ttft_deadline_ms`, else the header's."""
+    if body.ttft_deadline_ms is not None:
+        return body.ttft_deadline_ms / 1000
+    value = request.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        deadline_ms = float(value)
+    except ValueError:
+        deadline_ms = math.nan
+    if not 0 < deadline_ms <= 86_400_000:
+        raise InvalidRequestError(f"{DEADLINE_HEADER} must be a number of milliseconds > 0, got {_echo(value)}",
+                                  param=DEADLINE_HEADER)
+    return deadline_ms / 1000
 
 
 def _delta(text: str, chat: bool) -> Any:
@@ -389,7 +416,12 @@ class TandemIngress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id  # /health names which one answered
         self.http_server = None
         if settings.http_port is not None:
-            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port)
+            self.http_server = ReplicaHTTPServer(self._asgi, settings.http_host, settings.http_port, self._servable)
+
+    def _servable(self) -> bool:
+        """Whether Serve has finished initialising this replica: until then its routes cannot
+        reach this object (FastAPI's class-based routes look it up in the replica context)."""
+        return serve.get_replica_context().servable_object is self
 
     async def _asgi(self, scope: Any, receive: Any, send: Any) -> None:
         """This replica's app as its own HTTP server calls it (Serve's ASGI entry point)."""
@@ -420,7 +452,7 @@ class TandemIngress:
     async def openapi_schema(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
         schema = request.app.openapi()
         root_path = _root_path(request)
@@ -433,7 +465,7 @@ class TandemIngress:
     async def docs(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
         return get_swagger_ui_html(openapi_url=_root_path(request) + OPENAPI_PATH,
                                    title=f"{request.app.title} - Swagger UI")
@@ -442,7 +474,7 @@ class TandemIngress:
     async def redoc(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
         return get_redoc_html(openapi_url=_root_path(request) + OPENAPI_PATH, title=f"{request.app.title} - ReDoc")
 
@@ -450,9 +482,9 @@ class TandemIngress:
     async def models(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name)]).model_dump())
+        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.served_model_name, max_model_len=self.settings.max_model_len)]).model_dump())
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, request: Request, model_id: str) -> Response:
@@ -462,9 +494,9 @@ class TandemIngress:
             if model_id != self.settings.served_model_name:
                 raise ModelNotFound(f"the model {_echo(model_id)} does not exist; this server serves "
                                     f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
-        return JSONResponse(ModelCard(id=model_id).model_dump())
+        return JSONResponse(ModelCard(id=model_id, max_model_len=self.settings.max_model_len).model_dump())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -479,15 +511,16 @@ class TandemIngress:
         arrival_time = time.time()
         endpoint = request.url.path
         req_id = _new_request_id("chatcmpl" if chat else "cmpl")
-        stream: RequestStream | None = None
+        stream: RoutedRequest | None = None
         admitted = handed_over = False
         try:
             body = await self._parse(request, model_cls)
             self._admit()
             admitted = True
+            deadline_s = ttft_deadline_s(request, body)
             prompt_token_ids, params, plan = self._prepare(body, chat)
-            stream = RequestStream(self.router, req_id, prompt_token_ids, params, arrival_time,
-                                   self.settings.max_route_attempts)
+            stream = RoutedRequest(self.router, req_id, prompt_token_ids, params, arrival_time,
+                                   self.settings.max_route_attempts, deadline_s)
             await stream.open()
             self._observe_stages(stream)
             if body.stream:
@@ -497,7 +530,7 @@ class TandemIngress:
                 response = await self._full_response(stream, body, chat, plan)
             self._count(endpoint, 200)
             return response
-        except RequestFailed as exc:
+        except TandemError as exc:
             return self._failed(exc, req_id, endpoint, stream)
         except ClientDisconnect:  # gone while sending the body: nobody to answer
             self._count(endpoint, CLIENT_CLOSED_REQUEST)
@@ -512,7 +545,7 @@ class TandemIngress:
                 if admitted:
                     self._release()
 
-    def _failed(self, exc: RequestFailed, req_id: str, endpoint: str, stream: RequestStream | None) -> Response:
+    def _failed(self, exc: TandemError, req_id: str, endpoint: str, stream: RoutedRequest | None) -> Response:
         response = error_response(exc, req_id, _headers(stream) if stream is not None else None)
         self._count(endpoint, response.status_code)
         return response
@@ -527,7 +560,7 @@ class TandemIngress:
             error = exc.errors()[0]
             param = ".".join(str(p) for p in error["loc"]) or None
             message = f"{param}: {error['msg']}" if param else error["msg"]
-            raise InvalidRequest(message, param=param) from None
+            raise InvalidRequestError(message, param=param) from None
         if body.model != self.settings.served_model_name:
             raise ModelNotFound(f"the model {_echo(body.model)} does not exist; this server serves "
                                 f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
@@ -535,8 +568,8 @@ class TandemIngress:
 
     def _admit(self) -> None:
         if self.num_pending >= self.settings.max_pending_requests:
-            raise Overloaded(f"the server is at its limit of {self.settings.max_pending_requests} pending "
-                             "requests; retry shortly", code="too_many_pending_requests")
+            raise OverloadedError(f"the server is at its limit of {self.settings.max_pending_requests} pending "
+                                  "requests; retry shortly", code="too_many_pending_requests")
         self.num_pending += 1
         self.metrics.set("tandem_http_pending_requests", self.num_pending)
 
@@ -550,39 +583,38 @@ class TandemIngress:
                                code="invalid_api_key")
 
     def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any, OutputPlan]:
-        from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
+        from tandem.engine.sampling_params import SamplingParams
 
         plan = plan_output(body, getattr(self.tokenizer, "chat_template", None) if chat else None)
         prompt_token_ids = self._tokenize(body, chat, plan.template_tools)
         max_model_len = self.settings.max_model_len
         if len(prompt_token_ids) >= max_model_len:
-            raise InvalidRequest(f"the prompt is {len(prompt_token_ids)} tokens; this model's context is "
-                                 f"{max_model_len} tokens", param="messages" if chat else "prompt",
-                                 code="context_length_exceeded")
+            raise InvalidRequestError(f"the prompt is {len(prompt_token_ids)} tokens; this model's context is "
+                                      f"{max_model_len} tokens", param="messages" if chat else "prompt",
+                                      code="context_length_exceeded")
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - len(prompt_token_ids) if chat else DEFAULT_COMPLETION_MAX_TOKENS
         if len(prompt_token_ids) + max_tokens > max_model_len:
-            raise InvalidRequest(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
-                                 f"is over this model's context of {max_model_len} tokens", param="max_tokens",
-                                 code="context_length_exceeded")
-        try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_list,
-                                    stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                                    min_tokens=body.min_tokens, n=body.n, presence_penalty=body.presence_penalty,
-                                    frequency_penalty=body.frequency_penalty,
-                                    repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
-                                    logprobs=body.num_logprobs, structured_output=plan.structured_output)
-        except InvalidRequestError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidRequestError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
+                                      f"is over this model's context of {max_model_len} tokens", param="max_tokens",
+                                      code="context_length_exceeded")
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop_list,
+                                stop_token_ids=list(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                                min_tokens=body.min_tokens, n=body.n, presence_penalty=body.presence_penalty,
+                                frequency_penalty=body.frequency_penalty,
+                                repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
+                                logprobs=body.num_logprobs, structured_output=plan.structured_output,
+                                priority=body.priority)
+        params.validate()  # the edge's check; its InvalidRequestError is a 400 as it is
         return prompt_token_ids, params, plan
 
     def _tokenize(self, body: Any, chat: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
         if chat:
             return self._encode_chat(body, tools)
         if not body.prompt:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         if isinstance(body.prompt, str):
             return encode_prompt(self.tokenizer, body.prompt)
         return list(body.prompt)
@@ -595,13 +627,13 @@ class TandemIngress:
         try:
             return encode_chat(self.tokenizer, body.template_messages(), tools)
         except TemplateError as exc:
-            raise InvalidRequest(f"the model's chat template refused the messages: {str(exc)[:200]}",
-                                 param="messages") from None
+            raise InvalidRequestError(f"the model's chat template refused the messages: {str(exc)[:200]}",
+                                      param="messages") from None
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest("the messages could not be rendered with the model's chat template",
-                                 param="messages", detail=f"{type(exc).__name__}: {exc}") from None
+            raise InvalidRequestError("the messages could not be rendered with the model's chat template",
+                                      param="messages", detail=f"{type(exc).__name__}: {exc}") from None
 
-    def _observe_stages(self, stream: RequestStream) -> None:
+    def _observe_stages(self, stream: RoutedRequest) -> None:
         for stage, seconds in stream.admission_stages().items():
             self.metrics.observe("tandem_http_stage_seconds", seconds, tags={"stage": stage})
             self.metrics.inc("tandem_http_stage_time_seconds", seconds, tags={"stage": stage})
@@ -614,11 +646,12 @@ class TandemIngress:
         self.metrics.inc("tandem_http_requests", tags={"endpoint": endpoint, "status": str(status)})
 
     # -- responses ---------------------------------------------------------------------------
-    def _info(self, stream: RequestStream) -> TandemInfo:
-        estimated_s = stream.decision.estimated_s
-        return TandemInfo(backend=stream.backend_id, estimated_s=None if estimated_s is None else round(estimated_s, 6))
+    def _info(self, stream: RoutedRequest) -> TandemInfo:
+        decision = stream.decision
+        return TandemInfo(backend=stream.backend_id, estimated_s=round(decision.estimated_s, 6),
+                          projected_ttft_ms=round(decision.projected_ttft_s * 1000, 3))
 
-    async def _full_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
+    async def _full_response(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> JSONResponse:
         choices: dict[int, Choice] = {}
         final = None
         async for out in stream.outputs():
@@ -646,7 +679,7 @@ class TandemIngress:
                          for index, c in sorted(choices.items())])
         return JSONResponse(response.model_dump(), headers=_headers(stream))
 
-    def _streaming_response(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> StreamingResponse:
+    def _streaming_response(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> StreamingResponse:
         async def cleanup() -> None:
             await stream.close()
             self._release()
@@ -654,7 +687,7 @@ class TandemIngress:
         return _OnceClosedStreamingResponse(self._sse(stream, body, chat, plan), cleanup, media_type="text/event-stream",
                                             headers={**_headers(stream), "cache-control": "no-cache"})
 
-    async def _sse(self, stream: RequestStream, body: Any, chat: bool, plan: OutputPlan) -> AsyncIterator[str]:
+    async def _sse(self, stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan) -> AsyncIterator[str]:
         """Chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
         created = int(time.time())
         chunk = _ChunkMaker(stream, body.model, created, chat, self._info)
@@ -691,7 +724,7 @@ class TandemIngress:
                 if body.include_usage and final is not None:
                     u = final.usage
                     yield _sse(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)))
-            except RequestFailed as exc:
+            except TandemError as exc:
                 yield _sse(error_event(exc, stream.req_id))
             except Exception:  # a bug: the stream ends with an error event, the log has the trace
                 logger.exception("request %s: unhandled error mid-stream", stream.req_id)
@@ -722,7 +755,7 @@ class TandemIngress:
             if path in self.known_paths:
                 raise MethodNotAllowed(f"{request.method} is not allowed on {path}")
             raise RouteNotFound(f"no such route: {request.method} {path[:MAX_ECHOED_CHARS]}")
-        except RequestFailed as exc:
+        except TandemError as exc:
             return error_response(exc, _new_request_id())
 
 def build_app(router: Any, tokenizer: Any, settings: IngressSettings, access_log: bool = True,

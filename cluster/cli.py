@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route-sim": ("tandem.routing.sim_cli", "replay a routing scenario through the what-if simulator"),
     "serve": ("tandem.cluster.serve_cli", "start the cluster and its OpenAI-compatible HTTP API"),
     "profile": ("tandem.cluster.profile_cli", "measure each backend's rates alone and write the router's rates file"),
-    "bench": ("bench.cli", "end-to-end benchmarks through the HTTP endpoint: seed experiment, sweep, report"),
+    "bench": ("bench.cli", "end-to-end benchmarks through the HTTP endpoint: seed experiment, sweep, tenants, soak, report"),
 }
 
 

@@ -66,7 +66,7 @@ class BackendConfig(BaseModel):
     # among the engines on that GPU (cluster/plan.py)
     gpu_memory_share: float | None = Field(default=None, gt=0, le=1)
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
-    # Opt-in: faster per step on the 2-core development VM, 8x slower on a 14-thread Xeon.
+    # Opt-in: it helps on some CPUs and hurts badly on others, so it is measured, not assumed.
     cpu_compile: bool = False
     # cpu backends: whose kernels run them (engine/config.py's CPU_KERNELS): auto (float32 decode steps
     # through ggml's graph where ggml is built, the rest eager), PyTorch's, or ggml's (llama.cpp's).
@@ -112,6 +112,9 @@ class TandemConfig(BaseModel):
     spill_allow_queue: bool = False  # let a CPU queue requests while an accelerator could take them
     warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
+    # Engines that share one device are scored by their share of it (routing/device_share.py):
+    # waking an idle engine beside a busy one costs what it does. Off until it has run live.
+    device_shares: bool = False
     # Running requests per backend; None: by device (engine/memory.py: cpu 4, a GPU 256 split
     # among the engines that share it, mps 32).
     max_active: int | None = Field(default=None, ge=1)
@@ -151,8 +154,6 @@ class TandemConfig(BaseModel):
     http_replicas: int = Field(default=0, ge=0)  # Serve ingress replicas; 0: one per 4 cores, 1 to 4
     max_request_bytes: int = Field(default=4 << 20, ge=1024)  # larger bodies: 413
     max_route_attempts: int = Field(default=3, ge=1)
-    stream_interval_s: float = Field(default=0.01, ge=0)  # after the first token, one message per interval
-    max_stream_messages_per_s: float = Field(default=0.0, ge=0)  # budget of generate streams; 0: none
     backend_max_restarts: int = Field(default=-1, ge=-1)  # -1: Ray restarts a dead backend forever
     health_check_period_s: float = Field(default=1.0, gt=0)
     access_log: bool = False  # Serve's per-request log lines

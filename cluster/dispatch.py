@@ -3,26 +3,29 @@
 Shared by the HTTP ingress and the Python driver so both behave the same:
 
 - `open()` asks the router for a backend and waits for the backend's `Admitted`, so a request
-  the engine rejects surfaces as `InvalidRequest` before any response byte is sent.
+  the engine rejects surfaces as `InvalidRequestError` before any response byte is sent.
 - If the chosen backend is dead or dies before this request produced a token, the request has
   shown nothing to anyone yet, so it is simply routed again (the router has already dropped
   the backend); this is how a dead backend's queued, unstarted requests are re-routed.
-- If it dies after tokens were produced, the stream ends with `BackendUnavailable` (HTTP 503):
+- If it dies after tokens were produced, the stream ends with `BackendUnavailableError` (HTTP 503):
   replaying elsewhere would repeat or change text the client already has.
 - `close()` aborts the request on its backend unless it finished, which is what frees the
   blocks of a client that disconnected mid-stream.
 
-With one routable backend there is nothing to decide, and with `TANDEM_FIXED_CHOICE=1` the
-request goes there without waiting for the router, which hears of it after
-(cluster/fixed_choice.py). Otherwise routing calls go out coalesced: the `place` calls of one
+Routing calls go out coalesced: the `place` calls of one
 event-loop turn share one batch (actors/batching.py), a frame on the router's same-node wire
 (actors/wire.py) or, from another node, one `RouterActor.place_many` call, so the router's
 cost per call is shared by however many requests arrived together. The router answers with a
 backend id, not a handle: an actor handle in a reply is serialized by the router and rebuilt
-(and reference-counted with its owner) by the receiver, on every request, which measured as
-the largest single cost of a short request in both processes. Each process keeps the
+(and reference-counted with its owner) by the receiver, on every request, a cost that dwarfs
+the routing decision (docs/benchmarks/served-path-h200.md). Each process keeps the
 backends' handles instead (`BackendHandles`), fetched from the router when it first meets a
 backend id.
+
+A request may carry a TTFT deadline (`ttft_deadline_s`) and a priority class (its
+SamplingParams'): both go to the router with the placement, and a deadline no backend can meet
+ends `open()` with engine/errors.py's `DeadlineUnmetError` (or `InvalidRequestError`, when
+even an idle backend would miss it) before any engine work.
 
 `open()` notes when the router answered and when the backend admitted the request, and
 `admission_stages` splits a request's time to admission into its stages (the ingress exports
@@ -33,46 +36,21 @@ serial loop holds them, and only a per-stage split answers it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+import msgspec
 
 from tandem.actors import wire
 from tandem.actors.batching import CallBatcher
 from tandem.actors.channel import open_stream
 from tandem.actors.detached import detached
-from tandem.actors.messages import Admitted, BackendError, BackendGone, Decision
-from tandem.cluster.fixed_choice import FixedChoice
+from tandem.actors.messages import Admitted, Decision, Placement, PlaceRequest
+from tandem.engine.errors import (BackendError, BackendGoneError, BackendUnavailableError, DeadlineUnmetError,
+                                  InvalidRequestError, TandemError)
 
 logger = logging.getLogger("tandem.dispatch")
-# TANDEM_FIXED_CHOICE=1 sends a request straight to the one routable backend, when there is
-# one, without waiting for the router (cluster/fixed_choice.py). Off by default: it saves a
-# lone request ~2.5 ms of TTFT on an H200 host but, measured at 1,000 short requests/s on
-# one GPU, the backend took more, smaller calls and served fewer requests (see docs/cluster.md).
-FIXED_CHOICE_ENV = "TANDEM_FIXED_CHOICE"
-
-
-class RequestFailed(Exception):
-    """A request could not be served, for a reason the server got wrong or cannot say.
-
-    One class per meaning; the HTTP edge maps each to a status code once (cluster/app.py).
-    `message` is for the client and never holds internals (a traceback's last line, a pid, an
-    actor id); `detail`, when set, is for the server log only.
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 detail: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code, self.detail = message, param, code, detail
-
-
-class InvalidRequest(RequestFailed):
-    """The request itself is wrong; sending it again unchanged will fail again."""
-
-
-class BackendUnavailable(RequestFailed):
-    """No backend could serve the request now (none alive, or the one serving it failed)."""
 
 
 class BackendHandles:
@@ -101,17 +79,19 @@ class BackendHandles:
             self._handles = dict(await self.router.list_backends.remote())
             handle = self._handles.get(backend_id)
             if handle is None:
-                raise BackendUnavailable(f"backend {backend_id} left before the request reached it; retry it")
+                raise BackendUnavailableError(f"backend {backend_id} left before the request reached it; retry it")
         return handle
 
     def drop(self, backend_id: str) -> None:
         self._handles.pop(backend_id, None)
 
 
-class RequestStream:
+class RoutedRequest:
     def __init__(self, router: Any, req_id: str, prompt_token_ids: list[int], params: Any,
-                 arrival_time: float | None = None, max_attempts: int = 3) -> None:
+                 arrival_time: float | None = None, max_attempts: int = 3,
+                 ttft_deadline_s: float | None = None) -> None:
         self.router = router
+        self.ttft_deadline_s = ttft_deadline_s
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -135,21 +115,25 @@ class RequestStream:
         """Route and start the request; returns once a backend has admitted it."""
         import ray.exceptions
 
-        from tandem.actors.router import NoBackendAvailable
         from tandem.engine.sampling_params import InvalidRequestError
 
         last_error = "no backend is alive"
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
-                backend_id, instance_id, estimated_s = await self._place()
-                handle = await self._handles.get(backend_id)
+                placement = await self._place()
+                handle = await self._handles.get(placement.backend_id)
                 self.placed_time = time.time()
-            except NoBackendAvailable as exc:
-                raise BackendUnavailable(f"no backend can take this request: {_cause_message(exc)}") from None
+            except BackendUnavailableError as exc:
+                raise BackendUnavailableError(f"no backend can take this request: {_cause_message(exc)}") from None
+            except (DeadlineUnmetError, InvalidRequestError):
+                self.finished = True  # placed nowhere: nothing to forget or abort
+                raise
             except (ray.exceptions.RayActorError, wire.WireClosed) as exc:  # the router is gone; nothing restarts it
-                raise BackendUnavailable("the router is unavailable", detail=type(exc).__name__) from None
-            self.decision = Decision(self.req_id, backend_id, instance_id, estimated_s=estimated_s, handle=handle)
+                raise BackendUnavailableError("the router is unavailable", detail=type(exc).__name__) from None
+            self.decision = Decision(self.req_id, placement.backend_id, placement.instance_id,
+                                     estimated_s=placement.estimated_s, handle=handle,
+                                     projected_ttft_s=placement.projected_ttft_s)
             if self._gen is not None:
                 self._gen.close()
             self._gen = open_stream(self.decision.handle, self.req_id, self.prompt_token_ids, self.params,
@@ -159,23 +143,23 @@ class RequestStream:
             except InvalidRequestError as exc:  # the engine's own checks: messages meant for users
                 self.router.forget.remote(self.req_id)
                 self.finished = True
-                raise InvalidRequest(_cause_message(exc)) from None
-            except (ray.exceptions.RayActorError, BackendGone) as exc:
+                raise InvalidRequestError(_cause_message(exc)) from None
+            except (ray.exceptions.RayActorError, BackendGoneError) as exc:
                 last_error = f"backend {self.decision.backend_id} failed: {type(exc).__name__}"
                 await self._backend_failed(last_error)
                 continue
             except BackendError as exc:  # its engine failed before the request's first token
                 self.finished = True
                 self.router.forget.remote(self.req_id)
-                raise BackendUnavailable(f"backend {self.backend_id} failed while starting the request; retry it",
-                                         detail=_cause_message(exc)) from None
+                raise BackendUnavailableError(f"backend {self.backend_id} failed while starting the request; retry it",
+                                              detail=_cause_message(exc)) from None
             if not isinstance(first, Admitted):
-                raise RequestFailed(f"backend {self.decision.backend_id} could not start the request",
-                                    detail=f"it sent {type(first).__name__} before admitting it")
+                raise TandemError(f"backend {self.decision.backend_id} could not start the request",
+                                  detail=f"it sent {type(first).__name__} before admitting it")
             self.admitted, self.admitted_time = first, time.time()
             return first
-        raise BackendUnavailable(f"the request could not be placed after {self.attempts} attempts; "
-                                 "retry it", detail=f"last error: {last_error}")
+        raise BackendUnavailableError(f"the request could not be placed after {self.attempts} attempts; "
+                                      "retry it", detail=f"last error: {last_error}")
 
     def admission_stages(self) -> dict[str, float]:
         """See `admission_stages`; empty before the request was admitted."""
@@ -185,15 +169,13 @@ class RequestStream:
         return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
                                 a.received_time, a.queued_time)
 
-    async def _place(self) -> tuple[str, str, float | None]:
-        """(backend id, instance id, the router's estimate): the fixed choice if there is one
-        (no estimate: nothing was scored), else the router's answer; a retry always asks."""
-        max_tokens = self.params.max_tokens * self.params.n
-        if self.attempts == 1 and os.environ.get(FIXED_CHOICE_ENV) == "1":
-            fixed = FixedChoice.of(self.router).place(self.req_id, self.prompt_token_ids, max_tokens)
-            if fixed is not None:
-                return (*fixed, None)
-        return await _placer(self.router).call(self.req_id, self.prompt_token_ids, max_tokens, self.attempts)
+    async def _place(self) -> Placement:
+        """The router's `Placement`, from its `place_many`; the request's priority class and TTFT
+        deadline go with it."""
+        request = PlaceRequest(self.req_id, self.prompt_token_ids, self.params.max_tokens * self.params.n,
+                               self.attempts, self.params.priority, self.ttft_deadline_s)
+        answer = await _placer(self.router).call(request)
+        return msgspec.convert(answer, Placement)  # an array when it came on the wire
 
     async def outputs(self) -> AsyncIterator[Any]:
         """The request's `RequestOutput`s, re-routing it if its backend dies before a token."""
@@ -203,20 +185,20 @@ class RequestStream:
             try:
                 out = await self._gen.next()
             except StopAsyncIteration:
-                raise BackendUnavailable(f"backend {self.backend_id} ended the request without "
-                                         "finishing it; retry it") from None
-            except (ray.exceptions.RayActorError, BackendGone) as exc:
+                raise BackendUnavailableError(f"backend {self.backend_id} ended the request without "
+                                              "finishing it; retry it") from None
+            except (ray.exceptions.RayActorError, BackendGoneError) as exc:
                 message = f"backend {self.backend_id} died while serving request {self.req_id}"
                 await self._backend_failed(f"{message}: {type(exc).__name__}")
                 if self.num_output_tokens == 0 and self.attempts < self.max_attempts:
                     logger.warning("%s before its first token; routing it again", message)
                     await self.open()
                     continue
-                raise BackendUnavailable(f"{message} after {self.num_output_tokens} tokens; retry "
-                                         "the request") from None
+                raise BackendUnavailableError(f"{message} after {self.num_output_tokens} tokens; retry "
+                                              "the request") from None
             except BackendError as exc:
-                raise BackendUnavailable(f"backend {self.backend_id} failed while serving the request; "
-                                         "retry it", detail=_cause_message(exc)) from None
+                raise BackendUnavailableError(f"backend {self.backend_id} failed while serving the request; "
+                                              "retry it", detail=_cause_message(exc)) from None
             self.num_output_tokens += len(out.new_token_ids)
             self.finished = out.finished
             yield out
@@ -281,14 +263,13 @@ def admission_stages(arrival: float, placed: float, admitted: float, first_outpu
     - `route`: arrival to the router's answer (reading and checking the request, tokenizing,
       the router's round trip);
     - the add's trip, where the backend stamped it (`Admitted.received_time`/`queued_time`):
-      `to_backend` placed to the backend actor taking the add (this process's batching and the
-      Ray call), `to_core` from there to the engine core queueing it (the actor's event loop,
-      the pipe, the core finishing its step in progress); without the stamps both count in the
-      next stage;
-    - with the first outputs in the admission (`Admitted.outputs`, packed, see
-      actors/engine_core.py): `to_engine` queued (or placed) to first scheduled (its wait in
-      the engine), `prefill` first scheduled to first token, and `back` first token to the
-      admission's arrival here;
+      `to_backend` placed to the backend's engine core reading the add off its channel (this
+      process's batching and the wire, or over Ray the actor's relay), `to_core` from there to
+      the engine queueing it (the core finishing its step in progress); without the stamps both
+      count in the next stage;
+    - with the first outputs in the admission (`Admitted.outputs`): `to_engine` queued (or
+      placed) to first scheduled (its wait in the engine), `prefill` first scheduled to first
+      token, and `back` first token to the admission's arrival here;
     - without them (the request queued behind others): `admit`, queued (or placed) to admitted.
     A negative difference (clocks of two nodes) counts as 0.
     """
@@ -299,7 +280,7 @@ def admission_stages(arrival: float, placed: float, admitted: float, first_outpu
         engine_from = queued
     if first_outputs:
         first = first_outputs[0]
-        first_scheduled, first_token = first[9], first[10]
+        first_scheduled, first_token = first.first_scheduled_time, first.first_token_time
         if first_scheduled is not None and first_token is not None:
             stages.update(to_engine=first_scheduled - engine_from, prefill=first_token - first_scheduled,
                           back=admitted - first_token)

@@ -12,6 +12,13 @@ and scales the replicas; only the bytes skip its proxy. A replica runs uvicorn o
 that runs the app, so no ASGI message crosses between threads. Linux balances connections
 between `SO_REUSEPORT` sockets; other systems let several bind but send everything to one, so
 there a single replica serves (`shared_port_balances`).
+
+A replica binds the port when it is constructed (a port that another program holds fails it at
+once) but listens only once Serve has finished initialising it (`ready()`): the kernel hands new
+connections only to listening sockets, so until then they go to the replicas already serving, or,
+with none, are refused, which every HTTP client retries. Listening from the constructor on would
+accept requests that Serve cannot yet route to the replica's object: `/health` would answer 503
+and the API a 500 for the moment in between, at every start and every restart of a replica.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -30,6 +38,7 @@ logger = logging.getLogger("tandem.http")
 
 KEEP_ALIVE_S = 65  # longer than common clients' pools keep idle connections (aiohttp 15 s, httpx 5 s)
 BACKLOG = 4096  # connections the kernel queues per replica before accept; bursts of clients open many
+READY_POLL_S = 0.02  # how often a replica that is starting checks whether it can serve yet
 
 
 def shared_port_balances() -> bool:
@@ -38,7 +47,8 @@ def shared_port_balances() -> bool:
 
 
 def bind_shared(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port) that other processes of this user may bind too."""
+    """A socket bound to (host, port), not yet listening, that other processes of this user may
+    bind too."""
     family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -46,7 +56,6 @@ def bind_shared(host: str, port: int) -> socket.socket:
         if hasattr(socket, "SO_REUSEPORT"):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(BACKLOG)
         sock.setblocking(False)
     except OSError:
         sock.close()
@@ -63,10 +72,12 @@ class _Server(uvicorn.Server):
 
 class ReplicaHTTPServer:
     """Serves `app` (an ASGI callable) on a socket bound now, on the running event loop, for
-    the life of the replica's process (its socket closes with it)."""
+    the life of the replica's process (its socket closes with it), from the moment `ready()` is
+    true."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, ready: Callable[[], bool]) -> None:
         self.sock = bind_shared(host, port)  # now: a port someone else holds fails the replica at once
+        self.ready = ready
         config = uvicorn.Config(app, interface="asgi3", lifespan="off", proxy_headers=False, access_log=False,
                                 log_config=None, log_level=None, timeout_keep_alive=KEEP_ALIVE_S, backlog=BACKLOG)
         self.server = _Server(config)
@@ -74,6 +85,9 @@ class ReplicaHTTPServer:
 
     async def _serve(self) -> None:
         try:
+            while not self.ready():
+                await asyncio.sleep(READY_POLL_S)
+            self.sock.listen(BACKLOG)
             await self.server.serve(sockets=[self.sock])
         except Exception:
             logger.exception("the HTTP server of this ingress replica stopped")

@@ -129,12 +129,13 @@ class Tandem:
 
     async def agenerate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> AsyncIterator[Any]:
         """The async form of `generate`, for drivers that run their own event loop."""
-        from tandem.cluster.dispatch import RequestStream
+        from tandem.cluster.dispatch import RoutedRequest
         from tandem.engine.sampling_params import SamplingParams
 
         params = params or SamplingParams()
+        params.validate()  # the driver is an edge: a bad request fails here, before it is routed
         prompt_token_ids = await self._tokenize(prompt, chat)
-        stream = RequestStream(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
+        stream = RoutedRequest(self.router, f"driver-{uuid.uuid4().hex}", prompt_token_ids, params,
                                time.time(), self.config.max_route_attempts)
         try:
             await stream.open()
@@ -151,9 +152,9 @@ class Tandem:
         if self._tokenizer is None:
             backends = await self.router.list_backends.remote()
             if not backends:
-                from tandem.cluster.dispatch import BackendUnavailable
+                from tandem.engine.errors import BackendUnavailableError
 
-                raise BackendUnavailable("no backend is alive")
+                raise BackendUnavailableError("no backend is alive")
             self._tokenizer = await next(iter(backends.values())).tokenizer.remote()
         if chat:
             return encode_chat(self._tokenizer, [{"role": "user", "content": prompt}])
@@ -297,11 +298,14 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
     ).remote(config.policy, str(config.routing_log) if config.routing_log else None,
              config.health_check_period_s,
              calibration_alpha=config.calibration_alpha, new_token_ratio=config.new_token_ratio,
-             spill_margin=config.spill_margin, spill_allow_queue=config.spill_allow_queue)
+             spill_margin=config.spill_margin, spill_allow_queue=config.spill_allow_queue,
+             device_shares=config.device_shares)
     placements = _cpu_backend_placements(plans) if config.address else {}
     backends = {plan.backend_id: _create_backend(BackendActor, plan, config, placements.get(plan.backend_id))
                 for plan in plans}
     infos = ray.get([b.info.remote() for b in backends.values()])  # waits for every model to load
+    for info in infos:
+        log(ready_line(info))
     rates = _resolve_rates(config, plans, infos, backends, log)
     ray.get([backends[p.backend_id].register.remote(rates[p.backend_id]) for p in plans])
     if config.calibration_alpha and config.warmup_tokens:
@@ -315,6 +319,15 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         log(f"HTTP: {http_replicas(config)} ingress replica(s), up to {pending_limit(config, plans)} pending "
             "requests before 429 (max_pending_requests in the config)")
     return tandem
+
+
+def ready_line(info: Any) -> str:
+    """What a loaded backend runs, as the user should know it: device, dtype, kernels,
+    concurrency and the KV cache's size in tokens."""
+    kernels = f", {info.cpu_kernels} kernels" if info.cpu_kernels else ""
+    return (f"backend {info.backend_id} ready: {info.device}, {info.dtype}{kernels}, max_active {info.max_active}, "
+            f"KV cache {info.num_kv_tokens:,} tokens ({info.num_kv_tokens // max(1, info.block_size):,} blocks of "
+            f"{info.block_size})")
 
 
 def _gpu_notes(plan: BackendPlan) -> str:
@@ -369,8 +382,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
     if placement is not None:
         options["scheduling_strategy"] = placement
     return ray.remote(actor_cls).options(**options).remote(
-        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, (ROUTER_NAME, config.namespace),
-        stream_interval_s=config.stream_interval_s, max_stream_messages_per_s=config.max_stream_messages_per_s)
+        plan.backend_id, engine_kwargs, plan.threads, plan.requested, plan.reason, (ROUTER_NAME, config.namespace))
 
 
 def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[Any], backends: dict[str, Any],

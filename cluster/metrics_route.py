@@ -6,7 +6,8 @@ discovers that port, so its view is Ray's as usual. Tandem's page is that page p
 Ray cannot do: a histogram that has had no observation yet is absent from Ray's export (the
 recorder keeps counters and gauges present, see actors/metrics.py), so a latency panel would
 read "no data" until the first request. `fill_empty_histograms` adds each such Tandem
-histogram at zero, per backend that the page already names, until Ray exports the real one.
+histogram at zero, per backend that the page already names (the ingress's: per value known up
+front, such as each admission stage), until Ray exports the real one.
 
 Two addresses serve the page. `--metrics-port` is a small HTTP server in the process that
 started Tandem (`MetricsServer`), in front of Ray's export port, which then moves to a free
@@ -38,24 +39,27 @@ def fill_empty_histograms(page: str) -> str:
     names (on the same component's metrics: the backends' or the router's) that has none yet.
     A family Ray exports for some backends gets the others' zeros next to its own samples (a
     Prometheus family must stay contiguous); a family it does not export yet is added whole."""
-    from tandem.actors.metrics import BACKEND_METRICS, HISTOGRAM, ROUTER_METRICS
+    from tandem.actors.metrics import BACKEND_METRICS, HISTOGRAM, INGRESS_METRICS, ROUTER_METRICS
 
     lines = page.splitlines()
     appended = []
-    for prefix, specs in (("ray_tandem_backend_", BACKEND_METRICS), ("ray_tandem_router_", ROUTER_METRICS)):
-        backend_ids = _backend_ids(page, prefix)
-        for spec in specs:
-            if spec.kind != HISTOGRAM or not backend_ids:
-                continue
-            family = [i for i, line in enumerate(lines) if _series_name(line) in spec.exported_series]
-            if not family:
-                appended.append(_zero_histogram(spec, backend_ids, header=True))
-                continue
-            have = {b for i in family for b in _BACKEND_LABEL.findall(lines[i])}
-            lacking = [b for b in backend_ids if b not in have]
-            if lacking:
-                last = family[-1]
-                lines[last] += "\n" + _zero_histogram(spec, lacking, header=False).rstrip("\n")
+    wanted = [(spec, "backend", _backend_ids(page, prefix))
+              for prefix, specs in (("ray_tandem_backend_", BACKEND_METRICS), ("ray_tandem_router_", ROUTER_METRICS))
+              for spec in specs]
+    if "\nray_tandem_http_" in "\n" + page:  # an ingress runs here (its counters are declared at start)
+        wanted += [(spec, key, list(values)) for spec in INGRESS_METRICS for key, values in spec.known_values]
+    for spec, key, values in wanted:
+        if spec.kind != HISTOGRAM or not values:
+            continue
+        family = [i for i, line in enumerate(lines) if _series_name(line) in spec.exported_series]
+        if not family:
+            appended.append(_zero_histogram(spec, key, values, header=True))
+            continue
+        label = re.compile(rf'[{{,]{key}="([^"]*)"')
+        have = {v for i in family for v in label.findall(lines[i])}
+        lacking = [v for v in values if v not in have]
+        if lacking:
+            lines[family[-1]] += "\n" + _zero_histogram(spec, key, lacking, header=False).rstrip("\n")
     if not appended and "\n".join(lines) == page.rstrip("\n"):
         return page
     body = "\n".join(lines)
@@ -79,14 +83,15 @@ def _backend_ids(page: str, prefix: str) -> list[str]:
     return sorted(found)
 
 
-def _zero_histogram(spec, backend_ids: list[str], header: bool) -> str:
+def _zero_histogram(spec, key: str, values: list[str], header: bool) -> str:
+    """`spec`'s histogram at zero, one series per value of its label `key`."""
     name = spec.exported_name
     lines = [f"# HELP {name} {spec.description}", f"# TYPE {name} histogram"] if header else []
-    for backend_id in backend_ids:
+    for value in values:
         for bound in (*(repr(float(b)) for b in spec.boundaries), "+Inf"):
-            lines.append(f'{name}_bucket{{backend="{backend_id}",le="{bound}"}} 0.0')
-        lines.append(f'{name}_count{{backend="{backend_id}"}} 0.0')
-        lines.append(f'{name}_sum{{backend="{backend_id}"}} 0.0')
+            lines.append(f'{name}_bucket{{{key}="{value}",le="{bound}"}} 0.0')
+        lines.append(f'{name}_count{{{key}="{value}"}} 0.0')
+        lines.append(f'{name}_sum{{{key}="{value}"}} 0.0')
     return "\n".join(lines) + "\n"
 
 

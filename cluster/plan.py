@@ -26,9 +26,9 @@ cpu backend. The decision is made once, in the launcher, from what the Ray clust
 CPU threads: the cpu backends share this machine's cores, less one core for the serving path
 (HTTP ingress, router, Ray) and one per accelerator backend, whose step loop launches kernels
 from Python and stalls when it has to wait for a core: each cpu backend gets
-`(cores - 1 - num_accelerators) // num_cpu` torch threads (at least 1) unless told otherwise.
-On the H200's 16 cores that is 14; oversubscribed OpenMP threads of a cpu backend had slowed
-both backends down. Accelerator backends only need a thread for the host-side Python.
+`(cores - 1 - num_accelerators) // num_cpu` torch threads (at least 1) unless told otherwise:
+oversubscribed OpenMP threads of a cpu backend slow both backends down. Accelerator backends
+only need a thread for the host-side Python.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ per key and starts at once afterwards.
 
 Backends with the same key are identical devices running the same engine: they share one
 profile (`resolve_profiles` measures the first and gives its rates to the others) rather than
-each being measured alone. Measured separately, two identical H200s had come out at 38,600 and
-28,800 prefill tok/s, and the router then treated one GPU as a third slower than its twin.
+each being measured alone: measured separately, identical GPUs can come out far apart
+(docs/benchmarks/README.md), and the router would treat one as slower than its twin.
 A measurement whose repeats spread more than `MAX_SPREAD` is used for the run that measured it
 but not cached (a noisy profile would otherwise steer the router on every later start), with a
-warning naming the flag that measures again; a cached entry that spread that much (cached before
-this rule) is measured again. A re-profile (`--profile always`) that moves a rate more than
+warning naming the flag that measures again; a cached entry that spread that much is measured
+again. A re-profile (`--profile always`) that moves a rate more than
 `MAX_SPREAD` from the cached entry is reported as a warning.
 """
 
@@ -46,10 +46,9 @@ _GPU_MODEL = re.compile(r"\w+\s+((?:[A-Z]+\s+)*[A-Z0-9]*\d[A-Z0-9]*)")
 def profile_key(model: str, device_kind: str, dtype: str, threads: int, max_active: int,
                 device_name: str = "", cpu_compile: bool = False, cpu_kernels: str = "torch") -> str:
     """A compiled CPU decode (`cpu_compile`) is keyed apart from the eager one (`int4-compiled`
-    beside `int4`): its decode differs by machine, 1.1-1.4x faster per step on two cores, 8x slower on a
-    14-thread Xeon. ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
-    faster per decode row on an AVX2 CPU (1.8x at one row), about even at four rows. The default,
-    `auto`, keys a cpu backend apart too (`float32-auto`); other devices have no cpu kernels."""
+    beside `int4`), and ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
+    each runs at its own speed, which differs by machine and batch size. The default, `auto`,
+    keys a cpu backend apart too (`float32-auto`); other devices have no cpu kernels."""
     device = f"{device_kind}:{device_name}" if device_name else device_kind
     if cpu_kernels != "torch" and device_kind == "cpu":
         dtype = f"{dtype}-{cpu_kernels}"

@@ -21,8 +21,10 @@ the standard parser's failure modes on hostile input are not 400s: nesting 50,00
 and `"\\ud800"` becomes a string no tokenizer can encode. Each is bounded or refused here.
 
 Tandem's extras: `ignore_eos`, `min_tokens`, `top_k` and `seed` on requests (the sampling
-settings the engine supports beyond OpenAI's), `usage.prompt_tokens_details.cached_tokens`, and
-a `tandem` object on responses and chunks naming the backend that served the request.
+settings the engine supports beyond OpenAI's), vLLM's `priority` and Tandem's
+`ttft_deadline_ms`, `usage.prompt_tokens_details.cached_tokens`, and a `tandem` object on
+responses and chunks naming the backend that served the request and the TTFT the router
+projected for it there.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from tandem.cluster.tools import (
     MAX_TOOLS,
     DeltaToolCall,
@@ -69,24 +72,24 @@ class _BadNumber(ValueError):
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or `InvalidRequest` saying what is wrong with it.
+    """The request body as a JSON object, or `InvalidRequestError` saying what is wrong with it.
 
     Checks that would cost a Python call per token of a 4 MB body run in C or numpy instead:
     the ingress's event loop serves everyone while it parses."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid UTF-8 (byte {exc.start})") from None
+        raise InvalidRequestError(f"request body is not valid UTF-8 (byte {exc.start})") from None
     _check_structure(text)
     try:
         data = json.loads(text, parse_float=_parse_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} "
-                             f"column {exc.colno})") from None
+        raise InvalidRequestError(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} "
+                                  f"column {exc.colno})") from None
     except _BadNumber as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise InvalidRequestError(str(exc)) from None
     if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidRequestError("request body must be a JSON object")
     if _SURROGATE_ESCAPE.search(text):
         _check_strings(data)
     return data
@@ -97,13 +100,13 @@ def _check_structure(text: str) -> None:
     bracket or digits inside a string are text, not structure)."""
     structure = _JSON_STRING.sub('""', text)
     if _LONG_NUMBER.search(structure):
-        raise InvalidRequest(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
+        raise InvalidRequestError(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
     if structure.count("[") + structure.count("{") <= MAX_JSON_DEPTH:
         return  # too few openers to nest that deep (most requests: no numpy call)
     chars = np.frombuffer(structure.encode("utf-8"), dtype=np.uint8)
     steps = np.isin(chars, _OPENERS).astype(np.int32) - np.isin(chars, _CLOSERS).astype(np.int32)
     if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        raise InvalidRequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
 
 
 def _parse_float(text: str) -> float:
@@ -132,8 +135,8 @@ def _check_strings(data: Any) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise InvalidRequest(f"request body has a string that is not valid Unicode "
-                                     f"(lone surrogate at character {exc.start})") from None
+                raise InvalidRequestError(f"request body has a string that is not valid Unicode "
+                                          f"(lone surrogate at character {exc.start})") from None
 
 
 TokenCount = Annotated[int, Field(strict=True, ge=1, le=MAX_INT32)]
@@ -156,9 +159,6 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-MAX_N = 16  # choices per request (parallel sampling)
-MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit
-MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 Probability = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, strict=True)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]
@@ -201,7 +201,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "allowed_token_ids": (_never, "allowed_token_ids is not supported (use logit_bias)"),
     "bad_words": (_equals([]), "bad_words is not supported (use logit_bias)"),
     "guided_grammar": (_never, "guided_grammar is not supported"),
-    "priority": (_equals(0), "request priorities are not supported"),
     "add_generation_prompt": (_equals(True), "add_generation_prompt is always true"),
     "continue_final_message": (_equals(False), "continue_final_message is not supported"),
     "chat_template": (_never, "a request's own chat_template is not supported"),
@@ -216,7 +215,7 @@ HARMLESS_FIELDS = frozenset({"metadata", "prompt_cache_key", "safety_identifier"
 
 
 def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
-    """The body with nulls and harmless labels dropped; `InvalidRequest` naming the first field
+    """The body with nulls and harmless labels dropped; `InvalidRequestError` naming the first field
     Tandem would otherwise ignore. Raised directly, not as a pydantic error, so the 400 carries
     the field as its `param`."""
     if not isinstance(data, dict):
@@ -233,10 +232,10 @@ def screen_fields(model_cls: type[BaseModel], data: Any) -> Any:
         elif key in UNSUPPORTED_FIELDS:
             harmless, reason = UNSUPPORTED_FIELDS[key]
             if not harmless(value, data):
-                raise InvalidRequest(f"{key}: {reason}", param=key, code="unsupported_field")
+                raise InvalidRequestError(f"{key}: {reason}", param=key, code="unsupported_field")
         else:
-            raise InvalidRequest(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
-                                 "rather than ignore them", param=_short(key), code="unsupported_field")
+            raise InvalidRequestError(f"{_short(key)}: unknown field; Tandem refuses fields it does not implement "
+                                      "rather than ignore them", param=_short(key), code="unsupported_field")
     return screened
 
 
@@ -274,6 +273,11 @@ class _SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    # Scheduling (docs/routing.md, "Deadlines and priorities"): vLLM's priority (lower is more
+    # urgent, classes compared by value) and Tandem's TTFT deadline (the header
+    # x-tandem-ttft-deadline-ms says the same; the body wins where both are given).
+    priority: StrictInt = Field(default=0, ge=-MAX_INT32, le=MAX_INT32)
+    ttft_deadline_ms: float | None = Field(default=None, gt=0.0, le=86_400_000.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -406,6 +410,7 @@ class UsageInfo(BaseModel):
 class TandemInfo(BaseModel):
     backend: str
     estimated_s: float | None = None
+    projected_ttft_ms: float | None = None  # the router's projected TTFT where it placed the request
 
 
 class CompletionLogprobs(BaseModel):
@@ -500,6 +505,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
+    max_model_len: int | None = None  # as vLLM's card: the context a prompt and its output share
 
 
 class ModelList(BaseModel):

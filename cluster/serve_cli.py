@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="tokens of the co-running warm-up before serving (default 48; 0: none)")
     advanced.add_argument("--new-token-ratio", action="store_true", default=None,
                           help="discount queued decode budgets with SGLang's decaying new_token_ratio")
+    advanced.add_argument("--device-shares", action="store_true", default=None,
+                          help="score engines that share a GPU by their share of it (default: each alone)")
     advanced.add_argument("--ingress", choices=("auto", "direct", "proxy"), metavar="MODE",
                           help="direct (replicas share --port), proxy, or auto: direct unless --address")
     advanced.add_argument("--http-replicas", type=int, metavar="N",
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(
             args, policy=args.policy, calibration_alpha=args.calibration_alpha, spill_margin=args.spill_margin,
             spill_allow_queue=args.spill_allow_queue, warmup_tokens=args.warmup_tokens,
-            new_token_ratio=args.new_token_ratio, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            new_token_ratio=args.new_token_ratio, device_shares=args.device_shares, host=args.host, port=args.port, metrics_port=args.metrics_port,
             rates=args.rates, profile=args.profile, routing_log=args.routing_log, api_key=args.api_key,
             address=args.address, served_model_name=args.served_model_name, dashboard=args.dashboard,
             dashboard_port=args.dashboard_port, log_level=args.log_level, access_log=args.access_log,

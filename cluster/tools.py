@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import InvalidRequestError
 from tandem.engine.structured_output import StructuredOutputParams, check_enforceable
 
@@ -133,7 +133,7 @@ class OutputPlan:
 
 
 def plan_output(body: Any, chat_template: str | None) -> OutputPlan:
-    """The request's constraint and tool handling; `InvalidRequest` naming the field otherwise.
+    """The request's constraint and tool handling; `InvalidRequestError` naming the field otherwise.
     `body` is a completion or chat request (cluster/protocol.py)."""
     constraints = _constraints(body)
     tools = getattr(body, "tools", None) or []
@@ -142,17 +142,17 @@ def plan_output(body: Any, chat_template: str | None) -> OutputPlan:
         tool_choice = "auto" if tools else "none"
     if not tools:
         if tool_choice not in ("none", "auto"):
-            raise InvalidRequest("tool_choice: a forced tool call needs tools", param="tool_choice")
+            raise InvalidRequestError("tool_choice: a forced tool call needs tools", param="tool_choice")
         return OutputPlan(structured_output=_single(constraints))
     names = tuple(t.function.name for t in tools)
     if len(set(names)) != len(names):
-        raise InvalidRequest("tools: function names must be unique", param="tools")
+        raise InvalidRequestError("tools: function names must be unique", param="tools")
     if tool_choice == "none":
         return OutputPlan(structured_output=_single(constraints))
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if tool_choice == "auto":
         if QWEN_TOOL_CALL_TAG not in (chat_template or ""):
-            raise InvalidRequest(
+            raise InvalidRequestError(
                 "tool_choice: 'auto' needs a model whose chat template writes tool calls in a format Tandem "
                 "parses (Qwen2.5's <tool_call>); this model's does not. Use tool_choice 'required' or name "
                 "a function to force a call through the grammar", param="tool_choice")
@@ -160,8 +160,8 @@ def plan_output(body: Any, chat_template: str | None) -> OutputPlan:
                           tool_mode="auto", tool_names=names)
     if tool_choice != "required":
         if tool_choice.function.name not in names:
-            raise InvalidRequest(f"tool_choice: no tool is named {tool_choice.function.name[:64]!r}",
-                                 param="tool_choice")
+            raise InvalidRequestError(f"tool_choice: no tool is named {tool_choice.function.name[:64]!r}",
+                                      param="tool_choice")
         tools = [t for t in tools if t.function.name == tool_choice.function.name]
     constraints.append(("tool_choice", _call_schema(tools)))
     return OutputPlan(structured_output=_single(constraints), template_tools=template_tools,
@@ -176,8 +176,8 @@ def _constraints(body: Any) -> list[tuple[str, StructuredOutputParams]]:
         found.append(("response_format", StructuredOutputParams(json_object=True)))
     elif response_format is not None and response_format.type == "json_schema":
         if response_format.json_schema is None:
-            raise InvalidRequest("response_format: type json_schema needs a json_schema object",
-                                 param="response_format")
+            raise InvalidRequestError("response_format: type json_schema needs a json_schema object",
+                                      param="response_format")
         found.append(("response_format", _schema_params(response_format.json_schema.schema_,
                                                         "response_format.json_schema.schema")))
     guided_json = getattr(body, "guided_json", None)
@@ -189,19 +189,19 @@ def _constraints(body: Any) -> list[tuple[str, StructuredOutputParams]]:
             try:
                 found.append((name, StructuredOutputParams(**kwargs(value))))
             except InvalidRequestError as exc:
-                raise InvalidRequest(str(exc), param=name) from None
+                raise InvalidRequestError(str(exc), param=name) from None
     return found
 
 
 def _schema_params(schema: Any, path: str) -> StructuredOutputParams:
     param = path.split(".")[0]
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{path} must be a JSON object", param=param)
+        raise InvalidRequestError(f"{path} must be a JSON object", param=param)
     try:
         check_enforceable(schema, path)
         return StructuredOutputParams.from_json_schema(schema)
     except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc), param=param) from None
+        raise InvalidRequestError(str(exc), param=param) from None
 
 
 def _as_schema(value: Any) -> Any:
@@ -209,16 +209,16 @@ def _as_schema(value: Any) -> Any:
         try:
             return json.loads(value)
         except json.JSONDecodeError:
-            raise InvalidRequest("guided_json: a string must hold a JSON schema", param="guided_json") from None
+            raise InvalidRequestError("guided_json: a string must hold a JSON schema", param="guided_json") from None
     return value
 
 
 def _single(constraints: list[tuple[str, StructuredOutputParams]]) -> StructuredOutputParams | None:
     if len(constraints) > 1:
         fields = [name for name, _ in constraints]
-        raise InvalidRequest(f"{fields[1]}: only one of response_format, guided_json, guided_regex, guided_choice "
-                             f"and a forced tool_choice may constrain the output (got {', '.join(fields)})",
-                             param=fields[1])
+        raise InvalidRequestError(f"{fields[1]}: only one of response_format, guided_json, guided_regex, guided_choice "
+                                  f"and a forced tool_choice may constrain the output (got {', '.join(fields)})",
+                                  param=fields[1])
     return constraints[0][1] if constraints else None
 
 
@@ -232,7 +232,7 @@ def _call_schema(tools: list[ToolDefinition]) -> StructuredOutputParams:
         try:
             check_enforceable(parameters, f"tools[{i}].function.parameters")
         except InvalidRequestError as exc:
-            raise InvalidRequest(str(exc), param="tools") from None
+            raise InvalidRequestError(str(exc), param="tools") from None
         prefix = f"f{i}_"
         local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
         defs.update({prefix + name: _prefix_refs(sub, prefix) for name, sub in local.items()})
@@ -245,7 +245,7 @@ def _call_schema(tools: list[ToolDefinition]) -> StructuredOutputParams:
     try:
         return StructuredOutputParams.from_json_schema(schema)
     except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc), param="tools") from None
+        raise InvalidRequestError(str(exc), param="tools") from None
 
 
 def _prefix_refs(value: Any, prefix: str) -> Any:
@@ -284,8 +284,8 @@ def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise InvalidRequest("messages: a tool call's arguments must be a JSON object, as text",
-                             param="messages") from None
+        raise InvalidRequestError("messages: a tool call's arguments must be a JSON object, as text",
+                                  param="messages") from None
 
 
 # -- reading the output ----------------------------------------------------------------------

@@ -41,23 +41,19 @@ def warmup_tokens(rates: dict[str, dict[str, Any]], max_actives: dict[str, int],
 def warm_up_together(backends: dict[str, Any], infos: dict[str, Any], rates: dict[str, dict[str, Any]],
                      max_tokens: int, num_prompt_tokens: int = 64, seed: int = 0) -> float:
     """Run the warm-up on these backend actor handles (infos: their BackendInfo); returns seconds."""
-    import ray
-
+    from tandem.actors.channel import run_to_end
     from tandem.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     tokens = warmup_tokens(rates, {b: infos[b].max_active for b in backends}, max_tokens)
     rng = random.Random(seed)
-    streams = []
+    requests = []
     for backend_id, handle in backends.items():
         info = infos[backend_id]
         num_tokens = max(1, min(tokens[backend_id], info.max_model_len - num_prompt_tokens - 1))
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
         for _ in range(info.max_active):
             prompt = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(num_prompt_tokens)]
-            streams.append(handle.generate.options(num_returns="streaming").remote(
-                f"warmup-{uuid.uuid4().hex}", prompt, params, time.time()))
-    for stream in streams:
-        for ref in stream:
-            ray.get(ref)
+            requests.append((handle, f"warmup-{uuid.uuid4().hex}", prompt, params))
+    run_to_end(requests)
     return time.perf_counter() - start

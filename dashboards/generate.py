@@ -64,6 +64,13 @@ ROUTING = [
         (f"histogram_quantile(0.5, sum by (backend, le) (rate(ray_tandem_router_realised_completion_seconds_bucket{RATE})))",
          "realised {{backend}}")]),
     ("Realised / estimated completion", "short", quantiles("ray_tandem_router_completion_ratio")),
+    ("Observed minus projected TTFT", "s", [
+        (f"histogram_quantile({q}, sum by (backend, le) (rate(ray_tandem_router_ttft_late_seconds_bucket{RATE})))",
+         f"late p{int(q * 100)} {{{{backend}}}}") for q in (0.5, 0.95)] + [
+        (f"-histogram_quantile({q}, sum by (backend, le) (rate(ray_tandem_router_ttft_early_seconds_bucket{RATE})))",
+         f"early p{int(q * 100)} {{{{backend}}}}") for q in (0.5, 0.95)]),
+    ("Deadline refusals (5m)", "short", [
+        ("sum by (backend) (increase(ray_tandem_router_deadline_refusals_total[5m]))", "best was {{backend}}")]),
     ("Backends alive", "short", [("max(ray_tandem_router_backends_alive)", "alive")]),
     ("Backend failures and re-routes (5m)", "short", [
         ("sum by (backend) (increase(ray_tandem_router_backend_failures_total[5m]))", "failures {{backend}}"),

@@ -28,13 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the cpu")
     parser.add_argument("--cpu-compile", action="store_true",
                         help="cpu, opt-in: decode through torch.compile'd graphs (needs a C++ compiler; the "
-                             "first run compiles for about a minute on two cores, later runs load the cache in "
-                             "10-25 s). Faster per step on 2 cores, 8x slower on a 14-thread Xeon: measure first")
+                             "first run compiles, later runs load the cache). Faster on some CPUs, much slower on "
+                             "others: measure first")
     parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                         help="cpu: whose kernels. auto: float32 decode steps through ggml's graph where ggml "
-                             "is built, the rest eager. With --dtype int8/int4, ggml: "
-                             "llama.cpp's own (built once from llama-cpp-python's sources, about a minute; "
-                             "GGUF blocks used as they are), ~1.8x faster per decode row on an AVX2 CPU. "
+                             "was built at install, the rest eager. With --dtype int8/int4, ggml: "
+                             "llama.cpp's own (built once from llama-cpp-python's sources; GGUF blocks used as "
+                             "they are), faster per decode row on AVX2 CPUs. "
                              "ggml-graph (int8, int4 or float32): ggml's linears, and each decode step run as "
                              "one ggml graph, llama.cpp's speed per token (no compiling; not with --cpu-compile)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

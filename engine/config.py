@@ -82,6 +82,9 @@ class EngineConfig:
     async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
     cpu_compile: bool = False  # cpu: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py)
+    # A waiting request older than this is admitted as if it were of the most urgent class, so
+    # urgent traffic delays batch work by at most about this long (engine/scheduler.py).
+    max_priority_wait_s: float = 5.0
     cpu_kernels: str = "auto"  # auto | torch (PyTorch's) | ggml | ggml-graph (llama.cpp's; CPU_KERNELS above)
 
     def __post_init__(self) -> None:
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.max_priority_wait_s >= 0:
+            raise ValueError(f"max_priority_wait_s must be >= 0 seconds, got {self.max_priority_wait_s}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
 

@@ -86,7 +86,7 @@ class _Group:
 class _Tracked:
     """Per-request engine-side state that the torch-free scheduler does not hold."""
 
-    detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes (and checks stop strings)
+    detokenizer: IncrementalDetokenizer
     sampling_row: SamplingRow
 
 
@@ -128,7 +128,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=self._on_evict,
                                                on_publish=self._on_publish)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks),
+            SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks,
+                            cfg.max_priority_wait_s),
             self.kv_cache_manager,
         )
         self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
@@ -206,11 +207,8 @@ class LLMEngine:
         return encode_chat(self.tokenizer, messages)
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, detokenize: bool = True) -> int:
-        """Queue a request; returns its number of prompt tokens. With `detokenize=False` (one
-        choice only) its outputs carry no text and its stop strings are not checked here: the
-        caller does both, and aborts the request when a stop string ends it (the engine core's
-        front does, actors/output_text.py, so that work leaves the step loop)."""
+                    arrival_time: float | None = None) -> int:
+        """Queue a request; returns its number of prompt tokens."""
         if req_id in self.scheduler.requests or req_id in self._groups:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -218,7 +216,7 @@ class LLMEngine:
         if params.n > 1:
             self._add_group(req_id, token_ids, params, arrival_time)
             return len(token_ids)
-        self.scheduler.add_request(self._new_request(req_id, token_ids, params, arrival_time, detokenize))
+        self.scheduler.add_request(self._new_request(req_id, token_ids, params, arrival_time))
         self._changed[req_id] = self.scheduler.requests[req_id]
         return len(token_ids)
 
@@ -238,12 +236,12 @@ class LLMEngine:
         self._changed[children[0].req_id] = children[0]
 
     def _new_request(self, req_id: str, token_ids: list[int], params: SamplingParams,
-                     arrival_time: float | None, detokenize: bool = True) -> Request:
+                     arrival_time: float | None) -> Request:
         """A request and its engine-side state, not yet in the scheduler."""
         grammar = self._make_grammar(params)
         request = Request(req_id, token_ids, params, self.eos_token_ids, arrival_time)
         self._tracked[req_id] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, token_ids, params.stop) if detokenize else None,
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
             SamplingRow(params, self._make_generator(params.seed), grammar=grammar,
                         prompt_token_ids=token_ids if params.repetition_penalty != 1.0 else [], req_id=req_id),
         )
@@ -535,17 +533,20 @@ class LLMEngine:
                 tracked = tracked_by_id[req_id]
                 new_token_ids = [token]
                 detokenizer = tracked.detokenizer
-                if detokenizer is not None and detokenizer.add_tokens(new_token_ids):
+                if detokenizer.add_tokens(new_token_ids):
                     self._stop(request, index)  # also on the max_tokens token: the stop string wins
                 status = request.status
                 finished = status.is_finished and not request.num_pending_tokens
-                text = detokenizer.take_new_text(finished) if detokenizer is not None else ""
+                text = detokenizer.take_new_text(finished)
             except Exception as exc:
                 self._fail(request, exc, "output", num_kept=index)
                 continue
             if finished:
                 request.finished_time = now
                 del tracked_by_id[req_id]
+                # Reported "running" while this token was on the device (finished at launch):
+                # report it again, now finished, or the router counts it as load for ever.
+                self._changed[req_id] = request
             append(RequestOutput(req_id, new_token_ids, text, finished, status.finish_reason if finished else None,
                                  Usage(prompt_len, len(output_ids) - request.num_pending_tokens,
                                        max(request.num_cached_tokens, 0)),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import msgspec
+
 
 @dataclass
 class Usage:
@@ -71,9 +73,10 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     return list(by_index.values())
 
 
-@dataclass
-class RequestProgress:
-    """One request's state as the router's ledger needs it (sent in batches, absolute counts)."""
+class RequestProgress(msgspec.Struct, array_like=True, gc=False):
+    """One request's state as the router's ledger needs it (sent in batches, absolute counts).
+    A msgspec struct, not a dataclass, because a step's message carries one per running request
+    to the backend front (actors/messages.py): positional, it encodes without its field names."""
 
     req_id: str
     status: str  # "waiting" | "running" | "preempted" | "finished"

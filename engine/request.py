@@ -89,6 +89,10 @@ class Request:
         return self.sampling_params.max_tokens
 
     @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

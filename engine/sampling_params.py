@@ -1,7 +1,11 @@
-"""Per-request sampling and stopping settings, validated once at submission.
+"""Per-request sampling and stopping settings, and their one check.
 
-Validation lives here, not in the HTTP layer, so every entry point (the OpenAI endpoint, the
-Python driver, `tandem generate`) rejects the same bad input with the same message. Ranges
+`validate` is the one check of the settings, called where a request enters: the HTTP ingress
+and the Python driver before a request is routed (the edge), and `LLMEngine.add_request` for
+a caller of the engine itself (the engine core is one), so every entry point rejects the same
+bad input with the same message. Building a SamplingParams checks nothing, so the serving
+path's codec (actors/messages.py) rebuilds one in each process it crosses without checking it
+again on the way. Ranges
 are OpenAI's where OpenAI has the field (penalties in [-2, 2], logit bias in [-100, 100] for
 at most 300 tokens, up to 20 top logprobs) and vLLM's for its extras (`repetition_penalty` > 0,
 1 is off; `min_p` in [0, 1]).
@@ -11,16 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.engine.errors import InvalidRequestError  # re-exported: callers import it from here too
+# At run time, not only for type checkers: the front's codec (actors/messages.py) reads these
+# annotations to decode a SamplingParams.
+from tandem.engine.structured_output import StructuredOutputParams
 
-if TYPE_CHECKING:
-    from tandem.engine.structured_output import StructuredOutputParams
-
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300
-MAX_N = 16
+# The request contract's limits, defined here once: the HTTP schema (cluster/protocol.py) uses
+# the same ones, so the edge and a direct Python caller are refused alike.
+MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+MAX_N = 16  # choices per request (parallel sampling)
 
 
 @dataclass
@@ -42,11 +47,13 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # top logprobs per sampled token; None: no logprobs at all
     structured_output: StructuredOutputParams | None = None  # a grammar the output must follow
+    # vLLM's priority: lower is more urgent, 0 by default; any int, classes compared by value.
+    # The scheduler admits waiting requests in (priority, arrival) order (engine/scheduler.py).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.validate()
 
     @property
     def is_greedy(self) -> bool:
@@ -81,6 +88,8 @@ class SamplingParams:
              f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"),
             (all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              "logit_bias must map token ids to biases in [-100, 100]"),
+            (isinstance(self.priority, int) and not isinstance(self.priority, bool),
+             f"priority must be an integer (lower is more urgent), got {self.priority!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
         ]

@@ -2,10 +2,24 @@
 
 Each step has a token budget (`max_num_batched_tokens`) and at most `max_active` running
 requests. Decodes go first, so a long prompt never stalls requests already streaming; then
-running requests continue their chunked prefill; then waiting requests are admitted in FCFS
-order with whatever budget is left. When the pool runs out of blocks the newest running
-request is preempted by recompute: its blocks are freed and it rejoins the front of the
-waiting queue (its full blocks usually stay cached, so recompute is mostly a prefix hit).
+running requests continue their chunked prefill; then waiting requests are admitted with whatever
+budget is left. When the pool runs out of blocks the newest running request is preempted by
+recompute: its blocks are freed and it rejoins the front of the waiting queue (its full blocks
+usually stay cached, so recompute is mostly a prefix hit).
+
+Admission order. Preempted requests go first (they were running), then waiting requests in
+(priority, arrival) order, vLLM's `priority` (SamplingParams.priority: lower is more urgent,
+classes compared by value), so an urgent request goes ahead of waiting batch work. With one
+class this is FCFS. Batch work is never starved: a request that has waited longer than
+`max_priority_wait_s` takes turns with the more urgent waiting requests, one admission each
+(aged requests by arrival; the turn carries over from one step to the next). So under a
+stream of urgent work aged batch work gets at least every other admission, and under sustained
+overload, when the whole batch backlog has aged, an urgent request waits behind as many aged
+requests as urgent ones, never behind the whole backlog (giving aged work full urgency instead
+would make the order FCFS exactly when priorities matter most). Priority never preempts a
+running request: an urgent request waits for a free slot like any other, which keeps running requests' latency independent of later arrivals and
+spares the recompute. The head of that order is not overtaken when its blocks do not fit. The
+clock is injectable so the starvation bound is tested without sleeping.
 No torch here: the scheduler is tested on exact block ids in milliseconds.
 """
 
@@ -13,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE
@@ -26,6 +41,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 1024
+    max_priority_wait_s: float = 5.0  # a request waiting longer is admitted as if most urgent
 
 
 @dataclass
@@ -65,13 +81,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self.clock = clock  # the clock of Request.arrival_time
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(config.num_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._aged_turn = True  # whose turn is next when aged and more urgent requests take turns
 
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -114,14 +133,38 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are admitted (see the module doc)."""
+        return self._admission_plan()[0]
+
+    def _admission_plan(self) -> tuple[list[Request], dict[str, bool]]:
+        """The admission order, and for the requests placed by taking turns whether each is
+        the aged one (admitting one passes the turn to the other side)."""
+        waiting = list(self.waiting)
+        if all(r.priority == waiting[0].priority for r in waiting):
+            return waiting, {}  # one class: FCFS, preempted requests already at the front
+        now, bound = self.clock(), self.config.max_priority_wait_s
+        preempted = [r for r in waiting if r.status is RequestStatus.PREEMPTED]
+        queued = [r for r in waiting if r.status is not RequestStatus.PREEMPTED]
+        aged = [r for r in queued if now - r.arrival_time > bound]
+        fresh = sorted((r for r in queued if now - r.arrival_time <= bound), key=lambda r: r.priority)
+        order, turns = _take_turns(aged, fresh, self._aged_turn)
+        return preempted + order, turns
+
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_active:
-            request = self.waiting[0]
+        if not self.waiting:
+            return
+        order, turns = self._admission_plan()
+        for request in order:
+            if budget <= 0 or len(self.running) >= self.config.max_active:
+                break
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the admission order
+            self.waiting.remove(request)
+            if request.req_id in turns:
+                self._aged_turn = not turns[request.req_id]
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.first_scheduled_time is None:
@@ -197,3 +240,26 @@ class Scheduler:
         request.status = status
         request.finished_time = time.time()
         return request
+
+
+def _take_turns(aged: list[Request], fresh: list[Request],
+                aged_turn: bool) -> tuple[list[Request], dict[str, bool]]:
+    """Aged requests (in arrival order) and fresh ones (in (priority, arrival) order) take turns,
+    starting with an aged one if `aged_turn`, where the fresh one is of a more urgent class than
+    the aged one; an aged request of the fresh one's class or a more urgent one simply goes
+    first. Then the rest of the aged, then the rest of the fresh. Also returns, for the requests
+    placed by turns, whether each is aged."""
+    order: list[Request] = []
+    turns: dict[str, bool] = {}
+    a = f = 0
+    while a < len(aged) and f < len(fresh):
+        if fresh[f].priority >= aged[a].priority:
+            order.append(aged[a])
+            a += 1
+            continue
+        request = aged[a] if aged_turn else fresh[f]
+        a, f = (a + 1, f) if aged_turn else (a, f + 1)
+        order.append(request)
+        turns[request.req_id] = aged_turn
+        aged_turn = not aged_turn
+    return order + aged[a:] + fresh[f:], turns

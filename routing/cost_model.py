@@ -38,6 +38,11 @@ does not change a decision (request 7: GPU 3.043 s against the CPU's 3.118). The
 weight were chosen on route-sim's tenants grid, where the term makes `cost` at least as good as
 every other arm in more cell-seeds; the counts, and the variants tried, are in docs/routing.md,
 "The queue term".
+
+Shared devices. With the router's `device_shares` on, a backend that shares its device with
+others is scored at its rates divided by its share, the number of engines that would be busy
+there with the new request (routing/device_share.py); every term built on the rates (prefill,
+decode, queue, recompute) sees the divided rates. Off, or without devices, the share is 1.
 """
 
 from __future__ import annotations
@@ -64,17 +69,20 @@ def score_backend(
     num_cached_tokens: int,
     max_tokens: int,
     num_inflight_cached_tokens: int = 0,
+    device_share: int = 1,
 ) -> BackendScore:
     """Score one backend for a new request with `num_cached_tokens` of its prompt reusable there
-    (the larger of what the backend reported and what requests in flight to it will cache)."""
+    (the larger of what the backend reported and what requests in flight to it will cache), at
+    1/`device_share` of its rates (routing/device_share.py)."""
     num_cached_tokens = min(max(0, num_cached_tokens), num_prompt_tokens)
     num_prefill_tokens = ledger.num_prefill_tokens + num_prompt_tokens - num_cached_tokens
     num_existing_decode_tokens = ledger.num_decode_tokens
     if new_token_ratio != 1.0:
         num_existing_decode_tokens = new_token_ratio * num_existing_decode_tokens
     num_decode_tokens = num_existing_decode_tokens + max_tokens
-    decode_rate = decode_rate_for(rates, spec.max_active, len(ledger) + 1)
-    prefill_term_s = num_prefill_tokens / rates.prefill_tok_s
+    decode_rate = decode_rate_for(rates, spec.max_active, len(ledger) + 1) / device_share
+    prefill_tok_s = rates.prefill_tok_s / device_share
+    prefill_term_s = num_prefill_tokens / prefill_tok_s
     decode_term_s = num_decode_tokens / decode_rate
     if rates.is_batch_aware:
         batch_size = max(1, min(spec.max_active, len(ledger) + 1))
@@ -92,7 +100,7 @@ def score_backend(
         num_queued=ledger.num_queued,
         max_active=spec.max_active,
         new_token_ratio=new_token_ratio,
-        prefill_tok_s=rates.prefill_tok_s,
+        prefill_tok_s=prefill_tok_s,
         decode_tok_s=decode_rate,
         num_inflight_cached_tokens=num_inflight_cached_tokens,
     )

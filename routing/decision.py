@@ -34,6 +34,7 @@ class BackendScore:
     recompute_term_s: float = 0.0  # weighted prefill of a prefix another routable backend holds
     replication_term_s: float = 0.0  # instead, where a copy of that prefix is an investment (< 0 once it pays)
     queue_term_s: float = 0.0  # the new request's prefill x the requests queued here, which it delays
+    projected_ttft_s: float = 0.0  # the new request's time to first token here (routing/deadline.py)
 
     @property
     def rank_s(self) -> float:
@@ -44,10 +45,19 @@ class BackendScore:
 
 @dataclass
 class DecisionRecord:
+    """One decision. A request with a TTFT deadline that no routable backend can meet is not
+    placed (`placed` False): `backend_id` is then the backend with the best projection, and
+    `retry_after_s` the seconds until its work ahead drains enough (None when even an idle
+    backend would miss the deadline: its own prefill is too long)."""
+
     req_id: str
     policy: str
     backend_id: str
     per_backend: dict[str, BackendScore] = field(default_factory=dict)
+    priority: int = 0
+    ttft_deadline_s: float | None = None
+    placed: bool = True
+    retry_after_s: float | None = None
 
     @property
     def chosen(self) -> BackendScore:
@@ -59,6 +69,10 @@ class DecisionRecord:
             "req_id": self.req_id,
             "policy": self.policy,
             "backend_id": self.backend_id,
+            "priority": self.priority,
+            "ttft_deadline_s": self.ttft_deadline_s,
+            "placed": self.placed,
+            "retry_after_s": None if self.retry_after_s is None else round(self.retry_after_s, ndigits),
             "per_backend": {
                 backend_id: _rounded(asdict(score), ndigits)
                 for backend_id, score in self.per_backend.items()

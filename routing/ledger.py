@@ -14,8 +14,17 @@ One `Ledger` per backend. Each `LedgerEntry` remembers what the cost model needs
 - the remaining decode budget, `max_tokens - num_output_tokens`.
 
 The ledger keeps the sums of both over all its entries, updated on every change, so scoring
-a backend is O(1) however long its queue is. Reports carry absolute counts and the ledger
+a backend is O(1) however long its queue is. It also keeps the sums of its queued entries per
+priority class (`priority`, vLLM's: lower is more urgent), so the work ahead of a new request
+at its class, `work_ahead(priority)`, costs O(number of classes): every active request is
+ahead of it (the engine never preempts for priority), and so is every queued one of its class
+or a more urgent one. Reports carry absolute counts and the ledger
 keeps the maximum seen, so late, duplicated or reordered reports are harmless.
+
+A backend's scheduler bounds how long less urgent work waits: a queued request older than its
+`max_priority_wait_s` takes turns with the more urgent ones. Each entry keeps when it was
+routed (`arrival_s`, the router's clock), so `aged_work` can say which less urgent queued
+requests will have aged past that bound by a given time, and so run before a new request.
 """
 
 from __future__ import annotations
@@ -35,8 +44,10 @@ class LedgerEntry:
     max_tokens: int
     num_prefill_tokens_est: int  # frozen at routing time; replaced only by an eviction report
     status: str = QUEUED
+    priority: int = 0  # vLLM's: lower is more urgent; classes are compared by value
     num_computed_prompt_tokens: int | None = None  # None until the backend reports prefill
     num_output_tokens: int = 0
+    arrival_s: float | None = None  # when it was routed (the router's clock); None: never ages
 
     def num_prefill_tokens_left(self) -> int:
         if self.num_output_tokens > 0:
@@ -49,6 +60,25 @@ class LedgerEntry:
         return max(0, self.max_tokens - self.num_output_tokens)
 
 
+@dataclass
+class WorkAhead:
+    """Pending work that runs before a new request: requests, uncached prompt tokens left and
+    unused decode budgets (unscaled)."""
+
+    num_requests: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def add(self, entry: LedgerEntry, sign: int) -> None:
+        self.num_requests += sign
+        self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
+        self.num_decode_tokens += sign * entry.num_decode_tokens_left()
+
+    def __add__(self, other: WorkAhead) -> WorkAhead:
+        return WorkAhead(self.num_requests + other.num_requests, self.num_prefill_tokens + other.num_prefill_tokens,
+                         self.num_decode_tokens + other.num_decode_tokens)
+
+
 class Ledger:
     """Unfinished requests on one backend, in routing order, with running sums."""
 
@@ -57,6 +87,7 @@ class Ledger:
         self.num_prefill_tokens = 0  # sum of num_prefill_tokens_left()
         self.num_decode_tokens = 0  # sum of num_decode_tokens_left()
         self.num_active = 0
+        self.queued_by_priority: dict[int, WorkAhead] = {}  # queued entries' sums per class
 
     @property
     def num_queued(self) -> int:
@@ -67,6 +98,33 @@ class Ledger:
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.entries
+
+    def work_ahead(self, priority: int) -> WorkAhead:
+        """The work a new request of class `priority` would wait behind: everything but the
+        queued requests of less urgent classes (a larger value)."""
+        ahead = WorkAhead(len(self.entries), self.num_prefill_tokens, self.num_decode_tokens)
+        for queued_priority, queued in self.queued_by_priority.items():
+            if queued_priority > priority:
+                ahead.num_requests -= queued.num_requests
+                ahead.num_prefill_tokens -= queued.num_prefill_tokens
+                ahead.num_decode_tokens -= queued.num_decode_tokens
+        return ahead
+
+    def aged_work(self, priority: int, cutoff_s: float, limit: int) -> WorkAhead:
+        """The oldest `limit` queued requests of less urgent classes than `priority` routed at
+        or before `cutoff_s`: those a starvation bound will have let take turns with a new
+        request by the time `cutoff_s` plus the bound has passed. O(queued requests), and
+        nothing at all without less urgent ones."""
+        aged = WorkAhead()
+        if not any(p > priority for p in self.queued_by_priority):
+            return aged
+        for entry in self.entries.values():  # routing order: oldest first
+            if aged.num_requests >= limit:
+                break
+            if (entry.status == QUEUED and entry.priority > priority and entry.arrival_s is not None
+                    and entry.arrival_s <= cutoff_s):
+                aged.add(entry, +1)
+        return aged
 
     def add_queued(self, entry: LedgerEntry) -> None:
         if entry.req_id in self.entries:
@@ -98,6 +156,11 @@ class Ledger:
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
         self.num_decode_tokens += sign * entry.num_decode_tokens_left()
         self.num_active += sign * (entry.status == ACTIVE)
+        if entry.status == QUEUED:
+            queued = self.queued_by_priority.setdefault(entry.priority, WorkAhead())
+            queued.add(entry, sign)
+            if queued.num_requests == 0:
+                del self.queued_by_priority[entry.priority]
 
 
 def _update_entry(entry: LedgerEntry, event: messages.ProgressEvent) -> None:

@@ -29,7 +29,11 @@ class RouteRequest:
     a backend missing from the map is assumed to have no reusable prefix. `block_hashes` are
     the chained hashes of the prompt's full blocks of `block_size` tokens (the engine's
     prefix-cache hashes); without them the router neither homes the request by prefix nor
-    counts it as in flight."""
+    counts it as in flight. `priority` is vLLM's (lower is more urgent, classes compared by
+    value); `ttft_deadline_s`, if set, is the longest time to first token the caller accepts:
+    the router places the request only where its projection meets it (routing/deadline.py).
+    `arrival_s` is when it arrived on the router's clock (monotonic seconds); the ledger keeps
+    it so that projections can tell which queued requests age past a starvation bound."""
 
     req_id: str
     num_prompt_tokens: int
@@ -37,8 +41,13 @@ class RouteRequest:
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     block_hashes: tuple[int, ...] = ()
     block_size: int = 0
+    priority: int = 0
+    ttft_deadline_s: float | None = None
+    arrival_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.ttft_deadline_s is not None and not self.ttft_deadline_s > 0:
+            raise ValueError(f"ttft_deadline_s must be > 0 (got {self.ttft_deadline_s})")
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0 (got {self.num_prompt_tokens})")
         if self.max_tokens < 0:

@@ -2,7 +2,8 @@
 
 Given a fixed assignment, the backends are independent (each serves its own requests FIFO, as
 routing/sim_backend.py models), so an assignment is scored by replaying each backend alone on
-its subset, memoised by that subset. The objective is the makespan (last finish minus first
+its subset, memoised by that subset. Backends that share a device (routing/sim_device.py) are
+not independent: they are replayed together, memoised by what each of them was given. The objective is the makespan (last finish minus first
 arrival), ties broken by the sum of end-to-end latencies.
 
 Search:
@@ -26,9 +27,10 @@ from typing import Iterable, Iterator, Sequence
 
 from tandem.routing.scenario import Scenario
 from tandem.routing.sim_backend import SimBackend
-from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_backend, make_job
+from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_backends, make_job
 
 Assignment = tuple[int, ...]  # backend index per request, scenario order
+Share = tuple[tuple[int, int], ...]  # (request index, backend index) pairs of one replay unit
 
 
 @dataclass
@@ -45,7 +47,9 @@ class AssignmentEvaluator:
         self.scenario = scenario
         self.backend_ids = [b.spec.backend_id for b in scenario.backends]
         self.first_arrival_s = min(r.arrival_s for r in scenario.requests)
-        self._memo: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}
+        self.units = replay_units(scenario)
+        self._unit_of = {b: u for u, unit in enumerate(self.units) for b in unit}
+        self._memo: dict[tuple[int, Share], tuple[float, float]] = {}
 
     @property
     def num_evaluated(self) -> int:
@@ -54,35 +58,50 @@ class AssignmentEvaluator:
     def objective(self, assignment: Assignment) -> tuple[float, float]:
         """(makespan_s, sum of e2e seconds) of a fixed assignment."""
         last_finish_s, total_e2e_s = -float("inf"), 0.0
-        for b in range(len(self.backend_ids)):
-            indices = tuple(i for i, chosen in enumerate(assignment) if chosen == b)
-            if indices:
-                finish_s, e2e_s = self._backend_result(b, indices)
+        for u, share in enumerate(self._shares(assignment)):
+            if share:
+                finish_s, e2e_s = self._unit_result(u, share)
                 last_finish_s, total_e2e_s = max(last_finish_s, finish_s), total_e2e_s + e2e_s
         return last_finish_s - self.first_arrival_s, total_e2e_s
 
     def outcomes(self, assignment: Assignment) -> list[RequestOutcome]:
-        backends = [self._replay(b, [i for i, c in enumerate(assignment) if c == b])
-                    for b in range(len(self.backend_ids))]
+        backends = [b for u, share in enumerate(self._shares(assignment)) for b in self._replay(u, share)]
         return collect_outcomes(self.scenario, backends)
 
-    def _backend_result(self, b: int, indices: tuple[int, ...]) -> tuple[float, float]:
-        key = (b, indices)
+    def _shares(self, assignment: Assignment) -> list[Share]:
+        shares: list[list[tuple[int, int]]] = [[] for _ in self.units]
+        for i, b in enumerate(assignment):
+            shares[self._unit_of[b]].append((i, b))
+        return [tuple(share) for share in shares]
+
+    def _unit_result(self, u: int, share: Share) -> tuple[float, float]:
+        key = (u, share)
         if key not in self._memo:
-            backend = self._replay(b, indices)
+            finished = [job for backend in self._replay(u, share) for job in backend.finished]
             self._memo[key] = (
-                max(job.finish_s for job in backend.finished),
-                sum(job.finish_s - job.arrival_s for job in backend.finished),
+                max(job.finish_s for job in finished),
+                sum(job.finish_s - job.arrival_s for job in finished),
             )
         return self._memo[key]
 
-    def _replay(self, b: int, indices: Iterable[int]) -> SimBackend:
-        sim_spec = self.scenario.backends[b]
-        backend = make_backend(self.scenario, sim_spec)
-        for i in indices:
-            backend.enqueue(make_job(i, self.scenario.requests[i], sim_spec.spec.backend_id))
-        backend.run_to_completion()
-        return backend
+    def _replay(self, u: int, share: Share) -> list[SimBackend]:
+        sim_specs = [self.scenario.backends[b] for b in self.units[u]]
+        backends = make_backends(self.scenario, sim_specs=sim_specs)
+        for i, b in share:
+            backend_id = self.backend_ids[b]
+            backends[backend_id].enqueue(make_job(i, self.scenario.requests[i], backend_id))
+        for backend in backends.values():
+            backend.run_to_completion()
+        return list(backends.values())
+
+
+def replay_units(scenario: Scenario) -> list[tuple[int, ...]]:
+    """Backend indices replayed together: each shared device's backends, every other alone."""
+    index_of = {b.spec.backend_id: i for i, b in enumerate(scenario.backends)}
+    shared = scenario.shared_devices
+    units = [tuple(index_of[backend_id] for backend_id in ids) for ids in shared.values()]
+    on_shared = {b for unit in units for b in unit}
+    return sorted(units + [(b,) for b in range(len(scenario.backends)) if b not in on_shared])
 
 
 def find_oracle(

@@ -50,8 +50,8 @@ full block has no key and goes to the least-loaded candidate.
 The spill guard is what makes `cost` "never worse than accelerator-only" in practice, not
 only on paper. The score ranks work with rates measured in isolation; a CPU next to a busy
 accelerator shares the host's cores with the accelerator's step loop and the HTTP path and runs
-slower than its profile (up to 2.4x on the H200 host; docs/routing.md, "The spill guard"), so a
-CPU that wins by a few percent on paper loses.
+slower than its profile (docs/routing.md, "The spill guard", has the measurements), so a CPU
+that wins by a few percent on paper loses.
 With an accelerator present, a CPU backend therefore wins only if (1) its rank beats the best
 accelerator's by `margin` (a fraction of the accelerator's rank) and (2), unless
 `allow_queue`, it has a free slot: a request queued behind a slow backend's running ones

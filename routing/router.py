@@ -12,6 +12,12 @@ scored as hitting it there, even before the backend has reported the blocks cach
 is also counted (routing/replication.py): on a backend with room, a miss on a hot prefix is an
 investment rather than a recompute.
 
+A request may carry a priority class and a TTFT deadline (routing/deadline.py): every score
+carries the request's projected time to first token on that backend, and a request with a
+deadline goes, by the policy, only to a backend whose projection meets it; if none does,
+`route` raises `DeadlineUnmetError` with the best projection and when to retry, and places
+nothing. Without a deadline the decision is exactly what it was.
+
 Decisions cost O(number of backends), independent of how many requests are pending
 (bench/router_decision.py measures it).
 """
@@ -25,7 +31,10 @@ from typing import Iterable, Sequence
 from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backend
+from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
+from tandem.routing.device_share import device_shares
+from tandem.routing.errors import DeadlineUnmetError, NoBackendError
 from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
 from tandem.routing.messages import ProgressEvent, RouteRequest
@@ -80,6 +89,7 @@ class Router:
         inflight_prefixes: bool = True,
         replication: ReplicationConfig | None = ReplicationConfig(),
         queue_weight: float = 1.0,
+        device_shares: bool = False,
     ) -> None:
         if recompute_weight < 0:
             raise ValueError(f"recompute_weight must be >= 0 (got {recompute_weight!r})")
@@ -87,6 +97,7 @@ class Router:
             raise ValueError(f"queue_weight must be >= 0 (got {queue_weight!r})")
         self._recompute_weight = recompute_weight
         self._queue_weight = queue_weight  # routing/cost_model.py: the queue term
+        self._device_shares = device_shares  # routing/device_share.py
         self._prefix_stats = None if replication is None else PrefixStats(replication)
         self._inflight_prefixes = inflight_prefixes  # False: only what backends reported counts
         self._spill_guard = spill_guard
@@ -143,17 +154,6 @@ class Router:
         """Registered backends in preference order (accelerators first, then by id)."""
         return list(self._backends)
 
-    def fixed_choice(self) -> str | None:
-        """The backend every request goes to whatever it asks, or None when requests have a
-        choice: exactly one backend is routable (not cordoned) and the policy takes its kind of
-        device. Callers may then place requests there without asking, and tell `route` after."""
-        routable = [s for s in self._backends.values() if not s.cordoned]
-        if len(routable) != 1:
-            return None
-        spec = routable[0].spec
-        takes = _POLICY_DEVICES.get(self.policy)
-        return spec.backend_id if takes is None or takes(spec.device_kind) else None
-
     def ledger(self, backend_id: str) -> Ledger:
         """`backend_id`'s ledger, for inspection (mutate it only through the Router)."""
         return self._state(backend_id).ledger
@@ -170,8 +170,15 @@ class Router:
         (not cordoned) backends."""
         return self._score(request, self._prefix_key(request))
 
+    def _shares(self) -> dict[str, int]:
+        if not self._device_shares:
+            return {}
+        return device_shares({b: s.spec.device for b, s in self._backends.items()},
+                             {b: len(s.ledger) for b, s in self._backends.items()})
+
     def _score(self, request: RouteRequest, key: int | None) -> list[BackendScore]:
         scores = []
+        shares = self._shares()
         for backend_id, state in self._backends.items():
             num_cached = request.num_cached_tokens.get(backend_id, 0)
             num_inflight = 0
@@ -182,9 +189,12 @@ class Router:
             s = score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
+                shares.get(backend_id, 1),
             )
-            s.queue_term_s = queue_term_s(request.num_prompt_tokens - s.num_cached_tokens, s.prefill_tok_s,
-                                          s.num_queued, self._queue_weight)
+            num_uncached = request.num_prompt_tokens - s.num_cached_tokens
+            s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
+            s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
+                                                  request.priority, num_uncached, request.arrival_s)
             scores.append(s)
         self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
@@ -226,7 +236,8 @@ class Router:
                 and (s.prefill_term_s <= holder_wait_s or stats.may_copy_slowly()))
 
     def route(self, request: RouteRequest) -> DecisionRecord:
-        """Choose a backend for `request` and record it there as queued."""
+        """Choose a backend for `request` and record it there as queued. Raises
+        `DeadlineUnmetError` (placing nothing) when its TTFT deadline cannot be met."""
         if request.req_id in self._req_to_backend:
             raise ValueError(
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
@@ -234,7 +245,10 @@ class Router:
         key = self._prefix_key(request)
         scores = {s.backend_id: s for s in self._score(request, key)}
         routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
-        backend_id = self._policy.choose(routable, request)
+        if request.ttft_deadline_s is None:
+            backend_id = self._policy.choose(routable, request)
+        else:
+            backend_id = self._choose_by_deadline(request, routable, scores)
         if key is not None:
             self._prefix_stats.observe(key, request.block_hashes, request.block_size,
                                        {b: s.num_cached_tokens for b, s in scores.items()})
@@ -245,13 +259,34 @@ class Router:
             num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens,
             num_prefill_tokens_est=request.num_prompt_tokens - scores[backend_id].num_cached_tokens,
+            priority=request.priority,
+            arrival_s=request.arrival_s,
         )
         state = self._backends[backend_id]
         state.ledger.add_queued(entry)
         if self._inflight_prefixes:
             state.inflight.add(request.req_id, request.block_hashes)
         self._req_to_backend[request.req_id] = backend_id
-        return DecisionRecord(request.req_id, self.policy, backend_id, scores)
+        return DecisionRecord(request.req_id, self.policy, backend_id, scores, request.priority,
+                              request.ttft_deadline_s)
+
+    def _choose_by_deadline(self, request: RouteRequest, routable: list[BackendScore],
+                            scores: dict[str, BackendScore]) -> str:
+        """The policy's choice among the routable backends that meet the request's deadline;
+        raises DeadlineUnmetError if there is none (routing/deadline.py)."""
+        if not routable:
+            raise NoBackendError(f"policy {self.policy!r} has no routable backend")
+        split = split_by_deadline(routable, request.ttft_deadline_s, request.num_prompt_tokens)
+        if split.meeting:
+            try:
+                return self._policy.choose(split.meeting, request)
+            except NoBackendError:
+                if len(split.meeting) == len(routable):
+                    raise  # the policy takes none of the backends, deadline or not
+        record = DecisionRecord(request.req_id, self.policy, split.best.backend_id, scores, request.priority,
+                                request.ttft_deadline_s, placed=False, retry_after_s=split.retry_after_s)
+        raise DeadlineUnmetError(request.req_id, split.best.backend_id, request.ttft_deadline_s,
+                                 split.best.projected_ttft_s, split.retry_after_s, record)
 
     # --- progress ---------------------------------------------------------------------------
 
@@ -289,13 +324,28 @@ class Router:
         batch_size: int,
         elapsed_s: float,
     ) -> None:
-        """Blend one observed engine step into `backend_id`'s rates (no-op unless calibrating)."""
+        """Blend one observed engine step into `backend_id`'s rates (no-op unless calibrating),
+        and into those of its siblings: identical engines on the same device (same `device`,
+        same profile). A step is slow because the device is busy with every engine on it, not
+        because of the engine that reported it; calibrating each engine alone would leave an
+        engine idle a while with the rates of the contention it last saw, and the router would
+        rank identical engines by when they last ran instead of by their cache and load."""
         state = self._backends.get(backend_id)
         if state is None or self._calibration is None:
             return
-        state.rates = calibrate(
-            state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s
-        )
+        # With device_shares, a step slowed by its neighbours on the device says 1/share of its alone rate.
+        elapsed_s /= self._shares().get(backend_id, 1)
+        rates = calibrate(state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
+        for sibling in self._siblings(state):
+            sibling.rates = rates
+
+    def _siblings(self, state: _BackendState) -> list[_BackendState]:
+        """`state` and the backends that share its device and profile (just `state` if it has none)."""
+        device = state.spec.device
+        if device is None:
+            return [state]
+        return [s for s in self._backends.values()
+                if s is state or (s.spec.device == device and s.spec.rates == state.spec.rates)]
 
     def forget(self, req_id: str) -> bool:
         """Drop `req_id` wherever it is pending; returns whether it was found."""
@@ -336,10 +386,6 @@ class Router:
     def _reset_ratio_if_idle(state: _BackendState) -> None:
         if len(state.ledger) == 0:
             state.ratio.reset()
-
-
-# Policies that route only to some kinds of device; every other policy takes any backend.
-_POLICY_DEVICES = {"accelerator-only": lambda kind: kind != "cpu", "cpu-only": lambda kind: kind == "cpu"}
 
 
 def _has_free_slot(s: BackendScore) -> bool:

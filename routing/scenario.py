@@ -1,7 +1,8 @@
 """Scenario files for the what-if simulator (`tandem route-sim SCENARIO`), JSON or YAML.
 
 A scenario names the backends (rates the router uses, optional `actual_rates` the simulated
-backend really runs at, `max_active`), the requests, the default policy and router options.
+backend really runs at, `max_active`, and an optional `device`: backends that name the same
+device share its time, routing/sim_device.py), the requests, the default policy and router options.
 Requests are listed explicitly under `requests:` and/or generated under `generate:` (n
 identical requests at a fixed interval, the design's setting in six lines), each with the
 prefix each backend has cached for it fixed up front. Or they come from `tenants:`: several
@@ -52,6 +53,7 @@ class SimBackendSpec:
     spec: BackendSpec  # what the router believes (spec.rates)
     actual_rates: RateProfile  # what the simulated backend runs at
     num_kv_blocks: int | None = None  # prefix-cache room (tenants scenarios); None: unlimited
+    device: str | None = None  # backends naming the same device share it; None: a device of its own
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Scenario:
     inflight_prefixes: bool = True
     replication: ReplicationConfig | None = field(default_factory=ReplicationConfig)
     queue_weight: float = 1.0
+    device_shares: bool = False  # the router knows which backends share a device
     block_size: int | None = None  # set when backends simulate prefix caches (tenants scenarios)
 
     @property
@@ -77,6 +80,15 @@ class Scenario:
     @property
     def has_prefix_caches(self) -> bool:
         return self.block_size is not None
+
+    @property
+    def shared_devices(self) -> dict[str, list[str]]:
+        """Device name -> the backend ids on it, for devices that two or more backends name."""
+        by_device: dict[str, list[str]] = {}
+        for b in self.backends:
+            if b.device is not None:
+                by_device.setdefault(b.device, []).append(b.spec.backend_id)
+        return {device: ids for device, ids in by_device.items() if len(ids) > 1}
 
 
 # --- file-edge schema ---------------------------------------------------------------------
@@ -92,6 +104,7 @@ class _BackendModel(BaseModel):
     rates: RateProfileModel
     actual_rates: RateProfileModel | None = None
     num_kv_blocks: int | None = Field(None, ge=1)  # tenants scenarios: prefix-cache room in blocks
+    device: str | None = Field(None, min_length=1)  # e.g. "cuda:0"; backends naming one device share it
 
 
 class _RequestFields(BaseModel):
@@ -199,6 +212,7 @@ class _RouterModel(BaseModel):
     inflight_prefixes: bool = True  # count prefixes routed but not yet reported as cached
     replication: _ReplicationModel | None = Field(default_factory=_ReplicationModel)  # null: off
     queue_weight: float = Field(1.0, ge=0)  # 0: rank without the queue term
+    device_shares: bool = False  # true: the cost model divides rates among busy engines of a device
 
 
 class _ScenarioModel(BaseModel):
@@ -229,9 +243,21 @@ class _ScenarioModel(BaseModel):
                              "fixed up front; tenants' hits come from the simulated caches)")
         if not self.requests and self.generate is None and self.tenants is None:
             raise ValueError("requests: give at least one request, or a generate: or tenants: section")
+        _check_devices(self.backends)
         if self.tenants is None and any(b.num_kv_blocks is not None for b in self.backends):
             raise ValueError("backends: num_kv_blocks needs a tenants: section (only tenants' prefixes are cached)")
         return self
+
+
+def _check_devices(backends: list[_BackendModel]) -> None:
+    kinds: dict[str, set[str]] = {}
+    for b in backends:
+        if b.device is not None:
+            kinds.setdefault(b.device, set()).add(b.device_kind)
+    for device, device_kinds in kinds.items():
+        if len(device_kinds) > 1:
+            raise ValueError(f"backends: the backends on device {device!r} have different device_kind values "
+                             f"({sorted(device_kinds)}); give each device one kind")
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -306,6 +332,7 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         inflight_prefixes=model.router.inflight_prefixes,
         replication=ReplicationConfig(**model.router.replication.model_dump()) if model.router.replication else None,
         queue_weight=model.router.queue_weight,
+        device_shares=model.router.device_shares,
         block_size=model.block_size if model.tenants is not None else None,
     )
 
@@ -313,8 +340,8 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
 def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
     rates = validate_rate_profile(model.rates, f"{path}.rates")
     actual = rates if model.actual_rates is None else validate_rate_profile(model.actual_rates, f"{path}.actual_rates")
-    spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active)
-    return SimBackendSpec(spec, actual, model.num_kv_blocks)
+    spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
+    return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:

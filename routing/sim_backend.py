@@ -23,6 +23,11 @@ until the first request finishes or until a queued request could be admitted. Bo
 are always `run_start + k * step_s`, computed by the same expression whether the simulator
 stops inside a run (to let the router look at the backend) or not, so the router-driven
 simulation and the oracle's fixed-assignment replay produce bit-identical times.
+
+A backend that shares its device with others (routing/sim_device.py) hands each step's
+profiled duration to the `SimDevice`, which sets when the step ends, and plans decode runs of
+one step; the device, not the backend, decides the order in which members' boundaries are
+processed.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Protocol
 from tandem.routing import messages
 from tandem.routing.messages import ProgressEvent
 from tandem.routing.rates import RateProfile
+from tandem.routing.sim_device import SimDevice
 from tandem.routing.sim_prefix_cache import SimPrefixCache
 
 
@@ -79,12 +85,16 @@ def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:
 
 class SimBackend:
     def __init__(self, backend_id: str, rates: RateProfile, max_active: int,
-                 reporter: Reporter | None = None, cache: SimPrefixCache | None = None) -> None:
+                 reporter: Reporter | None = None, cache: SimPrefixCache | None = None,
+                 device: SimDevice | None = None) -> None:
         self.backend_id = backend_id
         self.rates = rates
         self.max_active = max_active
         self.reporter = reporter
         self.cache = cache
+        self.device = device  # None: the device is this backend's alone
+        if device is not None:
+            device.add(self)
         self.queue: deque[SimJob] = deque()
         self.active: list[SimJob] = []
         self.finished: list[SimJob] = []
@@ -106,21 +116,24 @@ class SimBackend:
     def enqueue(self, job: SimJob) -> None:
         """Add a job (its arrival may lie in the future: the oracle enqueues all up front)."""
         self.queue.append(job)
-        if self.step == "decode" and len(self.active) < self.max_active:
+        if self.step == "decode" and len(self.active) < self.max_active and self.device is None:
             self._plan_run_end()
 
     def advance_to(self, t: float) -> None:
-        """Process every boundary strictly before `t`."""
+        """Process every boundary strictly before `t` (through the device, if shared)."""
+        if self.device is not None:
+            self.device.advance_to(t)
+            return
         while self.next_boundary() < t:
-            self._process_boundary()
+            self.process_boundary()
 
     def run_to_completion(self) -> None:
         self.advance_to(math.inf)
 
     def progress_events_at(self, t: float) -> list[ProgressEvent]:
         """Token counts as of `t`, inside a decode run (between the boundaries we skip)."""
-        if self.step != "decode":
-            return []
+        if self.step != "decode" or self.device is not None:
+            return []  # a shared device's runs are single steps: nothing done inside one
         num_steps_done = first_step_at_or_after(self.run_start_s, self.run_step_s, t) - 1
         return [
             ProgressEvent(job.req_id, messages.GENERATED, job.num_output_tokens + num_steps_done)
@@ -129,7 +142,9 @@ class SimBackend:
 
     # --- one boundary ---------------------------------------------------------------------
 
-    def _process_boundary(self) -> None:
+    def process_boundary(self) -> None:
+        """The next boundary: end the step, admit, start the next (only `advance_to` and the
+        device call this, in time order)."""
         t = self.next_boundary()
         events: list[ProgressEvent] = []
         if self.cache is not None and self.reporter is not None:
@@ -165,8 +180,10 @@ class SimBackend:
         if self.reporter is not None:
             events.extend(ProgressEvent(j.req_id, messages.GENERATED, j.num_output_tokens) for j in self.active)
             batch_size = len(self.active)
-            self.reporter.on_step(self.backend_id, 0, batch_size * self.run_num_steps, batch_size,
-                                  self.run_num_steps * self.run_step_s)
+            # Alone: the run's length by the expression its boundary was planned with; on a shared
+            # device: the time the step took, its neighbours' share included (what a live engine sees).
+            elapsed_s = self.run_num_steps * self.run_step_s if self.device is None else t - self.now
+            self.reporter.on_step(self.backend_id, 0, batch_size * self.run_num_steps, batch_size, elapsed_s)
         self._retire_finished(t, events)
 
     def _retire_finished(self, t: float, events: list[ProgressEvent]) -> None:
@@ -197,13 +214,20 @@ class SimBackend:
         num_prefill_tokens = sum(j.num_prefill_tokens for j in self.active if j.num_output_tokens == 0)
         if any(j.num_output_tokens == 0 for j in self.active):
             self.step = "prefill"
-            self.step_end_s = t + num_prefill_tokens / self.rates.prefill_tok_s
+            if self.device is None:
+                self.step_end_s = t + num_prefill_tokens / self.rates.prefill_tok_s
+            else:
+                self.device.begin_step(self, num_prefill_tokens / self.rates.prefill_tok_s)
         elif self.active:
             self.step = "decode"
             self.run_start_s = t
             self.run_step_s = self.rates.decode_step_s(len(self.active))
             self.run_num_steps_to_finish = min(job.num_tokens_left for job in self.active)
-            self._plan_run_end()
+            if self.device is None:
+                self._plan_run_end()
+            else:
+                self.run_num_steps = 1
+                self.device.begin_step(self, self.run_step_s)
         else:
             self.step = None
             self.step_end_s = math.inf

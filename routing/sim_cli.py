@@ -1,5 +1,10 @@
 """`tandem route-sim SCENARIO`: run the what-if simulator and compare policies with the oracle.
 
+`tandem route-sim --replay ROUTING_LOG` replays the requests a running server saw instead
+(routing/replay.py), under every policy by default and the oracle, and adds the regret of the
+policy that served them: its simulated TTFT p50/p95 and makespan minus the oracle's (a
+`"type": "regret"` line and a line under the table).
+
 Output on stdout: one JSON line per routing decision (`"type": "decision"`), one per policy
 summary (`"type": "summary"`) and one for the oracle (`"type": "oracle"`), then a blank line
 and a plain-text table. `--no-decisions` drops the decision lines; `--json-out` also writes
@@ -18,6 +23,7 @@ from typing import Any
 from tandem.routing.errors import ConfigError
 from tandem.routing.oracle import find_oracle
 from tandem.routing.policies import POLICIES
+from tandem.routing.replay import Replay, load_replay
 from tandem.routing.scenario import Scenario, load_scenario
 from tandem.routing.sim_report import Summary, add_gains, format_table, summarize
 from tandem.routing.simulator import SimResult, simulate
@@ -26,10 +32,12 @@ BASELINE = "accelerator-only"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", type=Path, help="scenario file (.json, .yaml or .yml)")
+    parser.add_argument("scenario", type=Path, nargs="?", help="scenario file (.json, .yaml or .yml)")
+    parser.add_argument("--replay", type=Path, default=None, metavar="ROUTING_LOG",
+                        help="replay a server's routing log (tandem serve --routing-log) instead of a scenario")
     parser.add_argument("--policy", default=None,
                         help=f"policy, comma-separated list, or 'all' ({', '.join(POLICIES)}); "
-                             "default: the scenario's policy")
+                             "default: the scenario's policy ('all' with --replay)")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="override generate.num_requests in the scenario")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -43,21 +51,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    replay = None
     try:
-        scenario = load_scenario(args.scenario, num_requests=args.num_requests, overrides=args.set)
-        policies = _policies(args.policy, scenario)
+        if (args.scenario is None) == (args.replay is None):
+            raise ConfigError("give a scenario file or --replay ROUTING_LOG (one of them)")
+        if args.replay is not None:
+            replay = load_replay(args.replay)
+            scenario = replay.scenario
+        else:
+            scenario = load_scenario(args.scenario, num_requests=args.num_requests, overrides=args.set)
+        policies = _policies(args.policy if args.policy or replay is None else "all", scenario)
     except ConfigError as exc:
         print(f"route-sim: {exc}", file=sys.stderr)
         return 2
     results = [simulate(scenario, policy) for policy in policies]
-    report, summaries = _report(scenario, results, args)
+    report, summaries = _report(scenario, results, args, replay is not None)
+    if replay is not None:
+        report["replay"] = _regret(replay, summaries)
+        print(json.dumps({"type": "regret", **report["replay"]}, separators=(",", ":")))
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     print()
     print(f"scenario {scenario.name}: {len(scenario.requests)} requests; oracle: {report['oracle_method']}")
     print(format_table(summaries))
+    if replay is not None:
+        print(_regret_line(report["replay"]))
     return 0
+
+
+def _regret(replay: Replay, summaries: list[Summary]) -> dict[str, Any]:
+    """The served policy's simulated TTFT p50/p95 and makespan minus the oracle's (None where
+    the oracle was not searched)."""
+    by_name = {s.name: s for s in summaries}
+    served, oracle = by_name.get(replay.served_policy), by_name.get("oracle")
+    regret = {"served_policy": replay.served_policy, "num_refused": replay.num_refused,
+              "num_rerouted": replay.num_rerouted}
+    for field in ("ttft_p50_s", "ttft_p95_s", "makespan_s"):
+        value = None if served is None or oracle is None else getattr(served, field) - getattr(oracle, field)
+        regret[f"regret_{field}"] = None if value is None else round(value, 6)
+    return regret
+
+
+def _regret_line(regret: dict[str, Any]) -> str:
+    parts = [f"served by {regret['served_policy']}"]
+    if regret["regret_makespan_s"] is None:
+        parts.append("no oracle to compare with")
+    else:
+        parts.append("regret vs the oracle: " + ", ".join(
+            f"{name} {regret[f'regret_{name}_s']:+.3f} s" for name in ("ttft_p50", "ttft_p95", "makespan")))
+    parts.append(f"{regret['num_refused']} refused for their deadline (not replayed), "
+                 f"{regret['num_rerouted']} re-routed (replayed once); every request assumed to use its whole max_tokens")
+    return "; ".join(parts)
 
 
 def _policies(value: str | None, scenario: Scenario) -> list[str]:
@@ -73,8 +118,8 @@ def _policies(value: str | None, scenario: Scenario) -> list[str]:
     return names
 
 
-def _report(scenario: Scenario, results: list[SimResult],
-            args: argparse.Namespace) -> tuple[dict[str, Any], list[Summary]]:
+def _report(scenario: Scenario, results: list[SimResult], args: argparse.Namespace,
+            replay: bool = False) -> tuple[dict[str, Any], list[Summary]]:
     """Print decision and summary lines; return the JSON report and the summaries."""
     backend_ids = [b.spec.backend_id for b in scenario.backends]
     has_accelerator = any(not b.spec.is_cpu for b in scenario.backends)
@@ -84,9 +129,11 @@ def _report(scenario: Scenario, results: list[SimResult],
         by_policy = {BASELINE: by_policy.get(BASELINE) or simulate(scenario, BASELINE), **by_policy}
     summaries = [summarize(r.policy, r.outcomes, backend_ids) for r in by_policy.values()]
     oracle_summary, oracle_method, oracle_assignment = None, "skipped", None
-    if scenario.has_prefix_caches:
-        # Its local search replays every backend per move: far too slow for hundreds of requests.
-        oracle_method = "skipped (not searched in tenants scenarios)"
+    num_assignments = len(scenario.backends) ** len(scenario.requests)
+    if scenario.has_prefix_caches and not (replay and num_assignments <= args.oracle_exhaustive_max):
+        # Its local search replays every backend per move: far too slow for hundreds of requests
+        # (a small replayed log is searched exhaustively).
+        oracle_method = "skipped (not searched in tenants scenarios or large replays)"
     elif not args.no_oracle:
         oracle = find_oracle(scenario, [r.assignment for r in by_policy.values()], args.oracle_exhaustive_max)
         oracle_summary = summarize("oracle", oracle.outcomes, backend_ids)

@@ -11,6 +11,9 @@ live router does: through a mirror that learns published and evicted blocks from
 backends' reports (at the end of the step that published them), plus its own record of the
 prefixes it has in flight. The request carries its block hashes, so `prefix-affinity` can
 home it and the in-flight accounting can count it.
+
+Backends that name the same `device` share it (routing/sim_device.py): their steps are timed
+together by one `SimDevice`, which advancing any of them advances.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.router import Router
 from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
 from tandem.routing.sim_backend import Reporter, SimBackend, SimJob
+from tandem.routing.sim_device import SimDevice
 from tandem.routing.sim_prefix_cache import SimPrefixCache
 
 
@@ -108,12 +112,24 @@ def make_job(index: int, request: SimRequest, backend_id: str) -> SimJob:
     )
 
 
-def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None = None) -> SimBackend:
+def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None = None,
+                 device: SimDevice | None = None) -> SimBackend:
     """A simulated backend at its actual rates, with a prefix cache in tenants scenarios."""
     cache = None
     if scenario.has_prefix_caches:
         cache = SimPrefixCache(sim_spec.num_kv_blocks, scenario.block_size)
-    return SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active, reporter, cache)
+    return SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active, reporter, cache,
+                      device)
+
+
+def make_backends(scenario: Scenario, reporter: Reporter | None = None,
+                  sim_specs: list[SimBackendSpec] | None = None) -> dict[str, SimBackend]:
+    """Every backend of `sim_specs` (default: the scenario's), those naming one device on one
+    `SimDevice`; a device named by a single backend is that backend's alone."""
+    sim_specs = scenario.backends if sim_specs is None else sim_specs
+    shared = scenario.shared_devices
+    devices = {name: SimDevice(name) for name in shared}
+    return {b.spec.backend_id: make_backend(scenario, b, reporter, devices.get(b.device)) for b in sim_specs}
 
 
 def route_request(request: SimRequest, scenario: Scenario, reporter: _RouterReporter) -> RouteRequest:
@@ -130,9 +146,9 @@ def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
     router = Router(scenario.backend_specs, policy or scenario.policy, scenario.new_token_ratio,
                     scenario.calibration, scenario.spill_guard, scenario.prefix_affinity,
                     scenario.recompute_weight, scenario.inflight_prefixes, scenario.replication,
-                    scenario.queue_weight)
+                    scenario.queue_weight, scenario.device_shares)
     reporter = _RouterReporter(router, [b.spec.backend_id for b in scenario.backends])
-    backends = {b.spec.backend_id: make_backend(scenario, b, reporter) for b in scenario.backends}
+    backends = make_backends(scenario, reporter)
     decisions = []
     for index, request in enumerate(scenario.requests):
         for backend_id, backend in backends.items():

@@ -60,7 +60,7 @@ def packed_linear(x: torch.Tensor, residual: torch.Tensor | None, handle: torch.
     linear = _PACKED_BY_HANDLE[int(handle)]
     if residual is None:
         return linear(x)
-    return torch.ops.mkldnn._linear_pointwise(x, residual, linear.packed_weight, linear.bias, "add")
+    return linear.add(x, residual)
 
 
 @packed_linear.register_fake
@@ -85,7 +85,7 @@ def _linear(x: torch.Tensor, linear: nn.Module, handle: torch.Tensor | None,
     if residual is None:
         return linear(x)
     if isinstance(linear, PackedLinear):
-        return torch.ops.mkldnn._linear_pointwise(x, residual, linear.packed_weight, linear.bias, "add")
+        return linear.add(x, residual)
     return linear(x).add_(residual)
 
 

@@ -18,6 +18,17 @@ hundreds of rows AMX is about 3x faster, and a whole serving run (prefill and de
 ahead with it (docs/benchmarks/fast-path-h200.md). So we leave oneDNN's choice alone;
 `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` (oneDNN's own variable, read once per process, inherited
 by Ray's workers) trades prefill for decode where outputs are long.
+
+Row counts. oneDNN builds (JIT-compiles) a kernel per input shape, and PyTorch keeps each in two
+caches of 1,024 entries (oneDNN's primitive cache and ideep's LRU cache, both process-wide). A
+kernel costs host memory and milliseconds to build, and the row count of a step is whatever its
+batch adds up to (1 to `max_num_batched_tokens`), so a serving engine that met every row count
+would build a kernel for each linear at each of them, the caches churning at their cap and the
+process growing for as long as it serves (docs/benchmarks/soak-2core.notes.md measures it). So
+a packed linear runs at a bounded set of row counts (`bucket_rows`): exact up to 16 rows (every
+decode batch of a CPU engine), above that rounded up to one of eight sizes per doubling (zero
+rows appended, their outputs dropped). That adds under 1/8 to a prefill step's linear work, less than the kernel
+builds it saves under mixed traffic, and keeps a model at 56 row counts up to 512.
 """
 
 from __future__ import annotations
@@ -29,6 +40,22 @@ from torch import nn
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 4  # rows oneDNN tunes the layout for: a decode batch; other sizes still run, and faster
+EXACT_ROWS = 16  # row counts run as they are (module doc)
+LOG2_SIZES_PER_DOUBLING = 3  # above EXACT_ROWS: 2**3 = 8 row counts per doubling
+
+
+def bucket_rows(num_rows: int) -> int:
+    """The row count a packed linear runs `num_rows` rows at: `num_rows` itself up to
+    EXACT_ROWS, else the next multiple of 1/8 of the power of two below it (17 -> 18, 33 -> 36,
+    257 -> 288, 512 -> 512)."""
+    if num_rows <= EXACT_ROWS:
+        return num_rows
+    step = 1 << ((num_rows - 1).bit_length() - 1 - LOG2_SIZES_PER_DOUBLING)
+    return -(-num_rows // step) * step
+
+
+def _pad_rows(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return torch.cat((x, x.new_zeros(num_rows - x.shape[0], x.shape[1])))
 
 
 class PackedLinear(nn.Module):
@@ -42,7 +69,30 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self._run(x, None)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`forward(x) + residual` in one oneDNN call (its `add` post-op)."""
+        return self._run(x, residual)
+
+    def _run(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """At `bucket_rows` rows (module doc): rows [N, in] (or [..., in], flattened)."""
+        shape = x.shape
+        if x.dim() != 2:
+            x = x.reshape(-1, shape[-1])
+            residual = None if residual is None else residual.reshape(-1, self.out_features)
+        num_rows = x.shape[0]
+        padded = bucket_rows(num_rows)
+        if padded != num_rows:
+            x = _pad_rows(x, padded)
+            residual = None if residual is None else _pad_rows(residual, padded)
+        if residual is None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, residual, self.packed_weight, self.bias, "add")
+        if padded != num_rows:
+            out = out[:num_rows]
+        return out if len(shape) == 2 else out.reshape(*shape[:-1], self.out_features)
 
 
 @functools.cache

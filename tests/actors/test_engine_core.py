@@ -1,7 +1,9 @@
-"""The engine core process behind a real Ray backend actor: streaming over both hops (a Ray
-generator per request, and the per-caller channel), aborts, callers cancelled at random
-moments, and the core's life tied to its actor's (no orphan after `ray.kill`; a restarted
-actor starts a fresh core)."""
+"""The engine core process behind a real Ray backend actor: streaming over the per-caller
+channel (the same-node wire, served by the core itself), aborts, callers cancelled at random
+moments, the warm-up's way of loading a backend, and the core's life tied to its actor's (no
+orphan after `ray.kill`; a restarted actor starts a fresh core; a killed core closes its
+callers' wires and its actor exits). In-process: the core's per-step messages to its actor,
+and a failed step."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ async def read_all(stream) -> list:
     return items
 
 
-def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
+def test_requests_together_on_a_channel_stream_the_greedy_tokens_of_each_alone(backend):
     from tandem.actors.channel import open_stream
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -65,10 +67,13 @@ def test_both_hops_stream_the_same_greedy_tokens(backend, monkeypatch):
         streams = [open_stream(backend, f"{tag}-{r}", ids, params, time.time()) for r, ids in prompts.items()]
         return await asyncio.gather(*(read_all(s) for s in streams))
 
+    async def one_by_one():
+        return [await read_all(open_stream(backend, f"solo-{r}", ids, params, time.time()))
+                for r, ids in prompts.items()]
+
     by_channel = run(all_at_once("ch"))
-    monkeypatch.setenv("TANDEM_STREAM_HOP", "generate")
-    by_generator = run(all_at_once("gen"))
-    for a, b in zip(by_channel, by_generator):
+    alone = run(one_by_one())
+    for a, b in zip(by_channel, alone):
         assert isinstance(a[0], Admitted) and isinstance(b[0], Admitted)
         tokens_a = [t for o in a[1:] for t in o.new_token_ids]
         assert tokens_a == [t for o in b[1:] for t in o.new_token_ids] and len(tokens_a) == 12
@@ -109,26 +114,22 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
     """Each caller gives up after a random delay (during the add, before or after its first
     token, or never); the dispatch layer's close() then aborts it, as the HTTP ingress does.
     Afterwards nothing runs, no block is held, and the backend serves on."""
-    from tandem.actors.channel import ChannelStream, GeneratorStream, channel_for, open_stream
+    from tandem.actors.channel import open_stream
 
     rng = random.Random(7)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
-    async def caller(i: int, hop: str) -> None:
-        args = (f"rnd-{hop}-{i}", list(range(5 + i, 40 + i)), params, time.time())
-        if hop == "channel":
-            stream = ChannelStream(channel_for(backend), *args)
-        else:
-            stream = GeneratorStream(backend, *args)
+    async def caller(i: int) -> None:
+        stream = open_stream(backend, f"rnd-{i}", list(range(5 + i, 40 + i)), params, time.time())
         try:
             await asyncio.wait_for(read_all(stream), timeout=rng.choice([0.0, 0.001, 0.01, 0.05, 0.2, 5.0]))
         except asyncio.TimeoutError:
-            backend.abort.remote(f"rnd-{hop}-{i}")
+            backend.abort.remote(f"rnd-{i}")
         finally:
             stream.close()
 
     async def many():
-        await asyncio.gather(*(caller(i, hop) for i in range(24) for hop in ("channel", "generate")))
+        await asyncio.gather(*(caller(i) for i in range(48)))
 
     run(many())
 
@@ -142,6 +143,23 @@ def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend)
         return await read_all(open_stream(backend, "after", [4, 5, 6], params, time.time()))
 
     assert run(one_more())[-1].finished
+
+
+def test_run_to_end_loads_a_backend_without_the_router_and_returns_when_all_finished(ray_local, backend):
+    """The warm-up's and the benchmarks' way to load a backend: every request has finished when
+    it returns, on its own event loop even if the caller has one running."""
+    from tandem.actors.channel import run_to_end
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 to cache
+
+    async def from_a_running_loop():
+        run_to_end([(backend, f"load-{i}", prompt, params) for i in range(6)])
+
+    run(from_a_running_loop())
+    stats = ray_local.get(backend.stats.remote())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert ray_local.get(backend.num_cached_tokens.remote(prompt + [7])) == 32
 
 
 def test_the_core_dies_with_its_actor(ray_local):
@@ -177,30 +195,151 @@ def test_a_restarted_actor_starts_a_fresh_core_and_serves(ray_local):
     ray_local.kill(actor, no_restart=True)
 
 
+def test_killing_the_core_closes_its_callers_wires_and_its_actor_exits(ray_local):
+    """Callers talk to the core directly, so its death reaches them as their wire closing
+    (`BackendGoneError`, which the ingress fails over), and the actor exits for Ray to restart
+    the pair."""
+    import signal
+
+    from tandem.actors.channel import open_stream
+    from tandem.engine.errors import BackendGoneError
+
+    actor = make_backend(ray_local, "core-killed")
+    pid = ray_local.get(actor.core_pid.remote())
+
+    async def killed_midway():
+        stream = open_stream(actor, "doomed", list(range(30, 50)),
+                             SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True), time.time())
+        assert isinstance(await stream.next(), Admitted)
+        await stream.next()  # streaming
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            await stream.next()
+
+    with pytest.raises(BackendGoneError):
+        run(killed_midway())
+
+    def actor_gone():
+        try:
+            ray_local.get(actor.ping.remote(), timeout=5)
+            return False
+        except ray_local.exceptions.RayActorError:
+            return True
+
+    wait_until(actor_gone, "the actor to exit after its core died")
+
+
 def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_its_progress():
     """The front reports to the router at once on an idle message; without it a finished request's
     progress waited for the next step, and a sequential caller's next request was placed while
-    the router still counted the last one as load."""
+    the router still counted the last one as load. The request itself comes and goes on a
+    channel of the core's own wire; the core pipe carries no tokens."""
     import multiprocessing
+    import socket
 
     from tandem.actors import engine_core as core
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreOutputs, EngineCoreReady,
+                                        EngineCoreRequest, decode)
 
     front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, dict(ENGINE), os.getpid())
-    assert front.recv()[0] == core.READY
-    front.send((core.ADD, 1, "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), time.time(), True))
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds([EngineCoreRequest(
+        "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
     messages = []
     for _ in range(50):
         engine_core.loop_once()
-        while front.poll(0):
-            messages.append(front.recv())
-        if messages and messages[-1][4] is None and any(o[3] for m in messages for o in m[2]):
+        while front.poll(0.05):
+            messages.append(decode(front.recv_bytes()))
+        if messages and messages[-1].step is None and any(m.finished for m in messages):
             break
-    last_step = max(i for i, m in enumerate(messages) if m[4] is not None)
-    assert any(o[3] for o in messages[last_step][2]), "the last step finished the request"
+    last_step = max(i for i, m in enumerate(messages) if m.step is not None)
+    assert [f.finish_reason for f in messages[last_step].finished] == ["length"], "the last step finished it"
     idle = messages[last_step + 1]
-    assert idle[0] == core.STEP and idle[4] is None  # sent right after it, not after an idle poll
-    statuses = [p[1] for m in messages[:last_step + 2] for p in m[3] if p[0] == "r0"]
+    assert isinstance(idle, EngineCoreOutputs) and idle.step is None  # sent right after it, not after an idle poll
+    statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
+    # The tokens went to the caller: its admission first (with the first token), then the rest.
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+    items = []
+    while not (items and getattr(items[-1], "finished", False)):
+        (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+        items.extend(decode(stream.read(size)).items)
+    assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == 4
+    assert sum(len(o.new_token_ids) for o in items[0].outputs + items[1:]) == 3
+    caller.close()
+    child.close()
+    front.close()
+
+
+def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
+    """A step that raises fails every request on the channels with the step's error (and frees
+    them in the engine); the actor hears `EngineCoreFailed` for its log; the next request is
+    served as usual."""
+    import multiprocessing
+    import socket
+
+    from tandem.actors import engine_core as core
+    from tandem.actors import wire
+    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreReady,
+                                        EngineCoreRequest, Refusal, decode)
+    from tandem.engine.errors import BackendError
+
+    front, child = multiprocessing.Pipe()
+    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+    ready = decode(front.recv_bytes())
+    assert isinstance(ready, EngineCoreReady)
+    path, token = ready.wire_address
+    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    caller.connect(path)
+    caller.settimeout(10)
+    stream = caller.makefile("rb")
+
+    def read_items(until) -> list:
+        items: list = []
+        while not until(items):
+            (size,) = wire.HEADER.unpack(stream.read(wire.HEADER.size))
+            items.extend(decode(stream.read(size)).items)
+        return items
+
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds(
+        [EngineCoreRequest("doomed", [5, 6, 7, 8], params, time.time())])))
+    engine_core.loop_once()  # queued and stepped once
+    real_step = engine_core.engine.step
+
+    def failing_step():
+        engine_core.engine.step = real_step
+        raise RuntimeError("boom")
+
+    engine_core.engine.step = failing_step
+    with pytest.raises(RuntimeError):
+        engine_core.loop_once()
+    engine_core.fail_all("Traceback ...\nRuntimeError: boom")  # what serve() does with it
+    items = read_items(lambda items: items and isinstance(items[-1], Refusal))
+    assert isinstance(items[-1].error, BackendError) and "engine failed: RuntimeError: boom" in str(items[-1].error)
+    for _ in range(20):  # the aborts the failure queued
+        engine_core.loop_once()
+        if not engine_core.engine.has_unfinished_requests():
+            break
+    assert not engine_core.engine.has_unfinished_requests()
+    messages = []
+    while front.poll(0.2):
+        messages.append(decode(front.recv_bytes()))
+    assert any(isinstance(m, EngineCoreFailed) for m in messages)
+
+    caller.sendall(wire.frame(ChannelAdds([EngineCoreRequest("next", [5, 6, 7, 8], SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
+    for _ in range(20):
+        engine_core.loop_once()
+    items = read_items(lambda items: items and getattr(items[-1], "finished", False))
+    assert isinstance(items[0], Admitted) and items[-1].finish_reason == "length"
+    caller.close()
     child.close()
     front.close()

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from tandem.actors.messages import BackendInfo
-from tandem.actors.router import NoBackendAvailable, RouterActor
+from tandem.actors.router import RouterActor
+from tandem.engine.errors import BackendUnavailableError
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 from tandem.engine.outputs import RequestProgress
 
@@ -72,12 +73,12 @@ def test_spec_worked_example_through_the_actor(tmp_path):
         await router.add_backend(gpu.info("cuda"), gpu, gpu.cached_hashes(prompt[0]))
         await router.add_backend(cpu.info("cpu"), cpu, cpu.cached_hashes(prompt[0]))
         for i in range(6):
-            assert (await router.route(f"r{i}", prompt[i], 128)).backend_id == "cuda0"
+            assert (await router.place(f"r{i}", prompt[i], 128)).backend_id == "cuda0"
         # Four of them run and have generated 4 tokens each: 4 active, 2 queued (496 cached).
         await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=4) for i in range(4)])
-        d7 = await router.route("r7", prompt[7], 128)
+        d7 = await router.place("r7", prompt[7], 128)
         await router.report("cuda0", "i1", [progress(f"r{i}", "running", computed=516, output=6) for i in range(4)])
-        d8 = await router.route("r8", prompt[8], 128)
+        d8 = await router.place("r8", prompt[8], 128)
         return d7, d8
 
     d7, d8 = run(scenario())
@@ -98,12 +99,12 @@ def test_cache_estimates_follow_reported_publications_and_evictions(tmp_path):
         hashes = hash_request_blocks(prompt, 16)
         await router.add_backend(gpu.info("cuda"), gpu)  # empty cache
         await router.add_backend(cpu.info("cpu"), cpu, cpu.cached_hashes(prompt))
-        cold = await router.route("r0", prompt, 128)
+        cold = await router.place("r0", prompt, 128)
         # Each request finishes before the next, so only the mirror (not its in-flight prefix) counts.
         await router.report("cuda0", "i1", [progress("r0", "finished")], cache_changes={h: True for h in hashes[:31]})
-        warm = await router.route("r1", prompt, 128)
+        warm = await router.place("r1", prompt, 128)
         await router.report("cuda0", "i1", [progress("r1", "finished")], cache_changes={hashes[10]: False})
-        evicted = await router.route("r2", prompt, 128)
+        evicted = await router.place("r2", prompt, 128)
         return [d.record["per_backend"]["cuda0"]["num_cached_tokens"] for d in (cold, warm, evicted)], cold
 
     gpu_cached, cold = run(scenario())
@@ -116,15 +117,15 @@ def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
         router, gpu, cpu = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
-        assert (await router.route("a", list(range(516)), 128)).backend_id == "cuda0"
+        assert (await router.place("a", list(range(516)), 128)).backend_id == "cuda0"
         assert not await router.backend_failed("cuda0", "some-older-instance")
         assert await router.backend_failed("cuda0", "i1")
-        after_failure = await router.route("b", list(range(516)), 128)
+        after_failure = await router.place("b", list(range(516)), 128)
         # The restarted backend rejoins with a new instance id and no rates: the router keeps its rates.
         gpu.instance = "i2"
         await router.add_backend(gpu.info("cuda", with_rates=False), gpu)
         assert await router.report("cuda0", "i1", [progress("a", "finished")]) == 0
-        rejoined = await router.route("c", list(range(516)), 128)
+        rejoined = await router.place("c", list(range(516)), 128)
         return after_failure, rejoined, await router.list_backends()
 
     after_failure, rejoined, backends = run(scenario())
@@ -135,8 +136,8 @@ def test_failed_backend_is_dropped_and_stale_reports_are_ignored(tmp_path):
 
 def test_no_backend_raises(tmp_path):
     router = RouterActor("cost", None)
-    with pytest.raises(NoBackendAvailable):
-        run(router.route("r", [1, 2, 3], 4))
+    with pytest.raises(BackendUnavailableError):
+        run(router.place("r", [1, 2, 3], 4))
 
 
 def test_health_check_drops_a_dead_backend(tmp_path):
@@ -175,13 +176,13 @@ def test_forget_and_a_dropped_backend_leave_the_pending_gauges_truthful(tmp_path
         router, gpu, cpu = make_router(tmp_path)
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
-        decision = await router.route("r1", list(range(64)), 16)
+        decision = await router.place("r1", list(range(64)), 16)
         await settled()
         routed = pending_gauges(router)[decision.backend_id]
         assert await router.forget("r1") and not await router.forget("r1")
         await settled()
         forgotten = pending_gauges(router)[decision.backend_id]
-        victim = (await router.route("r2", list(range(100, 164)), 16)).backend_id
+        victim = (await router.place("r2", list(range(100, 164)), 16)).backend_id
         await settled()
         busy = dict(pending_gauges(router))
         await router.backend_failed(victim, "i1", "test")
@@ -192,3 +193,44 @@ def test_forget_and_a_dropped_backend_leave_the_pending_gauges_truthful(tmp_path
     assert (routed, forgotten) == (1, 0)
     assert busy[victim] == 1 and after_drop == {victim: 0, survivor: busy[survivor]}
     assert set(summary) == {survivor}
+
+
+def test_engines_on_one_physical_gpu_share_calibration_and_engines_on_two_do_not(tmp_path):
+    """Every actor sees its GPU as cuda:0, so the router groups engines by `shared_device` (node
+    and Ray's GPU ids), not by `device`: two engines on GPU 0 share what one step taught, one on
+    GPU 1 keeps its own rates."""
+    from tandem.actors.messages import StepTiming
+
+    async def scenario():
+        router = RouterActor("cost", None, calibration_alpha=0.5)
+        for backend_id, gpu in (("cuda0", "0"), ("cuda1", "0"), ("cuda2", "1")):
+            backend = FakeBackend(backend_id)
+            info = BackendInfo(backend_id, "i1", "cuda:0", "cuda", "cuda", "bfloat16", 1, 4, 16, "m", 2048,
+                               rates=SPEC_RATES["cuda0"], shared_device=f"node/cuda:{gpu}")
+            await router.add_backend(info, backend)
+        await router.report("cuda0", "i1", [], [StepTiming(0, 4, 4, 4 / (0.5 * 293))])  # half the rate
+        return await router.rates_in_use()
+
+    rates = run(scenario())
+    assert rates["cuda0"]["decode_tok_s"] == rates["cuda1"]["decode_tok_s"] == pytest.approx(0.75 * 293)
+    assert rates["cuda2"]["decode_tok_s"] == 293.0
+
+
+@pytest.mark.parametrize("device_shares", [False, True])
+def test_with_device_shares_light_traffic_stays_on_the_busy_engine_of_a_shared_gpu(tmp_path, device_shares):
+    """Two engines on one GPU (a decode step of 2 costs about what a step of 1 does), one request
+    on cuda0. Scored alone, idle cuda1 looks free; scored by its share of the device, waking it
+    halves both engines' speed, so the second request batches on cuda0."""
+    rates = {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0, "decode_tok_s_by_batch": {1: 293.0, 2: 580.0}}
+
+    async def scenario():
+        router = RouterActor("cost", None, device_shares=device_shares)
+        for backend_id in ("cuda0", "cuda1"):
+            info = BackendInfo(backend_id, "i1", "cuda:0", "cuda", "cuda", "bfloat16", 1, 4, 16, "m", 2048,
+                               rates=rates, shared_device="node/cuda:0")
+            await router.add_backend(info, FakeBackend(backend_id))
+        first = await router.place("r1", list(range(64)), 16)
+        second = await router.place("r2", list(range(100, 164)), 16)
+        return first.backend_id, second.backend_id
+
+    assert run(scenario()) == ("cuda0", "cuda0" if device_shares else "cuda1")

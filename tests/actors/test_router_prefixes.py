@@ -15,10 +15,10 @@ def test_a_burst_of_one_prompt_counts_its_inflight_prefix():
         await router.add_backend(gpu.info("cuda"), gpu)  # empty caches: the mirror knows nothing
         await router.add_backend(cpu.info("cpu"), cpu)
         prompt = list(range(516))
-        first = await router.route("r0", prompt, 128)
-        second = await router.route("r1", prompt, 128)
+        first = await router.place("r0", prompt, 128)
+        second = await router.place("r1", prompt, 128)
         await router.report("cuda0", "i1", [progress("r0", "finished"), progress("r1", "finished")])
-        after = await router.route("r2", prompt, 128)
+        after = await router.place("r2", prompt, 128)
         return first, second, after
 
     first, second, after = run(scenario())
@@ -34,6 +34,6 @@ def test_prefix_affinity_through_the_actor_homes_on_the_accelerator():
         gpu, cpu = FakeBackend("cuda0"), FakeBackend("cpu0")
         await router.add_backend(gpu.info("cuda"), gpu)
         await router.add_backend(cpu.info("cpu"), cpu)
-        return [(await router.route(f"r{n}", list(range(n, n + 300)), 16)).backend_id for n in range(4)]
+        return [(await router.place(f"r{n}", list(range(n, n + 300)), 16)).backend_id for n in range(4)]
 
     assert run(scenario()) == ["cuda0"] * 4

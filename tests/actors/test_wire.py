@@ -8,6 +8,8 @@ import asyncio
 import pytest
 
 from tandem.actors import wire
+from tandem.actors.messages import ChannelAdds, ChannelOpen, EngineCoreRequest, WireAnswer, WireAnswers
+from tandem.engine.sampling_params import SamplingParams
 
 
 def test_frames_round_trip_in_order_across_a_unix_socket():
@@ -18,28 +20,30 @@ def test_frames_round_trip_in_order_across_a_unix_socket():
         try:
             while True:
                 received.append(await wire.read_frame(reader))
-                writer.write(wire.encode(("got", len(received))))
+                writer.write(wire.frame(WireAnswers([WireAnswer(len(received), "got")])))
         except asyncio.IncompleteReadError:
             writer.close()
 
     async def main():
         server = wire.WireServer()
         reader, writer = await wire.connect(await server.start(echo))
-        for message in ("ch-1", [("r1", [1, 2], None, 1.5)], big):
-            writer.write(wire.encode(message))
+        for message in sent:
+            writer.write(wire.frame(message))
         answers = [await wire.read_frame(reader) for _ in range(3)]
         writer.close()
         server.close()
         return answers
 
+    sent = [ChannelOpen("ch-1"), ChannelAdds([EngineCoreRequest("r1", [1, 2], SamplingParams(), 1.5)]),
+            ChannelAdds([EngineCoreRequest("big", big, SamplingParams(max_tokens=3))])]
     answers = asyncio.run(asyncio.wait_for(main(), 30))
-    assert received == ["ch-1", [("r1", [1, 2], None, 1.5)], big]
-    assert answers == [("got", 1), ("got", 2), ("got", 3)]
+    assert received == sent
+    assert answers == [WireAnswers([WireAnswer(i, "got")]) for i in (1, 2, 3)]
 
 
 def test_a_closed_wire_reads_as_an_incomplete_frame():
     async def hang_up(reader, writer):
-        writer.write(wire.encode("partial")[:3])  # half a header, then gone
+        writer.write(wire.frame(ChannelOpen("partial"))[:3])  # half a header, then gone
         writer.close()
 
     async def main():
@@ -57,7 +61,7 @@ def test_a_closed_wire_reads_as_an_incomplete_frame():
     assert asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_a_connection_without_the_token_is_closed_before_anything_is_unpickled():
+def test_a_connection_without_the_token_is_closed_before_anything_is_decoded():
     reached = []
 
     async def handler(reader, writer):
@@ -67,7 +71,7 @@ def test_a_connection_without_the_token_is_closed_before_anything_is_unpickled()
         server = wire.WireServer()
         path, token = await server.start(handler)
         reader, writer = await wire.connect((path, bytes(len(token))))  # the wrong token
-        writer.write(wire.encode("hello"))
+        writer.write(wire.frame(ChannelOpen("hello")))
         closed = await reader.read() == b""
         writer.close()
         server.close()
@@ -168,26 +172,26 @@ def test_the_wire_works_on_uvloop_too():
     uvloop = pytest.importorskip("uvloop")
 
     async def echo(reader, writer):
-        writer.write(wire.encode(await wire.read_frame(reader)))
+        writer.write(wire.frame(await wire.read_frame(reader)))
 
     async def main():
         server = wire.WireServer()
         reader, writer = await wire.connect(await server.start(echo))
-        writer.write(wire.encode(("hello", 1)))
+        writer.write(wire.frame(ChannelOpen("hello")))
         answer = await wire.read_frame(reader)
         writer.close()
         server.close()
         return answer
 
-    assert uvloop.run(asyncio.wait_for(main(), 30)) == ("hello", 1)
+    assert uvloop.run(asyncio.wait_for(main(), 30)) == ChannelOpen("hello")
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_adds_on_a_wire_that_closed_under_them_fail_as_backend_gone(loop, monkeypatch):
     """A backend killed between the reader task's last read and the next add: the add fails as
-    BackendGone (which the dispatcher fails over), not as the transport's error (a 500)."""
+    BackendGoneError (which the dispatcher fails over), not as the transport's error (a 500)."""
     from tandem.actors import channel as channel_module
-    from tandem.actors.messages import BackendGone
+    from tandem.engine.errors import BackendGoneError
 
     run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
     opened = []
@@ -203,17 +207,17 @@ def test_adds_on_a_wire_that_closed_under_them_fail_as_backend_gone(loop, monkey
             return address
 
         monkeypatch.setattr(channel_module.wire, "same_node_address", same_node)
-        chan = channel_module.BackendChannel(handle=None, key=(0, "backend"))
+        chan = channel_module.Channel(handle=None, key=(0, "backend"))
         while chan.transport != "wire":
             await asyncio.sleep(0.01)
         chan._writer.close()  # the wire is gone; the reader task has not seen it yet
-        stream = channel_module.ChannelStream(chan, "r1", [1, 2, 3], None, None)
+        stream = channel_module.RequestStream(chan, EngineCoreRequest("r1", [1, 2, 3], SamplingParams()))
         try:
             await stream.next()
-        except BackendGone as exc:
+        except BackendGoneError as exc:
             return exc
         finally:
             chan.task.cancel()
             server.close()
 
-    assert isinstance(run(asyncio.wait_for(main(), 30)), BackendGone)
+    assert isinstance(run(asyncio.wait_for(main(), 30)), BackendGoneError)

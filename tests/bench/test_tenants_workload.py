@@ -120,3 +120,34 @@ def test_the_client_cuts_off_what_is_unfinished_at_the_drain_deadline():
                                        drain_timeout_s=0.5))
     assert results[0].ok and (results[0].num_prompt_tokens, results[0].num_cached_tokens) == (2, 1)
     assert results[1].error.startswith("cut off at ") and not results[1].ok  # (this transport buffers a response)
+
+
+def test_engines_on_one_gpu_get_one_device_name():
+    from bench.harness import device_names
+    from tandem.cluster.plan import BackendPlan
+
+    def plan(backend_id, device, per_gpu=1):
+        return BackendPlan(backend_id, device, device, "", threads=1, max_active=4, engines_per_gpu=per_gpu)
+
+    four_on_one = [plan(f"cuda{i}", "cuda", 4) for i in range(4)] + [plan("cpu0", "cpu")]
+    assert device_names(four_on_one) == {f"cuda{i}": "cuda:0" for i in range(4)}
+    two_by_two = [plan(f"cuda{i}", "cuda", 2) for i in range(4)]
+    assert device_names(two_by_two) == {"cuda0": "cuda:0", "cuda1": "cuda:0", "cuda2": "cuda:1", "cuda3": "cuda:1"}
+    assert device_names([plan("mps0", "mps")]) == {"mps0": "mps"}
+
+
+def test_written_scenario_names_each_accelerators_device(tmp_path):
+    from bench.harness import Layout
+    from bench.tenants import write_scenario
+    from tandem.routing.scenario import load_scenario
+
+    rates = {"prefill_tok_s": 1000, "decode_tok_s": 100}
+    (tmp_path / "rates.json").write_text(json.dumps({"cuda": rates, "cpu": rates}))
+    backends = [{"id": "cuda0", "device": "cuda"}, {"id": "cuda1", "device": "cuda"}, {"id": "cpu0", "device": "cpu"}]
+    layout = Layout("m", backends, "cuda0", True, None, devices={"cuda0": "cuda:0", "cuda1": "cuda:0"})
+    cluster = SimpleNamespace(rates_path=tmp_path / "rates.json", layout=layout, accel_max_active=8,
+                              cpu_max_active=4, router_settings={"spill_margin": 0.05, "spill_allow_queue": False})
+    write_scenario(tmp_path / "cell.yaml", CELL, cluster, seed=7)
+    scenario = load_scenario(tmp_path / "cell.yaml")
+    assert [b.device for b in scenario.backends] == ["cuda:0", "cuda:0", None]
+    assert scenario.shared_devices == {"cuda:0": ["cuda0", "cuda1"]}

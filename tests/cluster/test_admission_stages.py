@@ -1,16 +1,14 @@
 """`admission_stages`: a request's arrival-to-admission time split per stage, from the times the
-dispatch notes and the first outputs' engine timestamps (packed, as the backend sends them)."""
+dispatch notes and the first outputs' engine timestamps (`EngineCoreOutput`s, as the backend sends them)."""
 
 import pytest
 
-from tandem.actors.engine_core import pack_output
+from tandem.actors.messages import EngineCoreOutput
 from tandem.cluster.dispatch import admission_stages
-from tandem.engine.outputs import RequestOutput, Usage
 
 
-def first_output(first_scheduled: float | None, first_token: float | None) -> tuple:
-    return pack_output(RequestOutput("r", [7], "a", False, None, Usage(16, 1, 0), 100.0, first_scheduled,
-                                     first_token, None))
+def first_output(first_scheduled: float | None, first_token: float | None) -> EngineCoreOutput:
+    return EngineCoreOutput("r", [7], "a", False, None, 16, 1, 0, 100.0, first_scheduled, first_token, None)
 
 
 def test_with_first_outputs_the_admission_splits_into_engine_and_transport():
@@ -39,3 +37,13 @@ def test_the_backends_stamps_split_the_adds_trip_into_its_hops():
     assert sum(stages.values()) == pytest.approx(0.030)
     queued = admission_stages(100.0, 100.003, 100.050, [], received=100.005, queued=100.009)
     assert queued == pytest.approx({"route": 0.003, "to_backend": 0.002, "to_core": 0.004, "admit": 0.041})
+
+
+def test_every_stage_is_one_the_metrics_declare_up_front():
+    from tandem.actors.metrics import ADMISSION_STAGES
+
+    seen = set()
+    for received, queued in ((None, None), (100.005, 100.009)):
+        for outputs in ([], [first_output(100.012, 100.022)]):
+            seen |= set(admission_stages(100.0, 100.003, 100.030, outputs, received=received, queued=queued))
+    assert seen == set(ADMISSION_STAGES)

@@ -194,10 +194,9 @@ def leftovers(tandem) -> dict:
     found = {}
     for backend_id, backend in backends.items():
         stats = ray.get(backend.stats.remote(), timeout=TIMEOUT_S)
-        streams = ray.get(backend.__ray_call__.remote(lambda actor: len(actor._streams) + len(actor._held)),
-                          timeout=TIMEOUT_S)
+        requests = ray.get(backend.num_channel_requests.remote(), timeout=TIMEOUT_S)
         for name, value in (("running", stats.num_running), ("waiting", stats.num_waiting),
-                            ("kv_cache_usage", stats.kv_cache_usage), ("actor streams", streams)):
+                            ("kv_cache_usage", stats.kv_cache_usage), ("core channel requests", requests)):
             if value:
                 found[f"{backend_id} {name}"] = value
     for backend_id, summary in ray.get(tandem.router.pending_summary.remote(), timeout=TIMEOUT_S).items():
@@ -433,7 +432,9 @@ def test_backend_killed_mid_stream(tiny):
 
 def test_ingress_replica_killed_serves_again_on_the_same_port(tiny):
     """With direct ingress (the default here) the Serve replica itself listens on the API port:
-    killed, Serve starts a new one, which takes the same port back, and nothing else restarts."""
+    killed, Serve starts a new one, which takes the same port back, and nothing else restarts.
+    Until the new one can serve the port refuses connections; it never answers with anything
+    but the completion (the new replica listens only once Serve has initialised it)."""
     import ray
 
     assert tiny.config.ingress == "direct"
@@ -443,14 +444,17 @@ def test_ingress_replica_killed_serves_again_on_the_same_port(tiny):
     assert len(replicas) == 1, replicas
     ray.kill(ray.get_actor(replicas[0]["name"], namespace="serve"), no_restart=True)
     body = {"model": MODEL, "prompt": "Back again?", "max_tokens": 4}
+    statuses: list[int] = []
 
     def answers() -> bool:
         try:
-            return httpx.post(tiny.url + COMPLETIONS, json=body, timeout=5.0).status_code == 200
-        except httpx.HTTPError:
+            statuses.append(httpx.post(tiny.url + COMPLETIONS, json=body, timeout=5.0).status_code)
+        except httpx.HTTPError:  # refused (nobody listens yet) or reset by the dying replica
             return False
+        return statuses[-1] == 200
 
-    wait_for(answers, timeout_s=120, interval_s=0.5, what="a new ingress replica on the same port")
+    wait_for(answers, timeout_s=120, interval_s=0.1, what="a new ingress replica on the same port")
+    assert set(statuses) == {200}, statuses
     assert instance_ids(tiny) == before
     wait_idle(tiny, "the cluster to be idle after the ingress restart")
 

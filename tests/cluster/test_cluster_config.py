@@ -117,3 +117,16 @@ def test_a_rates_file_says_what_it_gave_each_backend(tmp_path):
         f"rates for cpu0 from {path} (entry 'cpu0'): prefill 120 tok/s, decode 9.5 tok/s (batch 1)",
         f"rates for cpu1 from {path} (entry 'cpu'): prefill 100 tok/s, decode 8.0 tok/s (batch 1), "
         "by batch {1: 8.0, 2: 14.0}"]
+
+
+def test_scoring_engines_by_their_share_of_a_device_is_opt_in():
+    import argparse
+
+    from tandem.cluster.serve_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert TandemConfig().device_shares is False
+    assert parser.parse_args([]).device_shares is None  # the config's (or its YAML's) setting stays
+    assert parser.parse_args(["--device-shares"]).device_shares is True
+    assert TandemConfig().with_overrides(device_shares=True).device_shares is True

@@ -5,7 +5,9 @@ proxy. A real cluster (Ray, Serve, one CPU backend of the tiny random model), re
 - fresh connections reach both replicas (each names itself in /health);
 - the same greedy request streams the same text whichever replica takes it;
 - with one replica killed the port keeps answering: the other replica takes every new
-  connection at once, and Serve brings the killed one back on the same port.
+  connection at once, and Serve brings the killed one back on the same port; while it starts
+  again every fresh connection is answered 200 by a replica that can serve (none is taken by the
+  starting one before Serve has initialised it).
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ def cluster(tmp_path_factory):
         handle.shutdown()
 
 
-def _replica_of_fresh_connection(url: str) -> str | None:
-    """The replica that answered /health on a new connection; None when it answered 503 without
-    naming itself (a replica still starting: its port opens before Serve hands it its state)."""
+def _replica_of_fresh_connection(url: str) -> str:
+    """The replica that answered /health on a new connection. Always 200: a replica that is still
+    starting does not listen yet (cluster/http_server.py), so it is never the one that answers."""
     with httpx.Client(timeout=10.0) as client:  # a new connection each time
-        return client.get(url + "/health").json().get("ingress_replica")
+        response = client.get(url + "/health")
+        assert response.status_code == 200, (response.status_code, response.text)
+        return response.json()["ingress_replica"]
 
 
 def test_fresh_connections_reach_every_replica(cluster):
@@ -107,6 +111,6 @@ def test_a_killed_replica_leaves_the_port_answering(cluster):
             assert client.post(cluster.url + "/v1/completions", json=body).status_code == 200
 
     def both_back() -> bool:
-        return len({_replica_of_fresh_connection(cluster.url) for _ in range(CONNECTIONS)} - {None}) == REPLICAS
+        return len({_replica_of_fresh_connection(cluster.url) for _ in range(CONNECTIONS)}) == REPLICAS
 
     wait_for(both_back, timeout_s=120, interval_s=1.0, what="Serve to restart the killed replica on the port")

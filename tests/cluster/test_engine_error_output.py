@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.cluster.app import GenerationFailed, TandemIngress, error_response
+from tandem.cluster.app import TandemIngress, error_response
+from tandem.engine.errors import TandemError
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.cluster.tools import plan_output
 from tandem.engine.outputs import RequestOutput, Usage
@@ -20,7 +21,7 @@ REQ_ID = "cmpl-test"
 class FakeStream:
     def __init__(self, outputs):
         self.req_id, self.backend_id = REQ_ID, "cpu0"
-        self.decision = SimpleNamespace(estimated_s=None)
+        self.decision = SimpleNamespace(estimated_s=0.0, projected_ttft_s=0.0)
         self._outputs = outputs
         self.closed = False
 
@@ -77,7 +78,7 @@ def test_a_choice_that_failed_fails_the_request_with_several_choices(ingress):
 
 def test_a_response_not_streamed_is_a_500(ingress):
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi"})
-    with pytest.raises(GenerationFailed) as failed:
+    with pytest.raises(TandemError) as failed:
         asyncio.run(ingress._full_response(FakeStream([output("A"), output("", "error")]), body, False,
                                            plan_output(body, None)))
     response = error_response(failed.value, REQ_ID)

@@ -35,9 +35,13 @@ WAIT_S = 60.0  # for Ray's next report, on a loaded 2-core machine
 BACKEND_LABELLED = {series for spec in REGISTRY.values() if "backend" in spec.tag_keys
                     for series in spec.exported_series}
 # Counters a panel plots that four plain requests on idle backends need not move: preemptions
-# and failures need pressure or a crash, and a prefix hit a prompt seen before.
+# and failures need pressure or a crash, and a prefix hit a prompt seen before. A request's
+# TTFT error lands in the late or the early histogram, whichever side of its projection the
+# first token came, so a backend need not move both; refusals need a deadline.
 NOT_MOVED_BY_PLAIN_REQUESTS = {"ray_tandem_backend_preemptions_total", "ray_tandem_backend_prefix_cache_hits_total",
-                               "ray_tandem_router_backend_failures_total", "ray_tandem_router_reroutes_total"}
+                               "ray_tandem_router_backend_failures_total", "ray_tandem_router_reroutes_total",
+                               "ray_tandem_router_ttft_late_seconds_bucket", "ray_tandem_router_ttft_early_seconds_bucket",
+                               "ray_tandem_router_deadline_refusals_total"}
 
 
 @dataclass(frozen=True)

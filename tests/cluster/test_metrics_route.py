@@ -52,6 +52,23 @@ def test_histograms_get_zeros_for_every_backend_without_a_series():
     assert histograms <= set(page)
 
 
+def test_the_ingress_stage_histogram_gets_zeros_for_every_stage_without_a_series():
+    from tandem.actors.metrics import ADMISSION_STAGES, STAGE_BUCKETS_S
+
+    ingress = ('# TYPE ray_tandem_http_requests_total counter\n'
+               'ray_tandem_http_requests_total{endpoint="/v1/completions",status="200"} 0.0\n')
+    stages = families(fill_empty_histograms(ingress))["ray_tandem_http_stage_seconds"]
+    assert {s.labels["stage"] for s in stages} == set(ADMISSION_STAGES) and all(s.value == 0 for s in stages)
+    assert len(stages) == len(ADMISSION_STAGES) * (len(STAGE_BUCKETS_S) + 3)
+    observed = ingress + ('# TYPE ray_tandem_http_stage_seconds histogram\n'
+                          'ray_tandem_http_stage_seconds_bucket{stage="route",le="+Inf"} 3.0\n'
+                          'ray_tandem_http_stage_seconds_count{stage="route"} 3.0\n'
+                          'ray_tandem_http_stage_seconds_sum{stage="route"} 0.01\n')
+    stages = families(fill_empty_histograms(observed))["ray_tandem_http_stage_seconds"]
+    assert [s.value for s in stages if s.labels["stage"] == "route"] == [3.0, 3.0, 0.01]  # Ray's, untouched
+    assert {s.labels["stage"] for s in stages if s.value == 0} == set(ADMISSION_STAGES) - {"route"}
+
+
 def test_a_page_without_tandem_backends_is_unchanged():
     assert fill_empty_histograms("# TYPE ray_node_cpu gauge\nray_node_cpu 1.0\n") == (
         "# TYPE ray_node_cpu gauge\nray_node_cpu 1.0\n")

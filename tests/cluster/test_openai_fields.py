@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
 from tandem.cluster.protocol import HARMLESS_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -51,7 +51,7 @@ def test_at_least_ten_known_fields_are_refused():
 @pytest.mark.parametrize("cls, body", [(ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION)],
                          ids=["chat", "completion"])
 def test_unimplemented_field_is_a_400_naming_it(cls, body, field, value):
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(InvalidRequestError) as info:
         cls.model_validate({**body, field: value})
     assert info.value.param == field and info.value.message.startswith(f"{field}:")
 
@@ -73,12 +73,12 @@ def test_values_that_ask_for_nothing_pass(field, value):
 
 def test_best_of_equal_to_n_is_harmless():
     assert CompletionRequest.model_validate({**COMPLETION, "n": 3, "best_of": 3}).n == 3
-    with pytest.raises(InvalidRequest, match="best_of"):
+    with pytest.raises(InvalidRequestError, match="best_of"):
         CompletionRequest.model_validate({**COMPLETION, "n": 2, "best_of": 3})
 
 
 def test_unknown_field_is_refused_by_name():
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(InvalidRequestError) as info:
         ChatCompletionRequest.model_validate({**CHAT, "temprature": 0.5})
     assert info.value.param == "temprature" and "unknown field" in info.value.message
     assert "metadata" in HARMLESS_FIELDS

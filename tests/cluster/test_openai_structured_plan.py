@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.cluster.tools import ToolCallStream, plan_output, read_forced_call, read_qwen_tool_calls
 from tandem.engine.tokenizer import build_byte_tokenizer, encode_chat
@@ -65,7 +65,7 @@ def test_response_format_and_guided_fields_become_one_constraint():
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "only one of"),
 ])
 def test_contradictory_or_unsupported_requests_name_the_field(fields, param, match):
-    with pytest.raises(InvalidRequest, match=match) as info:
+    with pytest.raises(InvalidRequestError, match=match) as info:
         plan_output(chat(**fields), "{{ messages }}")
     assert info.value.param == param
 

@@ -1,12 +1,12 @@
 """OpenAI request validation: what is accepted, that errors name the field, and that the body
-parser turns hostile JSON into `InvalidRequest` (a 400 at the edge), never another exception."""
+parser turns hostile JSON into `InvalidRequestError` (a 400 at the edge), never another exception."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from tandem.cluster.dispatch import InvalidRequest
+from tandem.engine.errors import InvalidRequestError
 from tandem.cluster.protocol import (
     MAX_JSON_DEPTH,
     MAX_SEED,
@@ -105,7 +105,7 @@ def test_usage_carries_cached_tokens():
     (b'"text"', "JSON object"),
 ])
 def test_hostile_json_is_an_invalid_request(raw, message):
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidRequestError, match=message):
         parse_json_object(raw)
 
 
@@ -123,14 +123,19 @@ def test_each_error_class_is_translated_once_with_no_internals():
     import json
 
     from tandem.cluster import app
-    from tandem.cluster.dispatch import BackendUnavailable, RequestFailed
+    from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, TandemError
 
-    expected = {InvalidRequest: 400, app.Unauthorized: 401, app.RouteNotFound: 404, app.ModelNotFound: 404,
+    expected = {InvalidRequestError: 400, app.Unauthorized: 401, app.RouteNotFound: 404, app.ModelNotFound: 404,
                 app.MethodNotAllowed: 405, app.PayloadTooLarge: 413, app.UnsupportedMediaType: 415,
-                app.Overloaded: 429, BackendUnavailable: 503, RequestFailed: 500}
+                app.OverloadedError: 429, DeadlineUnmetError: 429, BackendUnavailableError: 503, TandemError: 500}
     assert set(expected) == set(app.HTTP_ERRORS)
     for cls, status in expected.items():
-        response = app.error_response(cls("what went wrong", detail="Traceback: pid=123 actor_id=abc"), "req-1")
+        if cls is DeadlineUnmetError:  # carries the router's projection and retry time
+            exc = DeadlineUnmetError("what went wrong", projected_ttft_s=1.0, retry_after_s=0.5)
+            exc.detail = "Traceback: pid=123 actor_id=abc"
+        else:
+            exc = cls("what went wrong", detail="Traceback: pid=123 actor_id=abc")
+        response = app.error_response(exc, "req-1")
         body = json.loads(response.body)
         assert response.status_code == status and body["error"]["message"] == "what went wrong"
         assert body["error"]["request_id"] == response.headers["x-tandem-request-id"] == "req-1"

@@ -33,10 +33,15 @@ def reference():
             "chat": generate(QUESTION, params, config, chat=True)["text"]}
 
 
-def test_health_and_models(http):
+def test_health_and_models(http, tandem):
+    import ray
+
     health = http.get("/health")
     assert health.status_code == 200 and set(health.json()["backends"]) == {"cpu0", "cpu1"}
-    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    [card] = http.get("/v1/models").json()["data"]
+    context = next(iter(ray.get(tandem.router.backend_infos.remote()).values())).max_model_len
+    assert (card["id"], card["max_model_len"]) == (MODEL, context)  # vLLM's card carries the context too
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == context
 
 
 def test_reference_is_sensible(reference):

@@ -125,3 +125,22 @@ def test_stats_and_progress_count_only_known_tokens():
     while engine.has_unfinished_requests():
         engine.step()
     assert {p.req_id: (p.status, p.num_output_tokens) for p in engine.drain_progress()} == {"a": ("finished", 6)}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_progress_drained_after_every_step_ends_finished(async_scheduling):
+    """The router's ledger lives on these reports: drained after every step (as a busy engine
+    core does), each request's last reported state must be `finished`. With asynchronous
+    scheduling a request that reaches max_tokens at launch is reported while its last token is
+    still on the device; the call that resolves that token must report it again."""
+    engine = make(async_scheduling)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 9, 3, 7, 4)]
+    params.append(SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1, ignore_eos=True))  # a group
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    last = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        last.update({p.req_id: (p.status, p.num_output_tokens) for p in engine.drain_progress()})
+    last.update({p.req_id: (p.status, p.num_output_tokens) for p in engine.drain_progress()})
+    assert last == {f"r{i}": ("finished", p.max_tokens * p.n) for i, p in enumerate(params)}

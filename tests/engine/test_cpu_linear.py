@@ -1,11 +1,12 @@
-"""oneDNN-packed CPU linears agree with F.linear, and a packed model with the plain one."""
+"""oneDNN-packed CPU linears agree with F.linear, and a packed model with the plain one; they run
+at a bounded set of row counts (`bucket_rows`), so oneDNN builds a bounded set of kernels."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tandem.engine.model import cpu_linear
-from tandem.engine.model.cpu_linear import PackedLinear, pack_model
+from tandem.engine.model.cpu_linear import PackedLinear, bucket_rows, pack_model
 
 
 def needs(dtype):
@@ -53,3 +54,40 @@ def test_engine_packs_on_cpu_unless_told_not_to():
 
     assert LLMEngine(EngineConfig(model="tiny-llama-random")).model_runner.num_packed_linears > 0
     assert LLMEngine(EngineConfig(model="tiny-llama-random", pack_cpu_weights=False)).model_runner.num_packed_linears == 0
+
+
+def test_bucket_rows_is_exact_to_16_then_eight_sizes_per_doubling():
+    assert [bucket_rows(n) for n in (1, 4, 16, 17, 19, 32, 33, 37, 64, 65, 100, 129, 257, 289, 512, 513)] == \
+        [1, 4, 16, 18, 20, 32, 36, 40, 64, 72, 104, 144, 288, 320, 512, 576]
+    for n in range(1, 8193):
+        b = bucket_rows(n)
+        assert n <= b and 8 * (b - n) < n and bucket_rows(b) == b
+    assert len({bucket_rows(n) for n in range(1, 513)}) == 16 + 5 * 8  # a CPU engine's 512-token steps
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+def test_packed_linear_runs_at_the_bucketed_row_count(monkeypatch, dtype, atol):
+    needs(dtype)
+    rows_run = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x, *args):
+        rows_run.append(x.shape[0])
+        return pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    linear = PackedLinear(weight, bias)
+    for rows in (3, 17, 100, 300):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        residual = torch.randn(rows, 96, generator=g).to(dtype)
+        expected = F.linear(x, weight, bias)
+        torch.testing.assert_close(linear(x).float(), expected.float(), atol=atol, rtol=1e-5 if atol else 0)
+        added = linear.add(x, residual)
+        assert added.shape == (rows, 96)
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: one rounding against two
+        torch.testing.assert_close(added.float(), expected.float() + residual.float(), atol=tolerance, rtol=tolerance)
+    batched = torch.randn(2, 10, 64, generator=g).to(dtype)  # leading dims flattened: 20 rows
+    assert linear(batched).shape == (2, 10, 96)
+    assert rows_run == [3, 3, 18, 18, 104, 104, 320, 320, 20]

@@ -91,6 +91,40 @@ def test_calibration_off_by_default_and_ewma_when_on():
     assert rec.per_backend["cuda0"].score_s == pytest.approx(1 + 1)
 
 
+def test_calibration_is_shared_by_identical_engines_on_one_device():
+    """Engines on one device slow each other down: a step observed on one is the device's state,
+    so its identical siblings get the same rates; other devices, other profiles and backends
+    without a device keep their own."""
+    def on(backend_id, device, prefill=100):
+        return BackendSpec(backend_id, "cuda", RateProfile(prefill, 10), 4, device)
+
+    router = Router([on("cuda0", "cuda:0"), on("cuda1", "cuda:0"), on("cuda2", "cuda:0", prefill=300),
+                     on("cuda3", "cuda:1"), spec("cuda4", "cuda")], calibration=CalibrationConfig(alpha=0.5))
+    router.observe_step("cuda0", 0, 20, 4, 4.0)  # 5 tok/s observed against 10 expected
+    assert router.rates("cuda0").decode_tok_s == router.rates("cuda1").decode_tok_s == 7.5
+    assert [router.rates(b).decode_tok_s for b in ("cuda2", "cuda3", "cuda4")] == [10, 10, 10]
+    router.observe_step("cuda1", 200, 0, 1, 1.0)  # the sibling's prefill step: back to cuda0 as well
+    assert router.rates("cuda0").prefill_tok_s == router.rates("cuda1").prefill_tok_s == 150
+    assert router.rates("cuda0").decode_tok_s == 7.5
+
+
+@pytest.mark.parametrize("device, expected", [("cuda:0", "cuda0"), (None, "cuda1")])
+def test_a_busy_spell_on_a_shared_device_does_not_send_a_cached_prompt_elsewhere(device, expected):
+    """The H200 grid's mis-ranking, in miniature: cuda0 ran alone through a contended spell and
+    learnt slow rates while cuda1 sat idle. A request whose prompt cuda0 caches must go to cuda0
+    when they share a device (the slowness was the device's); calibrated alone, cuda1 looks
+    faster and wins although it must prefill the whole prompt."""
+    def on(backend_id):
+        return BackendSpec(backend_id, "cuda", RateProfile(10_000, 1_000), 4, device)
+
+    router = Router([on("cuda0"), on("cuda1")], calibration=CalibrationConfig(alpha=0.5))
+    for _ in range(6):  # decode at a tenth of the profile: the device was busy with its neighbours
+        router.observe_step("cuda0", 0, 100, 1, 1.0)
+    assert router.rates("cuda0").decode_tok_s < 150
+    rec = router.route(req("a", prompt=2_000, max_tokens=128, cached={"cuda0": 2_000}))
+    assert rec.backend_id == expected
+
+
 def test_new_token_ratio_scales_existing_budgets_only():
     config = NewTokenRatioConfig(init_ratio=0.5, min_ratio=0.25, decay_steps=10)
     router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], new_token_ratio=config)
@@ -134,21 +168,3 @@ def test_set_policy_cordon_and_max_active_keep_pending_work():
     assert len(router.ledger("cuda0")) == 3 and len(router.ledger("cpu0")) == 1  # nothing was lost
     router.set_max_active("cuda0", 1)
     assert router.score(req("e", prompt=100, max_tokens=10))[0].max_active == 1
-
-
-def test_fixed_choice_is_the_only_routable_backend_the_policy_takes():
-    router = Router([spec("cuda0", "cuda")])
-    assert router.fixed_choice() == "cuda0"
-    assert all(router.route(req(r)).backend_id == "cuda0" for r in "abc")  # what route would say
-    router.add_backend(spec("cpu0", "cpu"))
-    assert router.fixed_choice() is None  # two choices: the router decides
-    router.set_cordoned("cpu0", True)
-    assert router.fixed_choice() == "cuda0"
-    router.set_cordoned("cpu0", False)
-    router.set_cordoned("cuda0", True)
-    assert router.fixed_choice() == "cpu0"
-    router.set_policy("accelerator-only")
-    assert router.fixed_choice() is None  # the one routable backend is one the policy refuses
-    router.remove_backend("cuda0")
-    router.remove_backend("cpu0")
-    assert router.fixed_choice() is None

@@ -1,0 +1,295 @@
+"""Deadlines and priorities under load: `python -m bench.deadlines`.
+
+Mixed traffic through the HTTP API, open loop (Poisson arrivals, seeded): a share of urgent
+requests (short prompt and output, `priority` 0 and a TTFT deadline) among batch requests
+(longer prompt and output, `priority` 1), at several arrival rates, in two arms on one cluster:
+
+- `deadline`: the requests carry their classes and the urgent ones their deadline, so the
+  router places urgent requests only where the projection meets the deadline (else 429) and
+  the engines admit them ahead of waiting batch work;
+- `fcfs`: the same requests with neither (every request class 0, no deadline): the baseline
+  whose urgent TTFT is measured against the same deadline.
+
+Both arms replay the same workload (arrivals, classes, prompt lengths) at each rate, each with
+prompts of its own, so that no arm starts on another's prefix cache. Per arm and
+rate it reports: urgent TTFT p50/p95 and the share of urgent requests served within the
+deadline (refused ones counted apart), batch output tokens/s (batch output tokens over the
+span from the first batch send to the last batch end), the refusal latency (send to the 429),
+and the projection's error (the TTFT the client observed minus the `x-tandem-projected-ttft-ms`
+it was placed with; the client's TTFT includes the HTTP hops, so the error is biased late by
+them). TTFT is the first streamed chunk with text, as bench/client.py measures it.
+
+It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`): the
+live measurement on a GPU host is `--url` against `tandem serve`. Output: a table on stdout and
+`--out` JSON with every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARMS = ("deadline", "fcfs")
+PROJECTED_HEADER = "x-tandem-projected-ttft-ms"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What each class sends (token counts) and how urgent traffic is mixed in."""
+
+    urgent_share: float = 0.2
+    deadline_ms: float = 500.0
+    urgent_prompt_tokens: int = 64
+    urgent_max_tokens: int = 16
+    batch_prompt_tokens: int = 256
+    batch_max_tokens: int = 128
+
+
+@dataclass
+class Request:
+    index: int
+    arrival_s: float
+    urgent: bool
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    index: int
+    urgent: bool
+    send_s: float
+    status: int = 0
+    first_text_s: float | None = None
+    end_s: float | None = None
+    num_output_tokens: int = 0
+    projected_ttft_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_text_s is None else self.first_text_s - self.send_s
+
+
+def make_workload(rate_per_s: float, duration_s: float, traffic: Traffic, seed: int,
+                  prompts_of: str = "") -> list[Request]:
+    """Poisson arrivals over `duration_s`; each request urgent with probability `urgent_share`.
+
+    Arrivals and classes come from `seed` alone, so every arm sees the same traffic; the prompts'
+    tokens also from the rate and `prompts_of` (the arm), because the arms and rates run one after
+    another on one cluster and a prompt seen before would be a prefix-cache hit for the later one."""
+    rng = random.Random(seed)
+    tokens = random.Random(f"{seed}/{rate_per_s}/{prompts_of}")
+    requests, t = [], rng.expovariate(rate_per_s)
+    while t < duration_s:
+        urgent = rng.random() < traffic.urgent_share
+        num_prompt = traffic.urgent_prompt_tokens if urgent else traffic.batch_prompt_tokens
+        prompt = [tokens.randrange(32, 127) for _ in range(num_prompt)]  # valid ids in a byte vocabulary too
+        max_tokens = traffic.urgent_max_tokens if urgent else traffic.batch_max_tokens
+        requests.append(Request(len(requests), t, urgent, prompt, max_tokens))
+        t += rng.expovariate(rate_per_s)
+    return requests
+
+
+def request_body(model: str, request: Request, arm: str, traffic: Traffic) -> dict[str, Any]:
+    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if arm == "deadline":
+        body["priority"] = 0 if request.urgent else 1
+        if request.urgent:
+            body["ttft_deadline_ms"] = traffic.deadline_ms
+    return body
+
+
+async def send(client: Any, start: float, model: str, request: Request, arm: str, traffic: Traffic) -> Outcome:
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    out = Outcome(request.index, request.urgent, time.perf_counter() - start)
+    try:
+        async with client.stream("POST", "/v1/completions", json=request_body(model, request, arm, traffic)) as r:
+            out.status = r.status_code
+            projected = r.headers.get(PROJECTED_HEADER)
+            out.projected_ttft_s = None if projected is None else float(projected) / 1000
+            if r.status_code != 200:
+                out.end_s = time.perf_counter() - start
+                out.error = (await r.aread()).decode(errors="replace")[:300]
+                return out
+            async for line in r.aiter_lines():
+                _read_event(line, out, time.perf_counter() - start)
+    except Exception as exc:  # a transport failure is a result, not a crash of the bench
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _read_event(line: str, out: Outcome, now_s: float) -> None:
+    if not line.startswith("data: "):
+        return
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        out.end_s = now_s
+        return
+    chunk = json.loads(data)
+    if "error" in chunk:
+        out.error = chunk["error"].get("message", "error event")
+    if out.first_text_s is None and any(c.get("text") for c in chunk.get("choices", ())):
+        out.first_text_s = now_s
+    if chunk.get("usage"):
+        out.num_output_tokens = chunk["usage"]["completion_tokens"]
+
+
+async def run_load(url: str, model: str, requests: list[Request], arm: str, traffic: Traffic,
+                   timeout_s: float = 600.0) -> list[Outcome]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+        return list(await asyncio.gather(*(send(client, start, model, r, arm, traffic) for r in requests)))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    lo = math.floor(position)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (position - lo) * (ordered[hi] - ordered[lo])
+
+
+def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
+    """One arm at one rate (see the module doc for each figure)."""
+    urgent = [o for o in outcomes if o.urgent]
+    batch = [o for o in outcomes if not o.urgent]
+    served = [o for o in urgent if o.status == 200 and o.ttft_s is not None]
+    refused = [o for o in outcomes if o.status == 429]
+    deadline_s = traffic.deadline_ms / 1000
+    ttfts = [o.ttft_s for o in served]
+    batch_done = [o for o in batch if o.status == 200 and o.end_s is not None]
+    span_s = (max(o.end_s for o in batch_done) - min(o.send_s for o in batch)) if batch_done else 0.0
+    errors = [o.ttft_s - o.projected_ttft_s for o in outcomes
+              if o.status == 200 and o.ttft_s is not None and o.projected_ttft_s is not None]
+    return {
+        "num_urgent": len(urgent), "num_batch": len(batch), "num_refused": len(refused),
+        "num_failed": sum(1 for o in outcomes if o.status not in (200, 429) or (o.status == 200 and o.error)),
+        "urgent_ttft_p50_s": percentile(ttfts, 50), "urgent_ttft_p95_s": percentile(ttfts, 95),
+        "deadline_s": deadline_s,
+        "urgent_within_deadline": sum(1 for t in ttfts if t <= deadline_s) / len(urgent) if urgent else None,
+        "batch_output_tok_s": sum(o.num_output_tokens for o in batch_done) / span_s if span_s > 0 else None,
+        "refusal_latency_p50_s": percentile([o.end_s - o.send_s for o in refused], 50),
+        "refusal_latency_p95_s": percentile([o.end_s - o.send_s for o in refused], 95),
+        "projection_error_p50_s": percentile(errors, 50), "projection_error_p95_s": percentile(errors, 95),
+        "projection_abs_error_p95_s": percentile([abs(e) for e in errors], 95),
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = ("arm", "rate/s", "urgent", "batch", "refused", "urgent p50", "urgent p95", "deadline", "met",
+              "batch tok/s", "refusal p95", "proj err p50", "proj err p95")
+
+    def cell(value: Any, unit: str = "") -> str:
+        if value is None:
+            return "-"
+        return f"{value:.3f}{unit}" if isinstance(value, float) else str(value)
+
+    lines = [header] + [(
+        r["arm"], cell(r["rate_per_s"]), str(r["num_urgent"]), str(r["num_batch"]), str(r["num_refused"]),
+        cell(r["urgent_ttft_p50_s"]), cell(r["urgent_ttft_p95_s"]), cell(r["deadline_s"]),
+        "-" if r["urgent_within_deadline"] is None else f"{100 * r['urgent_within_deadline']:.0f}%",
+        "-" if r["batch_output_tok_s"] is None else f"{r['batch_output_tok_s']:.1f}",
+        cell(r["refusal_latency_p95_s"]), cell(r["projection_error_p50_s"]), cell(r["projection_error_p95_s"]),
+    ) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
+            arms: tuple[str, ...] = ARMS) -> dict[str, Any]:
+    rows, runs = [], []
+    for rate in rates:
+        for arm in arms:
+            workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
+            outcomes = asyncio.run(run_load(url, model, workload, arm, traffic))
+            rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
+            runs.append({"arm": arm, "rate_per_s": rate, "requests": [asdict(o) for o in outcomes]})
+    return {"traffic": asdict(traffic), "duration_s": duration_s, "seed": seed, "summaries": rows, "runs": runs}
+
+
+@dataclass
+class _Server:
+    url: str
+    model: str
+    handle: Any = field(default=None)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.shutdown()
+
+
+def start_server(args: argparse.Namespace) -> _Server:
+    """A local cluster for a bench without `--url` (a quick check on CPU backends)."""
+    import socket
+
+    from tandem.cluster.launcher import start
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    handle = start(model=args.model, backends=args.backends.split(","), cpu_threads=args.cpu_threads,
+                   max_active=args.max_active, max_pending_requests=args.max_pending_requests,
+                   port=free_port(), metrics_port=free_port(), rates=args.rates, profile="never" if args.rates else "auto",
+                   access_log=False, log=lambda line: None, calibration_alpha=0)
+    return _Server(handle.url, args.model, handle)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="a running server's base URL; without it, start one")
+    parser.add_argument("--model", default="smollm2-135m", help="served model (its name, with --url)")
+    parser.add_argument("--backends", default="cpu,auto", help="backends to start without --url (comma-separated)")
+    parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument("--max-active", type=int, default=4)
+    parser.add_argument("--max-pending-requests", type=int, default=1024)
+    parser.add_argument("--rates", default=None, help="rates file for a started server (skips profiling)")
+    parser.add_argument("--loads", default="2,4,8", help="arrival rates per second, comma-separated")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="arrivals per rate span this long")
+    parser.add_argument("--deadline-ms", type=float, default=Traffic.deadline_ms)
+    parser.add_argument("--urgent-share", type=float, default=Traffic.urgent_share)
+    parser.add_argument("--urgent-lengths", default="64,16", help="urgent prompt,max_tokens")
+    parser.add_argument("--batch-lengths", default="256,128", help="batch prompt,max_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.deadlines", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    (urgent_prompt, urgent_max), (batch_prompt, batch_max) = (
+        tuple(int(x) for x in value.split(",")) for value in (args.urgent_lengths, args.batch_lengths))
+    traffic = Traffic(args.urgent_share, args.deadline_ms, urgent_prompt, urgent_max, batch_prompt, batch_max)
+    server = _Server(args.url, args.model) if args.url else start_server(args)
+    try:
+        report = run_all(server.url, server.model, [float(x) for x in args.loads.split(",")], args.duration_s,
+                         traffic, args.seed)
+    finally:
+        server.close()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report["summaries"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

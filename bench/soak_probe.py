@@ -1,0 +1,220 @@
+"""What the soak bench samples from a running server, outside it: each Tandem process's
+resident memory and open file descriptors, GPU memory, and the backends' KV blocks in use.
+
+The processes are found by walking the process tree down from the `tandem serve` process the
+bench started: `ray.init` in that process starts Ray's own daemons as its children and the
+actors (backends, router, Serve's replicas) as their children, so the tree is the whole server
+and nothing else. psutil reads them where it is installed (Ray depends on it); else /proc
+(Linux). Ray names an actor's process `ray::<Class>` (and `ray::<Class>.<method>` while it runs
+a task), which gives each process a stable role across samples; `ray::IDLE` workers come and go
+with Ray's worker pool and are recorded but left out of the totals that the memory checks use.
+
+GPU memory comes from `nvidia-smi --query-compute-apps` filtered to the tree's pids, not from
+torch: this process must not hold a CUDA context of its own. KV blocks come from the server's
+Prometheus page (`/metrics`), whose gauges Ray refreshes every few seconds: `kv_cache_usage` is
+the fraction of blocks held by requests and `kv_cache_free_blocks` the rest, so the blocks in use
+are free x usage / (1 - usage).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.actors.metrics import BACKEND_METRICS
+
+IDLE_ROLE = "ray::IDLE"
+BACKEND_ROLE = "ray::BackendActor"
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_BACKEND_LABEL = re.compile(r'backend="([^"]*)"')
+_EXPORTED = {spec.name: spec.exported_name for spec in BACKEND_METRICS}
+KV_USAGE = _EXPORTED["tandem_backend_kv_cache_usage"]
+KV_FREE = _EXPORTED["tandem_backend_kv_cache_free_blocks"]
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    pid: int
+    role: str
+    rss_mib: float
+    num_fds: int
+
+
+# -- the process tree --------------------------------------------------------------------------
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every descendant alive now."""
+    try:
+        import psutil
+    except ImportError:
+        return _proc_tree(root_pid)
+    try:
+        root = psutil.Process(root_pid)
+        return [root_pid] + [child.pid for child in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _proc_tree(root_pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    if not Path(f"/proc/{root_pid}").exists():
+        return []
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def role_of(pid: int, root_pid: int, cmdline: list[str], parent_role: str | None = None) -> str:
+    """A process's stable name: `serve` for the root, `ray::<Class>` for an actor, `<parent's
+    role>/spawned` for a multiprocessing child (an engine core) and `/resource_tracker` for its
+    helper, else its program (the script's name for an interpreter running one)."""
+    if pid == root_pid:
+        return "serve"
+    if not cmdline:
+        return "?"
+    joined = " ".join(cmdline)
+    for marker, suffix in (("multiprocessing.spawn", "spawned"), ("multiprocessing.resource_tracker",
+                                                                   "resource_tracker")):
+        if marker in joined:
+            return f"{parent_role or '?'}/{suffix}"
+    first = cmdline[0].split()[0] if cmdline[0] else "?"
+    if first.startswith("ray::"):
+        return first.split(".", 1)[0]
+    scripts = [Path(arg).name for arg in cmdline[1:] if arg.endswith(".py")]
+    return scripts[0] if scripts else Path(first).name
+
+
+def _read_process(pid: int) -> tuple[list[str], int, float, int] | None:
+    """(cmdline, parent pid, RSS MiB, open fds) or None if it is gone or not ours to read."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            return ([c for c in cmdline if c], ppid, rss_pages * _PAGE_SIZE / MIB,
+                    len(os.listdir(f"/proc/{pid}/fd")))
+        except (OSError, IndexError, ValueError):
+            return None
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return proc.cmdline(), proc.ppid(), proc.memory_info().rss / MIB, proc.num_fds()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def sample_processes(root_pid: int) -> list[ProcessSample]:
+    """Every process of the tree, parents before children (the tree walk's order)."""
+    samples = []
+    roles: dict[int, str] = {}
+    for pid in process_tree(root_pid):
+        read = _read_process(pid)
+        if read is not None:
+            cmdline, ppid, rss_mib, num_fds = read
+            roles[pid] = role_of(pid, root_pid, cmdline, roles.get(ppid))
+            samples.append(ProcessSample(pid, roles[pid], round(rss_mib, 1), num_fds))
+    return samples
+
+
+def by_role(samples: list[ProcessSample], values: dict[int, float]) -> dict[str, float]:
+    """`values` (per pid) per role, roles that several processes share numbered in pid order
+    (`ray::BackendActor#2`), IDLE workers summed into one; pids without a value left out."""
+    out: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for sample in sorted(samples, key=lambda s: s.pid):
+        counts[sample.role] = counts.get(sample.role, 0) + 1
+        if sample.pid not in values:
+            continue
+        if sample.role == IDLE_ROLE:
+            out[IDLE_ROLE] = round(out.get(IDLE_ROLE, 0) + values[sample.pid], 1)
+            continue
+        key = sample.role if counts[sample.role] == 1 else f"{sample.role}#{counts[sample.role]}"
+        out[key] = values[sample.pid]
+    return out
+
+
+def total(samples: list[ProcessSample], value: str) -> float:
+    """The sum the checks use: every process of the server but Ray's idle pool workers."""
+    return round(sum(getattr(s, value) for s in samples if s.role != IDLE_ROLE), 1)
+
+
+def kill_a_backend(root_pid: int) -> dict[str, Any] | None:
+    """SIGKILL the lowest-pid backend actor's process, as a crash would end it (Ray restarts the
+    actor); what was killed, or None if the tree has no backend."""
+    backends = [s for s in sample_processes(root_pid) if s.role == BACKEND_ROLE]
+    if not backends:
+        return None
+    victim = min(backends, key=lambda s: s.pid)
+    os.kill(victim.pid, signal.SIGKILL)
+    return {"pid": victim.pid, "role": victim.role, "rss_mib": victim.rss_mib}
+
+
+# -- GPU memory ----------------------------------------------------------------------------------
+def gpu_memory_mib(pids: set[int]) -> dict[int, float] | None:
+    """MiB of GPU memory each of `pids` holds, per nvidia-smi; None where there is no nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    used: dict[int, float] = {}
+    for line in done.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
+            try:
+                used[int(parts[0])] = used.get(int(parts[0]), 0.0) + float(parts[1])
+            except ValueError:
+                continue
+    return used
+
+
+# -- KV blocks from /metrics ---------------------------------------------------------------------
+def kv_blocks(page: str) -> dict[str, dict[str, float]]:
+    """Per backend: `usage` (0-1), `free_blocks` and `blocks_in_use`, from a Prometheus page. A
+    backend that Ray exports from several workers (a killed one's series lingers a few seconds)
+    reports the series with the most blocks in use."""
+    series: dict[str, dict[str, float]] = {}
+    for line in page.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or match.group(1) not in (KV_USAGE, KV_FREE):
+            continue
+        labels = match.group(2) or ""
+        backend = _BACKEND_LABEL.search(labels)
+        if backend is None:
+            continue
+        entry = series.setdefault(labels, {"backend": backend.group(1)})
+        entry["usage" if match.group(1) == KV_USAGE else "free_blocks"] = float(match.group(3))
+    out: dict[str, dict[str, float]] = {}
+    for entry in series.values():
+        if "usage" not in entry or "free_blocks" not in entry:
+            continue
+        usage, free = entry["usage"], entry["free_blocks"]
+        in_use = round(free * usage / (1 - usage)) if usage < 1 else None
+        row = {"usage": round(usage, 4), "free_blocks": free, "blocks_in_use": in_use}
+        current = out.get(entry["backend"])
+        if current is None or (in_use or 0) > (current["blocks_in_use"] or 0):
+            out[entry["backend"]] = row
+    return dict(sorted(out.items()))

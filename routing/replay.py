@@ -1,0 +1,104 @@
+"""A running server's routing log as a what-if scenario (`tandem route-sim --replay LOG`).
+
+The router writes one JSON line per decision (actors/router.py): its time, the policy, every
+backend's score terms with the rates and slots it used, the request's prompt and budget
+lengths, and its prompt's block hashes at the finest block size. That is enough to rebuild
+the traffic: requests arrive at their logged times (relative to the first), with their
+lengths, and, where the log has block hashes, their real prefixes, so each simulated backend
+keeps a prefix cache and every policy earns its own hits (as in a tenants scenario, with
+unlimited cache room); without hashes, each request keeps the hits the backends reported for
+it at the time. Backends run at the rates the router used at their first decision.
+
+What the log cannot tell, the replay assumes, and the report says so:
+- each request generates its whole `max_tokens` (the decision comes before any output);
+- the backends' caches start empty, and serve requests in arrival order: priorities are not
+  simulated, and a request refused for its deadline (`placed` false) was not served, so it is
+  left out;
+- a request routed more than once (its backend failed) counts once, at its last placement.
+
+The policy that served the traffic is the log's (the last decision's); the report sets its
+simulated TTFT and makespan against the hindsight oracle's, its regret.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.errors import ConfigError
+from tandem.routing.rates import RateProfile
+from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
+
+
+@dataclass
+class Replay:
+    scenario: Scenario
+    served_policy: str
+    num_refused: int  # lines of requests refused for their deadline (left out)
+    num_rerouted: int  # requests placed more than once (kept at their last placement)
+
+
+def load_replay(path: str | Path) -> Replay:
+    """Read a routing log; ConfigError (naming the line) when it is not one."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--replay: cannot read routing log {path}: {exc.strerror}") from None
+    lines = [_parse(line, path, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    placed = [x for x in lines if x.get("placed", True)]
+    if not placed:
+        raise ConfigError(f"--replay: {path} holds no placed decision")
+    last: dict[str, dict[str, Any]] = {}
+    for line in placed:
+        last[line["req_id"]] = line  # a re-route replaces the failed placement
+    backends = _backends(placed)
+    start = min(x["ts"] for x in last.values())
+    with_hashes = all(x.get("block_hashes") for x in last.values())
+    requests = sorted((_request(x, start, with_hashes) for x in last.values()), key=lambda r: r.arrival_s)
+    block_size = min(x["block_size"] for x in last.values()) if with_hashes else None
+    scenario = Scenario(name=f"replay of {path.name}", policy=placed[-1]["policy"], backends=backends,
+                        requests=requests, block_size=block_size)
+    return Replay(scenario, placed[-1]["policy"], len(lines) - len(placed), len(placed) - len(last))
+
+
+def _parse(line: str, path: Path, n: int) -> dict[str, Any]:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--replay: {path}:{n}: not JSON ({exc.msg})") from None
+    missing = [k for k in ("ts", "req_id", "policy", "backend_id", "per_backend", "num_prompt_tokens", "max_tokens")
+               if k not in data]
+    if missing:
+        raise ConfigError(f"--replay: {path}:{n}: a routing-log line needs {', '.join(missing)} (logs written "
+                          "before the router recorded request lengths cannot be replayed)")
+    return data
+
+
+def _backends(lines: list[dict[str, Any]]) -> list[SimBackendSpec]:
+    """Every backend a decision scored, at the rates and slots of its first decision."""
+    first: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        for backend_id, score in line["per_backend"].items():
+            first.setdefault(backend_id, score)
+    backends = []
+    for backend_id, score in first.items():
+        rates = RateProfile(score["prefill_tok_s"], score["decode_tok_s"])
+        spec = BackendSpec(backend_id, score["device_kind"], rates, score.get("max_active", 4))
+        backends.append(SimBackendSpec(spec, rates))
+    return sorted(backends, key=lambda b: b.spec.preference_key())
+
+
+def _request(line: dict[str, Any], start: float, with_hashes: bool) -> SimRequest:
+    return SimRequest(
+        req_id=line["req_id"],
+        arrival_s=line["ts"] - start,
+        num_prompt_tokens=line["num_prompt_tokens"],
+        max_tokens=line["max_tokens"],
+        num_output_tokens=line["max_tokens"],
+        num_cached_tokens={} if with_hashes else dict(line.get("cache_answers", {})),
+        block_hashes=tuple(line["block_hashes"]) if with_hashes else (),
+    )

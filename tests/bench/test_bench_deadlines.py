@@ -1,0 +1,79 @@
+"""bench/deadlines.py for a few seconds on two CPU backends of a tiny random model (real Ray,
+Serve, HTTP and engines), in a subprocess: the bench starts its own Ray instance, which must not
+meet the session cluster of tests/cluster. It checks that both arms replay the same workload,
+every request is answered (200, or 429 for an urgent one in the deadline arm only), the
+deadline arm's requests carried their projection, and the report has its table and figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.deadlines import Traffic, make_workload, request_body, summarize, Outcome
+
+ROOT = Path(__file__).resolve().parents[2]
+RATES = {"prefill_tok_s": 2000.0, "decode_tok_s": 200.0}
+
+
+def test_workload_mix_and_bodies_are_seeded_and_per_arm():
+    traffic = Traffic(urgent_share=0.2, deadline_ms=300)
+    a, b = make_workload(20, 10, traffic, seed=1), make_workload(20, 10, traffic, seed=1)
+    assert [(r.arrival_s, r.urgent, r.prompt) for r in a] == [(r.arrival_s, r.urgent, r.prompt) for r in b]
+    assert {len(r.prompt) for r in a if r.urgent} == {64} and {len(r.prompt) for r in a if not r.urgent} == {256}
+    # Another arm or rate: the same arrivals and classes, prompts that share no block with these.
+    other = make_workload(20, 10, traffic, seed=1, prompts_of="fcfs")
+    assert [(r.arrival_s, r.urgent) for r in other] == [(r.arrival_s, r.urgent) for r in a]
+    assert not {tuple(r.prompt[:16]) for r in a} & {tuple(r.prompt[:16]) for r in other}
+    assert {tuple(r.prompt[:16]) for r in make_workload(40, 10, traffic, seed=1)}.isdisjoint(
+        {tuple(r.prompt[:16]) for r in a})
+    urgent = next(r for r in a if r.urgent)
+    batch = next(r for r in a if not r.urgent)
+    assert (request_body("m", urgent, "deadline", traffic)["priority"],
+            request_body("m", urgent, "deadline", traffic)["ttft_deadline_ms"]) == (0, 300)
+    assert request_body("m", batch, "deadline", traffic)["priority"] == 1
+    assert "priority" not in request_body("m", urgent, "fcfs", traffic)
+    assert "ttft_deadline_ms" not in request_body("m", urgent, "fcfs", traffic)
+
+
+def test_summary_figures():
+    traffic = Traffic(deadline_ms=500)
+    outcomes = [Outcome(0, True, 0.0, 200, 0.2, 0.5, 4, 0.1), Outcome(1, True, 1.0, 200, 1.9, 2.0, 4, 0.5),
+                Outcome(2, True, 2.0, 429, None, 2.01), Outcome(3, False, 0.5, 200, 0.9, 4.5, 40, 0.3)]
+    s = summarize(outcomes, traffic)
+    assert (s["num_urgent"], s["num_batch"], s["num_refused"], s["num_failed"]) == (3, 1, 1, 0)
+    assert abs(s["urgent_within_deadline"] - 1 / 3) < 1e-12  # 0.2 s met, 0.9 s missed, one refused
+    assert abs(s["batch_output_tok_s"] - 40 / 4.0) < 1e-12
+    assert abs(s["refusal_latency_p50_s"] - 0.01) < 1e-9
+    errors = sorted([0.2 - 0.1, 0.9 - 0.5, 0.4 - 0.3])
+    assert abs(s["projection_error_p50_s"] - errors[1]) < 1e-9
+
+
+def test_deadlines_bench_on_two_cpu_backends(tmp_path):
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"cpu": RATES}))
+    out = tmp_path / "deadlines.json"
+    command = [sys.executable, "-m", "bench.deadlines", "--model", "tiny-llama-random", "--backends", "cpu,auto",
+               "--cpu-threads", "1", "--max-active", "2", "--rates", str(rates), "--loads", "4",
+               "--duration-s", "2", "--urgent-lengths", "16,4", "--batch-lengths", "64,16", "--urgent-share", "0.3",
+               "--deadline-ms", "2000", "--seed", "3", "--out", str(out)]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["arm"]: r["requests"] for r in report["runs"]}
+    assert sorted(runs) == ["deadline", "fcfs"]
+    assert [r["urgent"] for r in runs["deadline"]] == [r["urgent"] for r in runs["fcfs"]] != []
+    for arm, requests in runs.items():
+        for r in requests:
+            assert r["error"] is None or r["status"] == 429, r
+            assert r["status"] == 200 or (arm == "deadline" and r["urgent"] and r["status"] == 429), r
+            if r["status"] == 200:
+                assert r["num_output_tokens"] == (4 if r["urgent"] else 16)
+                assert r["projected_ttft_s"] is not None and r["projected_ttft_s"] > 0
+    summaries = {s["arm"]: s for s in report["summaries"]}
+    assert summaries["fcfs"]["num_refused"] == 0 and summaries["deadline"]["num_failed"] == 0
+    assert summaries["fcfs"]["batch_output_tok_s"] > 0
+    assert "urgent p95" in done.stdout and "proj err p95" in done.stdout

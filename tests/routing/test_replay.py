@@ -1,0 +1,71 @@
+"""`tandem route-sim --replay ROUTING_LOG` on a small recorded log (fixtures/routing-log.jsonl:
+written by the router actor under round-robin for two backends, cuda0 at 2551/293 tok/s and
+cpu0 at 73/45, 4 slots each; eight requests of 80 prompt tokens sharing a 64-token prefix and
+32 tokens of budget, and one refused for a 2 ms deadline; its timestamps set 50 ms apart)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.routing.errors import ConfigError
+from tandem.routing.replay import load_replay
+from tandem.routing.sim_cli import main
+from tandem.routing.simulator import simulate
+
+LOG = Path(__file__).parent / "fixtures" / "routing-log.jsonl"
+
+
+def test_the_log_becomes_the_scenario_it_served():
+    replay = load_replay(LOG)
+    scenario = replay.scenario
+    assert (replay.served_policy, replay.num_refused, replay.num_rerouted) == ("round-robin", 1, 0)
+    assert [r.req_id for r in scenario.requests] == [f"r{i}" for i in range(8)]
+    # The refused request's line (the 7th) is left out, not its time slot.
+    assert [round(r.arrival_s, 6) for r in scenario.requests] == [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.35, 0.4]
+    assert {(r.num_prompt_tokens, r.max_tokens, r.num_output_tokens, len(r.block_hashes))
+            for r in scenario.requests} == {(80, 32, 32, 5)}
+    assert len({r.block_hashes[:4] for r in scenario.requests}) == 1  # the shared 64-token prefix
+    assert scenario.block_size == 16
+    assert [(b.spec.backend_id, b.spec.rates.prefill_tok_s, b.spec.rates.decode_tok_s, b.spec.max_active)
+            for b in scenario.backends] == [("cuda0", 2551.0, 293.0, 4), ("cpu0", 73.0, 45.0, 4)]
+
+
+def test_replaying_the_served_policy_reproduces_its_placements():
+    logged = [json.loads(line) for line in LOG.read_text().splitlines()]
+    placed = [x["backend_id"] for x in logged if x["placed"]]
+    assert simulate(load_replay(LOG).scenario, "round-robin").assignment == placed
+
+
+def test_cli_reports_every_policy_the_oracle_and_the_served_policys_regret(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["--replay", str(LOG), "--no-decisions", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    summaries = {s["name"]: s for s in report["summaries"]}
+    assert set(summaries) == {"accelerator-only", "cost", "cpu-only", "round-robin", "random", "least-requests",
+                              "prefix-affinity", "oracle"}
+    assert report["oracle_method"] == "exhaustive over 256 assignments"
+    oracle, served = summaries["oracle"], summaries["round-robin"]
+    assert all(oracle["makespan_s"] <= s["makespan_s"] for s in summaries.values())
+    regret = report["replay"]
+    assert regret["served_policy"] == "round-robin" and regret["num_refused"] == 1
+    for field in ("ttft_p50_s", "ttft_p95_s", "makespan_s"):
+        assert regret[f"regret_{field}"] == pytest.approx(served[field] - oracle[field], abs=2e-6)
+    assert regret["regret_makespan_s"] > 0  # round-robin sent half the requests to the slow CPU
+    text = capsys.readouterr().out
+    assert '"type":"regret"' in text and "served by round-robin; regret vs the oracle: ttft_p50 +" in text
+
+
+def test_a_log_without_request_lengths_is_refused_with_the_reason(tmp_path):
+    old = tmp_path / "old.jsonl"
+    line = json.loads(LOG.read_text().splitlines()[0])
+    del line["num_prompt_tokens"], line["max_tokens"]
+    old.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ConfigError, match="old.jsonl:1: a routing-log line needs num_prompt_tokens, max_tokens"):
+        load_replay(old)
+    assert main(["--replay", str(old)]) == 2
+
+
+def test_a_scenario_or_a_replay_not_both(capsys):
+    assert main([]) == 2
+    assert "give a scenario file or --replay" in capsys.readouterr().err
