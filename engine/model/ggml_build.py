@@ -146,6 +146,8 @@ def build_ggml() -> Path:
     configure = ["cmake", "-S", str(tree), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
                  "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
                  "-DGGML_CCACHE=OFF"]
+    if shutil.which("make") is None and shutil.which("ninja"):  # the build backend's ninja wheel
+        configure += ["-G", "Ninja"]
     compile_ = ["cmake", "--build", str(out), "-j", str(os.cpu_count() or 2), "--target", "ggml-base", "ggml-cpu"]
     for cmd in (configure, compile_):
         done = subprocess.run(cmd, capture_output=True, text=True)
