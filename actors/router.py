@@ -8,9 +8,14 @@ and looks it up locally, so no backend round trip, slow or dead backend, sits in
 
 Backends come and go. A backend registers itself (`add_backend`) when it starts, and again
 after Ray restarts it. It is dropped at once when a caller reports that a call to it failed
-(`backend_failed`) or when a periodic ping fails; its queued requests then fail over at their
+(`backend_failed`) or when a periodic ping raises; its queued requests then fail over at their
 callers (see cluster/dispatch.py), which re-route them. Each registration carries a fresh
 `instance_id`, so a late failure report about the previous incarnation cannot drop the new one.
+A ping that merely times out is not a death: a busy host (another backend loading a model, the
+GCS catching up) can delay an answer by seconds. Only `HEALTH_CHECK_MISSES` timeouts in a row
+drop a backend, as Ray Serve's replica health check does, and a backend dropped that way keeps
+being pinged: when it answers again as the same instance it is asked to register again, since
+nothing else would bring an actor that never restarted back into routing.
 
 Placing a request has one verb: `place` returns the whole `Decision` (its record, the
 backend's handle) for tests and diagnostics, and `place_many` places a batch for the serving
@@ -55,6 +60,7 @@ from tandem.actors.metrics import ROUTER_METRICS, Recorder
 from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, InvalidRequestError
 
 PENDING_EXPORT_S = 0.05
+HEALTH_CHECK_MISSES = 3  # pings timed out in a row before a live-but-silent backend leaves routing
 
 logger = logging.getLogger("tandem.router")
 
@@ -111,6 +117,8 @@ class RouterActor:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
         self._health_task: asyncio.Task | None = None
+        self._misses: dict[str, int] = {}  # backend -> health checks timed out in a row
+        self._silent: dict[str, _Backend] = {}  # dropped for timeouts, still pinged (see the module doc)
         self._pending_export: asyncio.TimerHandle | None = None
         self._wire: wire.WireServer | None = None
 
@@ -124,6 +132,7 @@ class RouterActor:
             raise ValueError(f"backend {info.backend_id} registered without rates and none are known; "
                              "profile it (tandem profile) or pass a rates file")
         self.known_rates[info.backend_id] = rates
+        self._silent.pop(info.backend_id, None)
         if info.backend_id in self.backends:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
@@ -147,6 +156,7 @@ class RouterActor:
 
     def _drop(self, backend_id: str, reason: str) -> None:
         self.backends.pop(backend_id, None)
+        self._misses.pop(backend_id, None)
         removed = self.router.remove_backend(backend_id)
         for req_id in (*removed.queued, *removed.active):
             self.routed.pop(req_id, None)
@@ -388,16 +398,50 @@ class RouterActor:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_check_period_s)
-            for backend_id, backend in list(self.backends.items()):
-                try:
-                    instance_id = await asyncio.wait_for(_await_ref(backend.handle.ping.remote()),
-                                                         timeout=max(2.0, 5 * self.health_check_period_s))
-                except Exception as exc:  # died, restarting, or stuck: all mean "not routable now"
-                    await self.backend_failed(backend_id, backend.info.instance_id,
-                                              reason=f"health check failed: {type(exc).__name__}")
-                    continue
-                if instance_id != backend.info.instance_id:
-                    await self.backend_failed(backend_id, backend.info.instance_id, reason="restarted")
+            await asyncio.gather(*(self._check(backend_id, backend) for backend_id, backend in list(self.backends.items())),
+                                 *(self._recheck(backend_id, backend) for backend_id, backend in list(self._silent.items())))
+
+    async def _ping(self, backend: _Backend) -> str:
+        return await asyncio.wait_for(_await_ref(backend.handle.ping.remote()),
+                                      timeout=max(2.0, 5 * self.health_check_period_s))
+
+    async def _check(self, backend_id: str, backend: _Backend) -> None:
+        """One routable backend's ping: a raise drops it now, a run of timeouts drops it silent."""
+        try:
+            instance_id = await self._ping(backend)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            self._misses[backend_id] = misses = self._misses.get(backend_id, 0) + 1
+            if misses >= HEALTH_CHECK_MISSES and await self.backend_failed(
+                    backend_id, backend.info.instance_id, reason=f"{misses} health checks timed out"):
+                self._silent[backend_id] = backend
+            return
+        except Exception as exc:  # died or restarting: not routable now, and it re-registers if Ray restarts it
+            await self.backend_failed(backend_id, backend.info.instance_id,
+                                      reason=f"health check failed: {type(exc).__name__}")
+            return
+        self._misses.pop(backend_id, None)
+        if instance_id != backend.info.instance_id:
+            await self.backend_failed(backend_id, backend.info.instance_id, reason="restarted")
+
+    async def _recheck(self, backend_id: str, backend: _Backend) -> None:
+        """A backend dropped for timeouts: once it answers as the same instance, it registers
+        again (with the rates it had); any other answer means it is gone or re-registers itself."""
+        try:
+            instance_id = await self._ping(backend)
+        except asyncio.TimeoutError:
+            return
+        except Exception:
+            self._silent.pop(backend_id, None)
+            return
+        self._silent.pop(backend_id, None)
+        if instance_id == backend.info.instance_id and backend_id not in self.backends:
+            logger.warning("router: backend %s answers health checks again; asking it to re-register", backend_id)
+            try:
+                await asyncio.wait_for(_await_ref(backend.handle.register.remote(self.known_rates.get(backend_id))),
+                                       timeout=max(2.0, 5 * self.health_check_period_s))
+            except Exception:  # it stays out; a later ping that answers asks again
+                logger.warning("router: backend %s did not re-register", backend_id, exc_info=True)
+                self._silent.setdefault(backend_id, backend)
 
     async def ping(self) -> bool:
         return True

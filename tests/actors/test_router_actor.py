@@ -157,6 +157,43 @@ def test_health_check_drops_a_dead_backend(tmp_path):
     assert run(scenario()) == {"cpu0"}
 
 
+def test_slow_pings_drop_a_backend_only_in_a_row_and_it_rejoins_when_it_answers(tmp_path):
+    """A ping that times out is not a death: a backend stays routable through fewer than
+    HEALTH_CHECK_MISSES timeouts in a row, leaves routing at that many, and, being the same live
+    instance, is asked to register again once it answers (nothing else would bring it back)."""
+    from tandem.actors.router import HEALTH_CHECK_MISSES
+
+    async def scenario():
+        router = RouterActor("cost", None, health_check_period_s=0.01)  # pings time out after 2 s
+        gpu, cpu = FakeBackend("cuda0"), FakeBackend("cpu0")
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        stalled = asyncio.Event()
+        registered = []
+
+        async def slow_ping():
+            await stalled.wait()
+            return gpu.instance
+
+        async def register(rates):
+            registered.append(rates)
+            await router.add_backend(gpu.info("cuda"), gpu)
+
+        gpu.ping, gpu.register = _Method(slow_ping), _Method(register)
+        await asyncio.sleep(2.0 * (HEALTH_CHECK_MISSES - 1) + 0.5)  # fewer misses than the limit
+        kept = set(await router.list_backends())
+        await asyncio.sleep(2.5)
+        dropped = set(await router.list_backends())
+        stalled.set()
+        await asyncio.sleep(0.3)
+        return kept, dropped, set(await router.list_backends()), registered
+
+    kept, dropped, rejoined, registered = run(scenario())
+    assert kept == {"cuda0", "cpu0"}
+    assert dropped == {"cpu0"}
+    assert rejoined == {"cuda0", "cpu0"} and registered == [SPEC_RATES["cuda0"]]
+
+
 def pending_gauges(router: RouterActor) -> dict[str, float]:
     """backend -> the last value the router set on its pending-requests gauge."""
     return {dict(tags)["backend"]: value for (name, tags), value in router.metrics._gauges.items()
