@@ -103,10 +103,20 @@ def fetch_sources() -> Path:
             members = [m for m in archive.getmembers() if marker in m.name and (m.isfile() or m.isdir())]
             for member in members:
                 member.name = member.name.split(marker, 1)[1]
-            archive.extractall(staging, members=[m for m in members if m.name], filter="data")
+            members = [m for m in members if _inside(m.name)]
+            if hasattr(tarfile, "data_filter"):  # Python 3.12, 3.11.4 and later
+                archive.extractall(staging, members=members, filter="data")
+            else:  # plain files and folders under relative paths only, checked above
+                archive.extractall(staging, members=members)
         tree.parent.mkdir(parents=True, exist_ok=True)
         staging.replace(tree)
     return tree
+
+
+def _inside(name: str) -> bool:
+    """Whether an archive member's path stays inside the folder it is unpacked into."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
 
 
 def _download_sdist(folder: Path) -> Path:

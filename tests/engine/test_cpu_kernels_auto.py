@@ -111,9 +111,10 @@ def test_building_ggml_at_install_is_best_effort(tmp_path, monkeypatch):
                                                  "(RuntimeError: building ggml needs cmake and ")
 
 
-def test_build_backend_is_setuptools_plus_ggml():
+def test_build_backend_is_setuptools_plus_ggml(monkeypatch):
     """The in-tree build backend (pyproject's backend-path) answers every PEP 517 hook, setuptools' own
-    except that building a wheel (editable or not) builds ggml first."""
+    except that building a wheel (editable or not) builds ggml first and asks for the build tools
+    the machine lacks."""
     import importlib.util
     from pathlib import Path
 
@@ -123,8 +124,23 @@ def test_build_backend_is_setuptools_plus_ggml():
     spec = importlib.util.spec_from_file_location("tandem_build_under_test", path)
     backend = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(backend)
-    for hook in ("get_requires_for_build_wheel", "get_requires_for_build_editable", "prepare_metadata_for_build_wheel",
-                 "prepare_metadata_for_build_editable", "build_sdist", "get_requires_for_build_sdist"):
+    for hook in ("prepare_metadata_for_build_wheel", "prepare_metadata_for_build_editable", "build_sdist",
+                 "get_requires_for_build_sdist"):
         assert getattr(backend, hook) is getattr(build_meta, hook)
     assert backend.build_wheel is not build_meta.build_wheel
     assert backend.build_editable is not build_meta.build_editable
+    # Building a wheel also asks for the cmake (and ninja) wheels this machine lacks, and only those.
+    for hook in ("get_requires_for_build_wheel", "get_requires_for_build_editable"):
+        assert getattr(backend, hook)() == getattr(build_meta, hook)() + backend._build_tools()
+    monkeypatch.setattr(backend.shutil, "which", lambda tool: None)
+    assert backend._build_tools() == ["cmake>=3.21", "ninja"]
+    monkeypatch.setattr(backend.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    assert backend._build_tools() == []
+
+
+def test_only_relative_paths_inside_the_folder_are_unpacked_from_ggml_sources():
+    """Pythons before 3.11.4 have no tar extraction filter, so the unpacking checks paths itself."""
+    from tandem.engine.model.ggml_build import _inside
+
+    assert _inside("src/ggml.c") and _inside("include")
+    assert not any(_inside(name) for name in ("", "/etc/passwd", "../x", "src/../../x"))
