@@ -64,7 +64,7 @@ def is_built() -> bool:
 
 
 def missing_tools() -> list[str]:
-    """The build tools not on PATH (cmake, the C++ compiler)."""
+    """libggml's build tools not on PATH (cmake, the C++ compiler)."""
     return [tool for tool in ("cmake", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
 
 

@@ -28,6 +28,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import shutil
+import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,10 +70,21 @@ def unavailable() -> str | None:
         at_install = ggml_build.install_note()
         why = f"building it at install failed ({at_install})" if at_install else "it was not built at install"
         return f"ggml is not built on this machine: {why}; run `python -m tandem.engine.model.ggml_kernels build`"
-    missing = ggml_build.missing_tools()
+    missing = _missing_op_tools()
     if missing:
         return f"the ggml op library for torch {torch.__version__} is not built and {' and '.join(missing)} is not on PATH"
     return None
+
+
+def _missing_op_tools() -> list[str]:
+    """The op library's build tools not found: the C++ compiler, and ninja, which torch's
+    extension builder runs (a dependency of Tandem's, in the environment's scripts folder)."""
+    compiler = os.environ.get("CXX", "c++")
+    return [tool for tool, found in ((compiler, shutil.which(compiler)), ("ninja", _ninja())) if not found]
+
+
+def _ninja() -> str | None:
+    return shutil.which("ninja") or shutil.which("ninja", path=sysconfig.get_path("scripts"))
 
 
 def auto_kernels(config: EngineConfig) -> tuple[str, str]:
@@ -90,6 +104,10 @@ def auto_kernels(config: EngineConfig) -> tuple[str, str]:
     reason = unavailable()
     if reason:
         return "torch", f"eager: {reason}"
+    try:
+        load()  # builds the op library on a first start with this torch (once, about 35 s of CPU)
+    except Exception as exc:  # a failed build must not fail the engine: it runs eager and says why
+        return "torch", f"eager: the ggml op library could not be built ({type(exc).__name__}: {str(exc)[:300]})"
     return "ggml-graph", "ggml graph for decode, eager for prefill"
 
 
@@ -113,9 +131,12 @@ def build() -> Path:
 def _build_op_library(library: Path) -> None:
     from torch.utils import cpp_extension
 
-    missing = ggml_build.missing_tools()
+    missing = _missing_op_tools()
     if missing:
         raise RuntimeError(f"building the ggml op library needs {' and '.join(missing)} on PATH")
+    ninja_dir = os.path.dirname(_ninja())
+    if shutil.which("ninja") is None:  # the environment's own, not on PATH when it is not activated
+        os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     libs = ggml_build.libs_dir()
     op_dir = library.parent
     op_dir.mkdir(parents=True, exist_ok=True)

@@ -96,6 +96,33 @@ def test_auto_kernels_elsewhere(overrides, why):
     assert auto_kernels(config) == (expected, why)
 
 
+def test_auto_kernels_run_eager_where_the_op_library_cannot_be_built(monkeypatch):
+    """libggml is built but the op library that links it to this torch fails to build (no
+    compiler, no ninja, a compile error): the engine runs eager and says why, it does not fail."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model import ggml_kernels
+
+    def failing_load():
+        raise RuntimeError("building the ggml op library needs ninja on PATH")
+
+    monkeypatch.setattr(ggml_kernels, "unavailable", lambda: None)
+    monkeypatch.setattr(ggml_kernels, "load", failing_load)
+    assert ggml_kernels.auto_kernels(EngineConfig(model="tiny-llama-random")) == (
+        "torch", "eager: the ggml op library could not be built (RuntimeError: building the ggml op library "
+                 "needs ninja on PATH)")
+
+
+def test_the_op_library_needs_a_compiler_and_ninja_not_cmake(monkeypatch):
+    """cmake builds libggml only (at install); the op library needs the C++ compiler and ninja."""
+    from tandem.engine.model import ggml_kernels
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(ggml_kernels.shutil, "which", lambda tool, path=None: None)
+    assert ggml_kernels._missing_op_tools() == ["c++", "ninja"]
+    monkeypatch.setattr(ggml_kernels.shutil, "which", lambda tool, path=None: None if tool == "cmake" else tool)
+    assert ggml_kernels._missing_op_tools() == []
+
+
 def test_building_ggml_at_install_is_best_effort(tmp_path, monkeypatch):
     """Without cmake or a compiler on PATH the install-time build records why and returns; the
     engine's reason then names it."""
