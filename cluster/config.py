@@ -113,7 +113,8 @@ class TandemConfig(BaseModel):
     warmup_tokens: int = Field(default=48, ge=0)  # after start, all backends decode together (cluster/warmup.py)
     new_token_ratio: bool = False  # SGLang-style decaying discount of queued decode budgets
     # Engines that share one device are scored by their share of it (routing/device_share.py):
-    # waking an idle engine beside a busy one costs what it does. Off until it has run live.
+    # waking an idle engine beside a busy one costs what it does. Off by default (docs/routing.md:
+    # where it helps in replays and where it does not).
     device_shares: bool = False
     # Running requests per backend; None: by device (engine/memory.py: cpu 4, a GPU 256 split
     # among the engines that share it, mps 32).

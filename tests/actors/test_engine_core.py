@@ -8,9 +8,13 @@ and a failed step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import multiprocessing
 import os
 import random
+import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -229,26 +233,49 @@ def test_killing_the_core_closes_its_callers_wires_and_its_actor_exits(ray_local
     wait_until(actor_gone, "the actor to exit after its core died")
 
 
+@dataclasses.dataclass
+class InProcessCore:
+    """An engine core run in this process, one step per `loop_once()`: its pipe's other end
+    (`front`, what the actor would hold) and a caller connected to its wire, past the handshake
+    (`caller`, plus `token`, which the caller's first frame must start with)."""
+
+    engine_core: Any
+    front: Any
+    child: Any
+    caller: socket.socket
+    token: bytes
+
+    @classmethod
+    def start(cls) -> InProcessCore:
+        from tandem.actors import engine_core as core
+        from tandem.actors.messages import EngineCoreReady, decode
+
+        front, child = multiprocessing.Pipe()
+        engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
+        ready = decode(front.recv_bytes())
+        assert isinstance(ready, EngineCoreReady)
+        path, token = ready.wire_address
+        caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        caller.connect(path)
+        caller.settimeout(10)
+        return cls(engine_core, front, child, caller, token)
+
+    def close(self) -> None:
+        self.caller.close()
+        self.child.close()
+        self.front.close()
+
+
 def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_its_progress():
     """The front reports to the router at once on an idle message; without it a finished request's
     progress waited for the next step, and a sequential caller's next request was placed while
     the router still counted the last one as load. The request itself comes and goes on a
     channel of the core's own wire; the core pipe carries no tokens."""
-    import multiprocessing
-    import socket
-
-    from tandem.actors import engine_core as core
     from tandem.actors import wire
-    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreOutputs, EngineCoreReady,
-                                        EngineCoreRequest, decode)
+    from tandem.actors.messages import ChannelAdds, ChannelOpen, EngineCoreOutputs, EngineCoreRequest, decode
 
-    front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
-    ready = decode(front.recv_bytes())
-    assert isinstance(ready, EngineCoreReady)
-    path, token = ready.wire_address
-    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    caller.connect(path)
+    core = InProcessCore.start()
+    engine_core, front, caller, token = core.engine_core, core.front, core.caller, core.token
     caller.sendall(token + wire.frame(ChannelOpen("ch")) + wire.frame(ChannelAdds([EngineCoreRequest(
         "r0", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), time.time())])))
     messages = []
@@ -265,7 +292,6 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
     statuses = [p.status for m in messages[:last_step + 2] for p in m.progress if p.req_id == "r0"]
     assert statuses[-1] == "finished"
     # The tokens went to the caller: its admission first (with the first token), then the rest.
-    caller.settimeout(10)
     stream = caller.makefile("rb")
     items = []
     while not (items and getattr(items[-1], "finished", False)):
@@ -273,32 +299,19 @@ def test_the_step_that_empties_the_engine_is_followed_by_an_idle_message_with_it
         items.extend(decode(stream.read(size)).items)
     assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == 4
     assert sum(len(o.new_token_ids) for o in items[0].outputs + items[1:]) == 3
-    caller.close()
-    child.close()
-    front.close()
+    core.close()
 
 
 def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
     """A step that raises fails every request on the channels with the step's error (and frees
     them in the engine); the actor hears `EngineCoreFailed` for its log; the next request is
     served as usual."""
-    import multiprocessing
-    import socket
-
-    from tandem.actors import engine_core as core
     from tandem.actors import wire
-    from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreReady,
-                                        EngineCoreRequest, Refusal, decode)
+    from tandem.actors.messages import ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreRequest, Refusal, decode
     from tandem.engine.errors import BackendError
 
-    front, child = multiprocessing.Pipe()
-    engine_core = core.EngineCore(child, "b", dict(ENGINE), os.getppid())  # in-process: its "front" is ours
-    ready = decode(front.recv_bytes())
-    assert isinstance(ready, EngineCoreReady)
-    path, token = ready.wire_address
-    caller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    caller.connect(path)
-    caller.settimeout(10)
+    core = InProcessCore.start()
+    engine_core, front, caller, token = core.engine_core, core.front, core.caller, core.token
     stream = caller.makefile("rb")
 
     def read_items(until) -> list:
@@ -340,6 +353,4 @@ def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
         engine_core.loop_once()
     items = read_items(lambda items: items and getattr(items[-1], "finished", False))
     assert isinstance(items[0], Admitted) and items[-1].finish_reason == "length"
-    caller.close()
-    child.close()
-    front.close()
+    core.close()
