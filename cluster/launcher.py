@@ -418,8 +418,9 @@ def _profile_key(info: Any, plan: BackendPlan, device_names: dict[str, str]) -> 
     from tandem.cluster.profile import profile_key
 
     name = device_names.get(info.node_id, "") if info.device_kind == "cuda" else ""
+    kernels = info.cpu_kernels or plan.cpu_kernels  # a cpu backend's, `auto` resolved by its engine
     return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name,
-                       cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels)
 
 
 def _gpu_models() -> dict[str, str]:

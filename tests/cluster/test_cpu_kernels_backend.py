@@ -136,6 +136,30 @@ def test_tandem_profile_keys_a_ggml_backend_apart():
     assert _plan_key(config, plan, None) == profile_key("tiny-llama-random", "cpu", "int4", 1, 4, cpu_kernels="ggml")
 
 
+def test_the_default_kernels_are_keyed_by_what_they_resolve_to_alike_by_profile_and_serve():
+    """`auto` is keyed by the kernels it runs on this machine (ggml-graph where ggml is built,
+    torch where not), by `tandem profile` (from the plan) and `tandem serve` (from the engine's
+    BackendInfo) alike, so one's measurement is the other's cache hit."""
+    import dataclasses
+
+    from tandem.actors.messages import BackendInfo
+    from tandem.cluster.launcher import _profile_key
+    from tandem.cluster.profile_cli import _plan_key
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_kernels import auto_kernels
+
+    config = serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1")
+    plan = plan_backends(config, num_gpus=0, mps_available=False)[0]
+    resolved, _ = auto_kernels(EngineConfig(model="tiny-llama-random", device="cpu"))
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1, 4, cpu_kernels=resolved)
+    assert plan.cpu_kernels == "auto" and _plan_key(config, plan, None) == key
+    info = BackendInfo("cpu0", "i1", "cpu", "cpu", "cpu", "float32", 1, 4, 16, "tiny-llama-random", 2048,
+                       cpu_kernels=resolved)
+    assert _profile_key(info, plan, {}) == key
+    ggml_graph = _profile_key(dataclasses.replace(info, cpu_kernels="ggml-graph"), plan, {})
+    assert "|float32-ggml-graph|" in ggml_graph  # what an explicit --cpu-kernels ggml-graph is keyed by too
+
+
 def test_the_start_log_says_why_a_first_start_is_slow():
     from tandem.cluster.launcher import _cpu_notes
 
