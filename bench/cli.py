@@ -175,10 +175,11 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
                              "--cpu-compile); the first cluster start compiles for a while, later ones load the "
                              "cache, and the profile step measures the compiled rates. It lost to eager decode on "
                              "a 14-thread Xeon in our measurements")
-    parser.add_argument("--cpu-kernels", default="torch", choices=CPU_KERNELS,
-                        help="whose kernels run the cpu backends' int8/int4 linears (with --cpu-dtype int8/int4; "
-                             "tandem serve --cpu-kernels): torch (default), or ggml, llama.cpp's own quantized dot "
-                             "products, built once from llama-cpp-python's sources (about a minute on two cores), "
+    parser.add_argument("--cpu-kernels", default="auto", choices=CPU_KERNELS,
+                        help="whose kernels run the cpu backends (tandem serve --cpu-kernels): auto (default: "
+                             "float32 decode steps through ggml's graph where ggml is built, the rest eager), torch, "
+                             "or ggml (with --cpu-dtype int8/int4), llama.cpp's own quantized dot "
+                             "products, built when Tandem is installed (about a minute on two cores), "
                              "faster per decode row on AVX2 CPUs; or ggml-graph (int8, int4 or float32), each decode "
                              "step run as one ggml graph; the profile step measures their rates")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")

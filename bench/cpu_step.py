@@ -231,7 +231,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.pack_hint is not None:  # the row count oneDNN lays packed weights out for
         cpu_linear.BATCH_HINT = args.pack_hint
-    engine = make_engine(args.model, "cpu", args.batch, args.dtype, args.threads, pack_cpu_weights=not args.no_pack)
+    # PyTorch's kernels throughout: the breakdown splits the eager forward into its parts (the
+    # default runs decode steps as one ggml graph, which bench.cpu_vs_llamacpp measures).
+    engine = make_engine(args.model, "cpu", args.batch, args.dtype, args.threads, pack_cpu_weights=not args.no_pack,
+                         cpu_kernels="torch")
     prefill = engine_prefill(engine, 3, seed=3, device="cpu")  # alone, before the batch starts decoding
     report = {"model": args.model, "threads": args.threads, "dtype": args.dtype, "batch": args.batch,
               "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),

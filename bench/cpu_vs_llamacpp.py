@@ -27,7 +27,8 @@ The `-compiled` modes (int4-compiled, ...) decode through torch.compile'd graphs
 (`EngineConfig.cpu_compile`; the first run compiles them, later ones load inductor's on-disk
 cache; the JSON records the seconds under `compile_s`). Two other uses: `--rates` measures the
 router's rate profile of each mode (what `tandem profile` caches), `--steps` the decode step
-time of eager against compiled at batch 1-8, interleaved in one process.
+time of eager against compiled at batch 1-8, interleaved in one process. `--rates` also
+interleaves its modes, all loaded in one process, over `--rounds` rounds.
 
 OpenMP's wait policy is left to the environment, which llama.cpp's processes inherit too. On a
 quiet machine libgomp's default (spin a while, then sleep) is fastest for both; on one whose cores
@@ -55,10 +56,11 @@ from pathlib import Path
 from bench._machine import machine_info
 
 # A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
-# "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile).
+# "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile), "-auto" the
+# default kernels; a mode without a suffix is PyTorch's kernels alone (cpu_kernels torch).
 TANDEM_MODES = ("float32", "bfloat16", "int8", "int4", "float32-compiled", "bfloat16-compiled", "int8-compiled",
                 "int4-compiled", "int8-ggml", "int4-ggml", "int8-ggml-compiled", "int4-ggml-compiled",
-                "float32-ggml-graph", "int8-ggml-graph", "int4-ggml-graph")
+                "float32-ggml-graph", "int8-ggml-graph", "int4-ggml-graph", "float32-auto")
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_1")
 MATCHED = {"float32": "F32", "bfloat16": "F32", "int8": "Q8_0", "int4": "Q4_1"}
 
@@ -68,6 +70,8 @@ def mode_parts(mode: str) -> tuple[str, str, bool]:
     kernels "ggml-graph"."""
     dtype, *flags = mode.split("-")
     kernels = ("ggml-graph" if "graph" in flags else "ggml") if "ggml" in flags else "torch"
+    if "auto" in flags:  # the default kernels (EngineConfig.cpu_kernels): what runs depends on ggml's build
+        kernels = "auto"
     return dtype, kernels, "compiled" in flags
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
@@ -301,31 +305,38 @@ def paired_ratios(rounds: list[dict]) -> dict:
 
 def collect_rates(args) -> dict:
     """The router's rate profile of each Tandem mode (what `tandem profile` measures and caches:
-    prefill tok/s and decode tok/s by batch size, engine/profiler.py), one engine at a time."""
-    import gc
-
+    prefill tok/s and decode tok/s by batch size, engine/profiler.py). All modes' engines are
+    loaded at once and measured in `--rounds` alternating rounds (the order reversed every other
+    round), so that a shared machine's drift hits every mode; each mode's rates are the medians
+    over the rounds, `rounds` keeps each round's."""
     import torch
 
     from tandem.cluster.profile import rate_fields
     from tandem.engine.profiler import measure_rates
 
     torch.set_num_threads(args.threads)
+    runners = {mode: TandemRunner(args.model, mode, args.threads) for mode in args.tandem_modes}
+    by_round: dict[str, list[dict]] = {mode: [] for mode in runners}
+    for i in range(args.rounds):
+        for mode in (args.tandem_modes if i % 2 == 0 else args.tandem_modes[::-1]):
+            entry = measure_rates(runners[mode].engine, args.rates_max_active, repeats=1)
+            by_round[mode].append(dict(rate_fields(entry), load_avg=load_avg()))
+            print(f"round {i + 1} rates {mode}: {by_round[mode][-1]}", flush=True)
     rates = {}
-    for mode in args.tandem_modes:
-        runner = TandemRunner(args.model, mode, args.threads)
-        entry = measure_rates(runner.engine, args.rates_max_active)
-        rates[mode] = dict(rate_fields(entry), spread=entry["spread"], load_avg=load_avg(),
-                           compile_s=runner.compile_s)
-        print(f"rates {mode}: {rates[mode]}", flush=True)
-        del runner
-        gc.collect()
+    for mode, rounds in by_round.items():
+        batches = rounds[0]["decode_tok_s_by_batch"]
+        decode = {b: statistics.median(r["decode_tok_s_by_batch"][b] for r in rounds) for b in batches}
+        rates[mode] = {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds),
+                       "decode_tok_s": decode[min(decode)], "decode_tok_s_by_batch": decode, "rounds": rounds,
+                       "compile_s": runners[mode].compile_s}
     return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "max_active": args.rates_max_active,
             "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "rates": rates}
 
 
 def render_rates(result: dict) -> str:
-    batches = range(1, result["max_active"] + 1)
+    # The batch sizes the profiler measured (engine/profiler.py: 1, 2, 4, ... and max_active).
+    batches = sorted({int(b) for r in result["rates"].values() for b in r["decode_tok_s_by_batch"]})
     lines = [f"| mode | prefill tok/s | {' | '.join(f'decode tok/s, batch {b}' for b in batches)} |",
              "|---|---|" + "---|" * len(batches)]
     for mode, r in result["rates"].items():

@@ -110,7 +110,7 @@ def init_ray(log_to_driver: bool = False) -> None:
 
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
                    num_kv_blocks: int | None = None, cpu_compile: bool = False,
-                   cpu_kernels: str = "torch") -> Layout:
+                   cpu_kernels: str = "auto") -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
     device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default). Every
     backend that resolved to the cpu, `auto` included, gets `cpu_dtype`, `cpu_compile` and
@@ -130,7 +130,7 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
                  "dtype": cpu_dtype if p.device == "cpu" else "auto",
                  **({"cpu_compile": True} if cpu_compile and p.device == "cpu" else {}),
-                 **({"cpu_kernels": cpu_kernels} if cpu_kernels != "torch" and p.device == "cpu" else {}),
+                 **({"cpu_kernels": cpu_kernels} if cpu_kernels != "auto" and p.device == "cpu" else {}),
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
@@ -246,7 +246,7 @@ class BenchCluster:
 
 def _dtype_suffix(backend: dict[str, Any]) -> str:
     """What the dtype alone leaves out, as the profile key spells it (`int4-ggml-compiled`)."""
-    kernels = backend.get("cpu_kernels", "torch")
+    kernels = backend.get("cpu_kernels", "auto" if backend.get("device") == "cpu" else "torch")
     return ("" if kernels == "torch" else f"-{kernels}") + ("-compiled" if backend.get("cpu_compile") else "")
 
 
@@ -387,7 +387,7 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
             time_budget_s: float | None, verbose: bool, command: str,
             num_kv_blocks: int | None = None, cpu_compile: bool = False,
-            cpu_kernels: str = "torch") -> BenchContext:
+            cpu_kernels: str = "auto") -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ Example file::
       - device: cpu
         threads: 1
         cpu_compile: false  # cpu: decode through torch.compile'd graphs (opt-in; measure first)
-        cpu_kernels: torch  # cpu, dtype int8/int4: torch, ggml (llama.cpp's dot products) or ggml-graph (decode steps as ggml graphs)
+        cpu_kernels: auto  # cpu: auto (float32: ggml graph for decode where built, eager prefill), torch, ggml (int8/int4) or ggml-graph
       - device: auto        # cuda, else mps, else a second cpu backend
         count: all          # one per free GPU (cuda: 2 is two cuda backends, sharing a GPU if there is one)
         # max_active: 128         # None: by device (cpu 4, a GPU 256 split among its engines)
@@ -68,9 +68,9 @@ class BackendConfig(BaseModel):
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
     # Opt-in: it helps on some CPUs and hurts badly on others, so it is measured, not assumed.
     cpu_compile: bool = False
-    # cpu backends with dtype int8/int4 only: whose kernels run the quantized linears, PyTorch's or
-    # ggml's (llama.cpp's own dot products, engine/model/ggml_kernels.py; faster per decode row on AVX2).
-    cpu_kernels: Literal["torch", "ggml", "ggml-graph"] = "torch"  # engine/config.py's CPU_KERNELS
+    # cpu backends: whose kernels run them (engine/config.py's CPU_KERNELS): auto (float32 decode steps
+    # through ggml's graph where ggml is built, the rest eager), PyTorch's, or ggml's (llama.cpp's).
+    cpu_kernels: Literal["auto", "torch", "ggml", "ggml-graph"] = "auto"
 
     @model_validator(mode="after")
     def _count_fits_device(self) -> BackendConfig:
@@ -91,7 +91,7 @@ class BackendConfig(BaseModel):
 
     def _check_cpu_kernels(self) -> None:
         """Caught here rather than in the backend actor, where a bad pair fails only once Ray runs it."""
-        if self.cpu_kernels == "torch":
+        if self.cpu_kernels in ("auto", "torch"):
             return
         if self.device != "cpu":
             raise ValueError(f"cpu_kernels {self.cpu_kernels} (llama.cpp's quantized dot products) is for cpu "
@@ -127,7 +127,7 @@ class TandemConfig(BaseModel):
     # --cpu-dtype, --cpu-kernels, --cpu-compile: every backend that runs on the cpu, `auto` resolved
     # to the cpu included, over the backend's own setting; None: each backend's own (cluster/plan.py).
     cpu_dtype: Literal["auto", "float32", "bfloat16", "int8", "int4"] | None = None
-    cpu_kernels: Literal["torch", "ggml", "ggml-graph"] | None = None
+    cpu_kernels: Literal["auto", "torch", "ggml", "ggml-graph"] | None = None
     cpu_compile: bool | None = None
     seed: int = 0
 

@@ -348,7 +348,7 @@ def _cpu_notes(plan: BackendPlan) -> str:
     """What makes a cpu backend's first start slow, so a long wait in the log has its reason."""
     notes = ""
     if plan.cpu_kernels in GGML_KERNELS:
-        notes += ", ggml kernels (the first start builds ggml's kernels, about a minute)"
+        notes += ", ggml kernels (a first start on a new torch builds their op library, about a minute)"
     if plan.cpu_compile:
         notes += ", compiled decode (the first start compiles it)"
     return notes
@@ -418,8 +418,9 @@ def _profile_key(info: Any, plan: BackendPlan, device_names: dict[str, str]) -> 
     from tandem.cluster.profile import profile_key
 
     name = device_names.get(info.node_id, "") if info.device_kind == "cuda" else ""
+    kernels = info.cpu_kernels or plan.cpu_kernels  # a cpu backend's, `auto` resolved by its engine
     return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name,
-                       cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels)
 
 
 def _gpu_models() -> dict[str, str]:

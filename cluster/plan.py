@@ -54,7 +54,7 @@ class BackendPlan:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     cpu_compile: bool = False  # cpu: decode through torch.compile'd graphs (EngineConfig.cpu_compile)
-    cpu_kernels: str = "torch"  # cpu int8/int4: torch or ggml kernels (EngineConfig.cpu_kernels)
+    cpu_kernels: str = "auto"  # cpu: whose kernels (EngineConfig.cpu_kernels)
     engines_per_gpu: int = 1  # cuda: how many engines share this backend's GPU
     gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
 

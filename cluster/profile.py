@@ -47,9 +47,12 @@ def profile_key(model: str, device_kind: str, dtype: str, threads: int, max_acti
                 device_name: str = "", cpu_compile: bool = False, cpu_kernels: str = "torch") -> str:
     """A compiled CPU decode (`cpu_compile`) is keyed apart from the eager one (`int4-compiled`
     beside `int4`), and ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
-    each runs at its own speed, which differs by machine and batch size."""
+    each runs at its own speed, which differs by machine and batch size. Callers pass the kernels a
+    cpu backend actually runs, the default `auto` resolved on its machine (`float32-ggml-graph`
+    where ggml is built, plain `float32` where not): the rates are those kernels'. Other devices
+    have no cpu kernels."""
     device = f"{device_kind}:{device_name}" if device_name else device_kind
-    if cpu_kernels != "torch":
+    if cpu_kernels != "torch" and device_kind == "cpu":
         dtype = f"{dtype}-{cpu_kernels}"
     if cpu_compile:
         dtype = f"{dtype}-compiled"

@@ -11,6 +11,7 @@ go into the profile cache that `tandem serve` consults on start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 
@@ -78,8 +79,13 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
         import torch
 
         name = gpu_model(torch.cuda.get_device_name(cuda_index))
+    kernels = plan.cpu_kernels
+    if plan.device == "cpu":  # what `auto` runs here, as the backend's engine resolves it
+        from tandem.engine.model.ggml_kernels import auto_kernels
+
+        kernels = auto_kernels(dataclasses.replace(engine_config, cpu_compile=plan.cpu_compile))[0]
     return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name,
-                       cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels)
 
 
 def _load_engine(config, plan, cuda_index: int):

@@ -79,7 +79,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     cpu.add_argument("--cpu-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"), metavar="DTYPE",
                      help="float32 (default), bfloat16, int8 or int4 (weight-only quantized), auto")
     cpu.add_argument("--cpu-kernels", choices=CPU_KERNELS, metavar="KIND",
-                     help="whose kernels: torch (default), ggml (int8/int4) or ggml-graph")
+                     help="whose kernels: auto (default: ggml graph for float32 decode where built), torch, "
+                          "ggml (int8/int4) or ggml-graph")
     cpu.add_argument("--cpu-compile", action="store_true", default=None,
                      help="decode through torch.compile'd graphs (opt-in, measure first; default off)")
     advanced = parser.add_argument_group("advanced")

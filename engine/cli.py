@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, opt-in: decode through torch.compile'd graphs (needs a C++ compiler; the "
                              "first run compiles, later runs load the cache). Faster on some CPUs, much slower on "
                              "others: measure first")
-    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="torch",
-                        help="cpu with --dtype int8/int4: whose kernels run the quantized linears. ggml: "
+    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                        help="cpu: whose kernels. auto: float32 decode steps through ggml's graph where ggml "
+                             "was built at install, the rest eager. With --dtype int8/int4, ggml: "
                              "llama.cpp's own (built once from llama-cpp-python's sources; GGUF blocks used as "
                              "they are), faster per decode row on AVX2 CPUs. "
                              "ggml-graph (int8, int4 or float32): ggml's linears, and each decode step run as "

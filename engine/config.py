@@ -26,9 +26,12 @@ DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 # Weight-only quantized dtypes (cpu): int8 / int4 weights; bfloat16 activations on PyTorch's kernels
 # (engine/model/quant.py), float32 on ggml's (engine/model/ggml_kernels.py).
 QUANTIZED_DTYPES = ("int8", "int4")
-# Whose kernels run the quantized linears: PyTorch's, or ggml's (llama.cpp's); "ggml-graph" also runs
-# each decode step as one ggml graph (engine/model/ggml_decode.py), for float32 weights too.
-CPU_KERNELS = ("torch", "ggml", "ggml-graph")
+# Whose kernels run a cpu engine: PyTorch's, or ggml's (llama.cpp's) for the quantized linears;
+# "ggml-graph" also runs each decode step as one ggml graph (engine/model/ggml_decode.py), for float32
+# weights too. "auto" (the default) is ggml-graph for float32 weights when ggml is built on this
+# machine, else torch: decode steps through ggml's graph, prefill and mixed steps through PyTorch's
+# packed float32 linears, the fastest path of each at the same precision (ggml_kernels.auto_kernels).
+CPU_KERNELS = ("auto", "torch", "ggml", "ggml-graph")
 GGML_KERNELS = ("ggml", "ggml-graph")
 
 
@@ -82,7 +85,7 @@ class EngineConfig:
     # A waiting request older than this is admitted as if it were of the most urgent class, so
     # urgent traffic delays batch work by at most about this long (engine/scheduler.py).
     max_priority_wait_s: float = 5.0
-    cpu_kernels: str = "torch"  # int8/int4 linears: torch (PyTorch's) | ggml (llama.cpp's; engine/model/ggml_kernels.py)
+    cpu_kernels: str = "auto"  # auto | torch (PyTorch's) | ggml | ggml-graph (llama.cpp's; CPU_KERNELS above)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):

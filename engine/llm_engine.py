@@ -90,9 +90,23 @@ class _Tracked:
     sampling_row: SamplingRow
 
 
+def _resolved(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with `cpu_kernels="auto"` resolved to what runs here (ggml_kernels.auto_kernels), said
+    in one start-up line: a reader of the log learns which kernels run and why."""
+    if cfg.cpu_kernels != "auto":
+        return cfg
+    from tandem.engine.model.ggml_kernels import auto_kernels
+
+    kernels, why = auto_kernels(cfg)
+    if cfg.device_type == "cpu":
+        # warning: shown under Python's default log level, once per engine
+        logger.warning("cpu engine: %s, kernels auto (%s)", cfg.dtype if cfg.dtype != "auto" else "float32", why)
+    return replace(cfg, cpu_kernels=kernels)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        self.config = config or EngineConfig(**overrides)
+        self.config = _resolved(config or EngineConfig(**overrides))
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)

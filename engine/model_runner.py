@@ -104,24 +104,32 @@ class ModelRunner:
         if self.attention_backend == "triton":
             self._enable_fast_path(max_num_seqs, max_model_len, enforce_eager, max_num_batched_tokens)
         elif device.type == "cpu" and pack_cpu_weights:
-            from tandem.engine.model.cpu_layers import fuse_cpu_model
-            from tandem.engine.model.cpu_linear import pack_model
+            self._prepare_cpu_model(block_size, max_num_seqs, cpu_compile, ggml_graph)
 
-            if not ggml_graph:  # the graph reads plain rows: ggml's blocks, or float32 weights as they are
-                self.num_packed_linears = pack_model(self.model)
-            fuse_cpu_model(self.model)  # few-call layers (engine/model/cpu_layers.py)
-            if cpu_compile:
-                from tandem.engine.model.cpu_compile import CompiledCPUDecode
+    def _prepare_cpu_model(self, block_size: int, max_num_seqs: int, cpu_compile: bool, ggml_graph: bool) -> None:
+        """Packed linears and few-call layers for eager steps; decode steps through compiled graphs
+        or ggml graphs where asked."""
+        from tandem.engine.model.cpu_layers import fuse_cpu_model
+        from tandem.engine.model.cpu_linear import pack_model
 
-                self.cpu_decode = CompiledCPUDecode(self.model, self.kv_caches, block_size)
-                self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
-            elif ggml_graph:
-                from tandem.engine.model.ggml_decode import GGMLGraphDecode, float_rows
-                from tandem.engine.model.huge_pages import move_to_huge_pages
+        graph_rows = None
+        if ggml_graph:
+            from tandem.engine.model.ggml_decode import GraphRows
+            from tandem.engine.model.huge_pages import move_to_huge_pages
 
-                float_rows(self.model)  # a float32 model's linears (quantized ones are ggml's already)
-                move_to_huge_pages(self.model)  # the steps stream every weight (engine/model/huge_pages.py)
-                self.cpu_decode = GGMLGraphDecode(self.model, self.kv_caches, block_size)
+            move_to_huge_pages(self.model)  # the graph's steps stream every weight (engine/model/huge_pages.py)
+            graph_rows = GraphRows.of(self.model)  # plain rows, before packing replaces the linears
+        self.num_packed_linears = pack_model(self.model)
+        fuse_cpu_model(self.model)  # few-call layers (engine/model/cpu_layers.py)
+        if cpu_compile:
+            from tandem.engine.model.cpu_compile import CompiledCPUDecode
+
+            self.cpu_decode = CompiledCPUDecode(self.model, self.kv_caches, block_size)
+            self.cpu_decode.warm_up((1, 2) if max_num_seqs > 1 else (1,))
+        elif ggml_graph:
+            from tandem.engine.model.ggml_decode import GGMLGraphDecode
+
+            self.cpu_decode = GGMLGraphDecode(self.model, self.kv_caches, block_size, rows=graph_rows)
 
     def _enable_fast_path(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
                           max_num_batched_tokens: int) -> None:

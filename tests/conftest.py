@@ -92,6 +92,7 @@ def build_ggml_or_skip() -> None:
     from tandem.engine.model import ggml_kernels
 
     try:
+        ggml_kernels.build()  # explicitly: an engine's start never builds ggml itself
         ggml_kernels.load()
     except Exception as exc:
         pytest.skip(f"ggml's kernels could not be built here: {str(exc)[:300]}")

@@ -21,7 +21,9 @@ It covers decode steps only (one token per request, any number of requests); pre
 steps keep the eager few-op layers. It takes a model whose projections and head are ggml rows
 (`GGMLLinear`'s quantized blocks, or `FloatRows`, a float32 model's weights as they are, which
 ggml reads as its F32 type, llama.cpp's F32 GGUF) and whose KV caches are float32; `supports`
-says whether a model qualifies, `float_rows` readies a float32 model.
+says whether a model qualifies. A float32 model's eager layers run packed copies of its weights
+while the graph reads the plain ones (`GraphRows`), so each kind of step runs on its fastest
+kernels; this is what a cpu engine runs by default where ggml is built (`cpu_kernels="auto"`).
 """
 
 from __future__ import annotations
@@ -67,27 +69,40 @@ class FloatRows(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-def float_rows(model: nn.Module) -> int:
-    """Make a fused (`fuse_cpu_model`) float32 model's projections and head `FloatRows`, sharing
-    the weights' memory (a tied head reads the embedding matrix); returns how many."""
-    count = 0
-    for layer in model.model.layers:
-        for name in _PROJECTIONS:
-            linear = getattr(layer, name)
-            if isinstance(linear, nn.Linear):
-                setattr(layer, name, FloatRows(linear.weight, linear.bias))
-                count += 1
-    if model.logits_proj is None:
-        model.logits_proj = FloatRows(model.output_weight(), None)
-        count += 1
-    return count
+class GraphRows(nn.Module):
+    """The weights the graph reads as ggml rows, by layer (`layers[i][name]`) and the head.
+
+    A float32 model's eager steps (prefill, mixed) run its linears as oneDNN-packed copies
+    (engine/model/cpu_linear.py), faster than `F.linear` on the plain weights at prefill's many
+    rows, and ggml cannot read that layout. So the graph keeps the plain float32 rows here, taken
+    before packing: the linears' weights are held twice, the price of running prefill and decode
+    each on its fastest kernels (a tied head reads the embedding, no copy). Quantized projections
+    (`GGMLLinear`) are ggml's rows already and are shared with the eager layers."""
+
+    def __init__(self, layers: list[dict[str, nn.Module]], head: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict(layer) for layer in layers)
+        self.head = head
+
+    @classmethod
+    def of(cls, model: nn.Module) -> GraphRows:
+        """The rows of a model whose linears are `nn.Linear` (float32) or ggml's, fused or not."""
+        def rows(linear: nn.Module) -> nn.Module:
+            return FloatRows(linear.weight, linear.bias) if isinstance(linear, nn.Linear) else linear
+
+        layers = [{name: rows(getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name))
+                   for name in _PROJECTIONS} for layer in model.model.layers]
+        head = model.logits_proj if model.logits_proj is not None else FloatRows(model.output_weight(), None)
+        return cls(layers, head)
 
 
-def supports(model: nn.Module, kv_caches: list[torch.Tensor]) -> bool:
-    """Whether every projection and the head are ggml rows, and the embedding and caches float32."""
-    layers = model.model.layers
-    return (_on_ggml(model.logits_proj)
-            and all(_on_ggml(getattr(layer, name, None)) for layer in layers for name in _PROJECTIONS)
+def supports(model: nn.Module, kv_caches: list[torch.Tensor], rows: GraphRows | None = None) -> bool:
+    """Whether every projection and the head are ggml rows (`rows`, else the fused model's own
+    modules), and the embedding and caches float32."""
+    layers = rows.layers if rows is not None else [
+        {name: getattr(layer, name, None) for name in _PROJECTIONS} for layer in model.model.layers]
+    head = rows.head if rows is not None else model.logits_proj
+    return (_on_ggml(head) and all(_on_ggml(layer[name]) for layer in layers for name in _PROJECTIONS)
             and model.model.embed_tokens.weight.dtype == torch.float32
             and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches))
 
@@ -97,27 +112,29 @@ class GGMLGraphDecode:
     interface as `CompiledCPUDecode` (`inputs`, then a call), so the runner drives either."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 attention_chunks: int = 0, repack: bool = True) -> None:
-        """`attention_chunks`: pieces each (request, K/V head)'s context is cut into across threads
+                 attention_chunks: int = 0, repack: bool = True, rows: GraphRows | None = None) -> None:
+        """`rows`: the projections and head the graph reads (None: the fused model's own modules).
+        `attention_chunks`: pieces each (request, K/V head)'s context is cut into across threads
         (0: chosen per step from the batch, the threads and the context; see ggml_decode.cpp).
         `repack`: quantized weights that have a faster layout of ggml's on this CPU (AMX tiles on
         Xeons with AMX, interleaved Q4_0 rows on AVX2; llama.cpp's `--repack`, on by default there
         too) are copied into it for the graph, which then holds them twice (eager prefill steps
         keep reading the originals); `repacked` says how many linears were."""
-        if not supports(model, kv_caches):
+        if not supports(model, kv_caches, rows):
             raise ValueError("the ggml graph decode needs every projection and the head as ggml rows "
                              "(GGMLLinear or FloatRows), a float32 embedding and float32 KV caches")
         load()
         config = model.config
         inner = model.model
         tensors, biases, types = [], [], []
-        for layer in inner.layers:
-            qkv, o, gate_up, down = (getattr(layer, name) for name in _PROJECTIONS)
+        for i, layer in enumerate(inner.layers):
+            qkv, o, gate_up, down = (rows.layers[i][name] if rows is not None else getattr(layer, name)
+                                     for name in _PROJECTIONS)
             tensors += [layer.input_layernorm.weight, qkv.blocks, o.blocks, layer.post_attention_layernorm.weight,
                         gate_up.blocks, down.blocks]
             biases += [linear.bias for linear in (qkv, o, gate_up, down)]
             types += [linear.ggml_type for linear in (qkv, o, gate_up, down)]
-        head = model.logits_proj
+        head = rows.head if rows is not None else model.logits_proj
         tensors += [inner.norm.weight, head.blocks, inner.embed_tokens.weight]
         biases.append(head.bias)
         types.append(head.ggml_type)
@@ -127,6 +144,7 @@ class GGMLGraphDecode:
         floats = [float(layer.input_layernorm.eps), float(config.rope_theta), float(layer.scale)]
         self._id = torch.ops.tandem_ggml.decoder_new(tensors, biases, types, kv_caches, dims, floats)
         self._keep = (tensors, kv_caches)  # the graph reads these tensors' memory
+        self.rows = rows  # None: the model's own modules
         self.repacked = torch.ops.tandem_ggml.decoder_repacked(self._id)
         if self.repacked:
             logger.info("ggml graph decode: %d linears in ggml's repacked layouts", self.repacked)

@@ -14,13 +14,13 @@ other tensors, and other sources, are quantized by ggml's own `ggml_quantize_chu
 Q4_1 and `int8` Q8_0; the output projection is Q8_0 (or the GGUF's own type), as llama.cpp runs
 it. The rest of the model runs in float32: ggml's kernels take float32 rows.
 
-ggml is not on PyPI as a binary, so it is built here, once, from the sources vendored in
-llama-cpp-python's sdist (the version `LLAMA_CPP_PYTHON` pins; about a minute on two cores with
-`-march=native`), plus `ggml_linear.cpp`, which registers `torch.ops.tandem_ggml.linear` (a
-dispatcher op, so compiled graphs call it like any aten op). All of it lives under Tandem's cache
-directory, keyed by torch version and CPU, and `python -m tandem.engine.model.ggml_kernels build`
-does it ahead of time. `$TANDEM_GGML_SOURCE` names an unpacked llama.cpp (or ggml) tree to
-build from instead of downloading the sdist.
+libggml is built when Tandem is installed, or by `python -m tandem.engine.model.ggml_kernels build`
+(engine/model/ggml_build.py), never while an engine starts. What an engine may build at start is
+the small op library against the torch in use: `ggml_linear.cpp`, which registers
+`torch.ops.tandem_ggml.linear` (a dispatcher op, so compiled graphs call it like any aten op), and
+`ggml_decode.cpp` (engine/model/ggml_decode.py), compiled once per torch version beside libggml,
+in under a minute where a compiler is present. `unavailable()` says whether the ops can be had
+without building ggml, and why not, which is what the default kernels (`"auto"`) ask.
 """
 
 from __future__ import annotations
@@ -29,25 +29,24 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
+import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from tandem.engine.config import cache_root
+from tandem.engine.model import ggml_build
 from tandem.engine.model.file_lock import file_lock
 from tandem.engine.model.quant import gguf_projection_shards, replace_linears
 
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml_type values (the same numbers as GGUF's tensor types)
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}  # weights per block, bytes per block
@@ -56,115 +55,111 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in ("ggml_linear.cpp", 
 
 
 # -- building and loading ----------------------------------------------------------------------
-def _machine_key() -> str:
-    """torch version and CPU: the build uses -march=native, so it belongs to this CPU."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-    return f"torch{torch.__version__.split('+')[0]}-{digest}"
-
-
-def build_dir() -> Path:
-    return cache_root() / "ggml" / _machine_key()
-
-
 def _op_library() -> Path:
-    """The op library, rebuilt (seconds) whenever its sources change; ggml itself is kept."""
+    """The op library for this torch and these sources, beside the libggml it links."""
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:10]
-    return build_dir() / f"op-{digest}" / "tandem_ggml.so"
+    return ggml_build.ggml_dir() / f"op-torch{torch.__version__.split('+')[0]}-{digest}" / "tandem_ggml.so"
 
 
-def _ggml_tree() -> Path:
-    """The ggml sources: `$TANDEM_GGML_SOURCE` (a llama.cpp or ggml tree), else those of the sdist
-    unpacked under the cache directory, downloaded with pip the first time."""
-    explicit = os.environ.get("TANDEM_GGML_SOURCE")
-    if explicit:
-        root = Path(explicit).expanduser()
-        tree = root / "ggml" if (root / "ggml" / "CMakeLists.txt").is_file() else root
-        if not (tree / "CMakeLists.txt").is_file():
-            raise FileNotFoundError(f"TANDEM_GGML_SOURCE={explicit} holds no ggml/CMakeLists.txt")
-        return tree
-    tree = cache_root() / "ggml" / "src" / LLAMA_CPP_PYTHON.replace("==", "-") / "ggml"
-    if not (tree / "CMakeLists.txt").is_file():
-        _unpack_sdist(tree)
-    return tree
+def unavailable() -> str | None:
+    """None when the ops can be loaded now (the op library is built, or libggml is and a compiler can
+    build the op library in this process); else why not, in words a user can act on."""
+    if _op_library().is_file():
+        return None
+    if not ggml_build.is_built():
+        at_install = ggml_build.install_note()
+        why = f"building it at install failed ({at_install})" if at_install else "it was not built at install"
+        return f"ggml is not built on this machine: {why}; run `python -m tandem.engine.model.ggml_kernels build`"
+    missing = _missing_op_tools()
+    if missing:
+        return f"the ggml op library for torch {torch.__version__} is not built and {' and '.join(missing)} is not on PATH"
+    return None
 
 
-def _unpack_sdist(tree: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        logger.info("downloading %s's sources for ggml", LLAMA_CPP_PYTHON)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        LLAMA_CPP_PYTHON, "-d", tmp], check=True, capture_output=True)
-        sdist = next(Path(tmp).glob("*.tar.gz"))
-        marker = "/vendor/llama.cpp/ggml/"
-        staging = tree.with_name(tree.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        with tarfile.open(sdist) as archive:
-            members = [m for m in archive.getmembers() if marker in m.name and (m.isfile() or m.isdir())]
-            for member in members:
-                member.name = member.name.split(marker, 1)[1]
-            archive.extractall(staging, members=[m for m in members if m.name], filter="data")
-        staging.replace(tree)
+def _missing_op_tools() -> list[str]:
+    """The op library's build tools not found: the C++ compiler, and ninja, which torch's
+    extension builder runs (a dependency of Tandem's, in the environment's scripts folder)."""
+    compiler = os.environ.get("CXX", "c++")
+    return [tool for tool, found in ((compiler, shutil.which(compiler)), ("ninja", _ninja())) if not found]
 
 
-def _build_ggml(tree: Path, out: Path) -> Path:
-    """libggml-base and libggml-cpu (shared, -march=native, OpenMP) under `out`; their folder."""
-    pc = tree / "ggml.pc.in"
-    if not pc.exists():  # the sdist leaves out the pkg-config template that configuring expects
-        pc.write_text("")
-    jobs = str(os.cpu_count() or 2)
-    configure = ["cmake", "-S", str(tree), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
-                 "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF",
-                 "-DGGML_CCACHE=OFF"]
-    for cmd in (configure, ["cmake", "--build", str(out), "-j", jobs, "--target", "ggml-base", "ggml-cpu"]):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building ggml failed ({' '.join(cmd[:2])}): {done.stdout[-1500:]}{done.stderr[-1500:]}")
-    return out / "src"
+def _ninja() -> str | None:
+    return shutil.which("ninja") or shutil.which("ninja", path=sysconfig.get_path("scripts"))
+
+
+def auto_kernels(config: EngineConfig) -> tuple[str, str]:
+    """What `cpu_kernels="auto"` runs for `config` on this machine, and why, in words for the
+    start-up log: ("ggml-graph", ...) for a cpu engine with float32 weights where ggml is built,
+    else ("torch", why not). Other choices are returned as they are."""
+    if config.cpu_kernels != "auto":
+        return config.cpu_kernels, "as configured"
+    if config.device_type != "cpu":
+        return "torch", f"device {config.device}"
+    if config.dtype not in ("auto", "float32"):
+        return "torch", f"eager: ggml's graph runs {config.dtype} only when asked (cpu_kernels ggml-graph)"
+    if config.cpu_compile:
+        return "torch", "eager: cpu_compile decodes through compiled graphs"
+    if not config.pack_cpu_weights:
+        return "torch", "eager: pack_cpu_weights is off"
+    reason = unavailable()
+    if reason:
+        return "torch", f"eager: {reason}"
+    try:
+        load()  # builds the op library on a first start with this torch (once, about 35 s of CPU)
+    except Exception as exc:  # a failed build must not fail the engine: it runs eager and says why
+        return "torch", f"eager: the ggml op library could not be built ({type(exc).__name__}: {str(exc)[:300]})"
+    return "ggml-graph", "ggml graph for decode, eager for prefill"
 
 
 def build() -> Path:
-    """Build ggml and the op library if they are not built yet; returns the op library's path.
-    Under a file lock: several backends (or test workers) starting at once build it once."""
+    """Build ggml (fetching its sources) and the op library where missing; returns the op library's
+    path. The explicit way to get ggml's kernels (`main`, tests). Under a file lock: several
+    processes starting at once build it once."""
     library = _op_library()
     if library.is_file():
         return library
-    for tool in ("cmake", os.environ.get("CXX", "c++")):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"building ggml's kernels needs {tool} on PATH")
-    build_dir().mkdir(parents=True, exist_ok=True)
-    with file_lock(build_dir() / ".build.lock"):
+    ggml_build.ggml_dir().mkdir(parents=True, exist_ok=True)
+    with file_lock(ggml_build.ggml_dir() / ".build.lock"):
+        if not ggml_build.is_built():
+            logger.info("building ggml's CPU kernels (about a minute, once)")
+            ggml_build.build_ggml()
         if not library.is_file():  # another process may have built it while this one waited
-            _build_locked(library)
+            _build_op_library(library)
     return library
 
 
-def _build_locked(library: Path) -> None:
+def _build_op_library(library: Path) -> None:
     from torch.utils import cpp_extension
 
-    tree = _ggml_tree()
-    libs = build_dir() / "ggml" / "src"
-    if not (libs / "libggml-cpu.so").is_file():
-        logger.info("building ggml's CPU kernels from %s (about a minute, once)", tree)
-        libs = _build_ggml(tree, build_dir() / "ggml")
+    missing = _missing_op_tools()
+    if missing:
+        raise RuntimeError(f"building the ggml op library needs {' and '.join(missing)} on PATH")
+    ninja_dir = os.path.dirname(_ninja())
+    if shutil.which("ninja") is None:  # the environment's own, not on PATH when it is not activated
+        os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    libs = ggml_build.libs_dir()
     op_dir = library.parent
     op_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="tandem_ggml", sources=[str(source) for source in _SOURCES], extra_include_paths=[str(tree / "include")],
+    logger.info("building the ggml op library for torch %s (once per torch version)", torch.__version__)
+    cpp_extension.load(name="tandem_ggml", sources=[str(source) for source in _SOURCES],
+                       extra_include_paths=[str(ggml_build.include_dir())],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # like ggml: this machine's build
                        extra_ldflags=[f"-L{libs}", "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-fopenmp"],
                        build_directory=str(op_dir), is_python_module=False, verbose=False)
 
 
 @functools.cache
-def load(build_if_missing: bool = True) -> bool:
-    """Load the op library (building it first where allowed and missing); True when the ops are there."""
+def load() -> bool:
+    """Load the ops, building the op library first where it is missing (libggml must be built:
+    at install, or by `build`); raises RuntimeError saying how to get ggml otherwise."""
     library = _op_library()
     if not library.is_file():
-        if not build_if_missing:
-            return False
-        build()
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(reason)
+        with file_lock(ggml_build.ggml_dir() / ".build.lock"):
+            if not library.is_file():
+                _build_op_library(library)
     if not hasattr(torch.ops.tandem_ggml, "linear"):  # a build in this process has loaded it already
         torch.ops.load_library(str(library))
 
@@ -270,14 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tandem.engine.model.ggml_kernels",
-                                     description="Build ggml's CPU kernels for EngineConfig(cpu_kernels='ggml') "
-                                                 "ahead of time (downloads llama-cpp-python's sdist unless "
-                                                 "$TANDEM_GGML_SOURCE names a llama.cpp tree).")
+                                     description="Build ggml's CPU kernels (EngineConfig.cpu_kernels) now, "
+                                                 "where installing did not (downloads llama-cpp-python's sdist "
+                                                 "unless $TANDEM_GGML_SOURCE names a llama.cpp tree).")
     parser.add_argument("command", choices=("build", "where"), help="build: build now; where: print the build folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "where":
-        print(build_dir())
+        print(ggml_build.ggml_dir())
         return
     print(build())
     load()

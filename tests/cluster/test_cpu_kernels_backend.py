@@ -1,6 +1,7 @@
 """`cpu_kernels` reaches a cluster's cpu backends: the YAML backend key, `tandem serve
 --cpu-kernels`, `tandem bench --cpu-kernels` and `cluster.start(...)`, rejected on a backend that
 is not a cpu or whose weights are not int8/int4; ggml's rates are cached under a key of their own.
+`auto`, the default, suits every backend (engine/config.py resolves it where the engine runs).
 
 Nothing here starts Ray, loads a model or builds ggml (the engine's tests run the kernels).
 """
@@ -21,7 +22,7 @@ def test_the_yaml_backend_key_reaches_the_plan(tmp_path):
     path = tmp_path / "tandem.yaml"
     path.write_text("backends:\n  - device: cpu\n    dtype: int4\n    cpu_kernels: ggml\n  - device: cpu\n")
     plans = plan_backends(TandemConfig.from_yaml(path), num_gpus=0, mps_available=False, num_cores=4)
-    assert [p.cpu_kernels for p in plans] == ["ggml", "torch"]
+    assert [p.cpu_kernels for p in plans] == ["ggml", "auto"]
 
 
 @pytest.mark.parametrize("device", ["cuda", "mps", "auto"])
@@ -49,9 +50,10 @@ def test_the_ggml_graph_takes_float32_too_but_not_bfloat16_nor_the_compiled_deco
                                               "cpu_compile": True}]})
 
 
-def test_torch_kernels_suit_every_backend_and_other_names_are_refused():
-    config = TandemConfig.validated({"backends": [{"device": "cuda", "cpu_kernels": "torch"}, {"device": "cpu"}]})
-    assert [b.cpu_kernels for b in config.backends] == ["torch", "torch"]
+def test_torch_and_auto_kernels_suit_every_backend_and_other_names_are_refused():
+    config = TandemConfig.validated({"backends": [{"device": "cuda", "cpu_kernels": "torch"}, {"device": "cpu"},
+                                                  {"device": "auto"}]})
+    assert [b.cpu_kernels for b in config.backends] == ["torch", "auto", "auto"]
     with pytest.raises(ConfigError, match="cpu_kernels"):
         TandemConfig.validated({"backends": [{"device": "cpu", "dtype": "int4", "cpu_kernels": "llamafile"}]})
 
@@ -64,8 +66,8 @@ def planned(config, num_gpus: int = 1) -> list[tuple[str, str, str]]:
 
 def test_the_serve_flag_sets_every_cpu_backend_and_keeps_the_dtype():
     config = serve_config("--backends", "cpu,cuda,cpu", "--cpu-kernels", "ggml", "--cpu-dtype", "int4")
-    assert planned(config) == [("cpu", "int4", "ggml"), ("cuda", "auto", "torch"), ("cpu", "int4", "ggml")]
-    assert planned(serve_config("--backends", "cpu")) == [("cpu", "auto", "torch")]
+    assert planned(config) == [("cpu", "int4", "ggml"), ("cuda", "auto", "auto"), ("cpu", "int4", "ggml")]
+    assert planned(serve_config("--backends", "cpu")) == [("cpu", "auto", "auto")]
 
 
 def test_the_serve_flag_sets_auto_when_it_resolves_to_the_cpu():
@@ -73,7 +75,7 @@ def test_the_serve_flag_sets_auto_when_it_resolves_to_the_cpu():
     a GPU: the second cpu backend that `auto` became runs as the first does."""
     config = serve_config("--cpu-dtype", "int4", "--cpu-kernels", "ggml-graph")
     assert planned(config, num_gpus=0) == [("cpu", "int4", "ggml-graph")] * 2
-    assert planned(config, num_gpus=1) == [("cpu", "int4", "ggml-graph"), ("cuda", "auto", "torch")]
+    assert planned(config, num_gpus=1) == [("cpu", "int4", "ggml-graph"), ("cuda", "auto", "auto")]
 
 
 def test_the_serve_flag_overrides_the_config_file_and_leaves_it_when_unset(tmp_path):
@@ -134,12 +136,36 @@ def test_tandem_profile_keys_a_ggml_backend_apart():
     assert _plan_key(config, plan, None) == profile_key("tiny-llama-random", "cpu", "int4", 1, 4, cpu_kernels="ggml")
 
 
+def test_the_default_kernels_are_keyed_by_what_they_resolve_to_alike_by_profile_and_serve():
+    """`auto` is keyed by the kernels it runs on this machine (ggml-graph where ggml is built,
+    torch where not), by `tandem profile` (from the plan) and `tandem serve` (from the engine's
+    BackendInfo) alike, so one's measurement is the other's cache hit."""
+    import dataclasses
+
+    from tandem.actors.messages import BackendInfo
+    from tandem.cluster.launcher import _profile_key
+    from tandem.cluster.profile_cli import _plan_key
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_kernels import auto_kernels
+
+    config = serve_config("--model", "tiny-llama-random", "--backends", "cpu", "--cpu-threads", "1")
+    plan = plan_backends(config, num_gpus=0, mps_available=False)[0]
+    resolved, _ = auto_kernels(EngineConfig(model="tiny-llama-random", device="cpu"))
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1, 4, cpu_kernels=resolved)
+    assert plan.cpu_kernels == "auto" and _plan_key(config, plan, None) == key
+    info = BackendInfo("cpu0", "i1", "cpu", "cpu", "cpu", "float32", 1, 4, 16, "tiny-llama-random", 2048,
+                       cpu_kernels=resolved)
+    assert _profile_key(info, plan, {}) == key
+    ggml_graph = _profile_key(dataclasses.replace(info, cpu_kernels="ggml-graph"), plan, {})
+    assert "|float32-ggml-graph|" in ggml_graph  # what an explicit --cpu-kernels ggml-graph is keyed by too
+
+
 def test_the_start_log_says_why_a_first_start_is_slow():
     from tandem.cluster.launcher import _cpu_notes
 
     config = serve_config("--backends", "cpu,cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
     ggml, _ = plan_backends(config, num_gpus=0, mps_available=False, num_cores=4)
-    assert "builds ggml's kernels" in _cpu_notes(ggml)
+    assert "builds their op library" in _cpu_notes(ggml)
     torch_plan = plan_backends(serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
     assert _cpu_notes(torch_plan) == ""
 
@@ -152,6 +178,6 @@ def test_bench_takes_the_kernels_flag():
     add_arguments(parser)
     args = parser.parse_args(["seed", "--out", "x", "--cpu-dtype", "int4", "--cpu-kernels", "ggml", "--cpu-compile"])
     assert (args.cpu_dtype, args.cpu_kernels, args.cpu_compile) == ("int4", "ggml", True)
-    assert parser.parse_args(["seed", "--out", "x"]).cpu_kernels == "torch"
+    assert parser.parse_args(["seed", "--out", "x"]).cpu_kernels == "auto"
     assert _dtype_suffix({"cpu_kernels": "ggml", "cpu_compile": True}) == "-ggml-compiled"
     assert _dtype_suffix({"device": "cuda"}) == ""

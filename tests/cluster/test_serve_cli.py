@@ -29,6 +29,7 @@ ALARMING = ("Token authentication", "core_worker.cc", "will not be applied", "Tr
 def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("TANDEM_CACHE_DIR", None)  # it would win over XDG_CACHE_HOME
     command = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--port", str(port), "--metrics-port", str(free_port()),
                "--routing-log", str(tmp_path / "routing.jsonl")]

@@ -137,21 +137,28 @@ def test_smollm2_int4_on_the_ggml_graph_answers_as_eager():
 
 @pytest.mark.parametrize("model", ["tiny-llama-random", "tiny-qwen2-random"])
 def test_float32_engine_on_the_ggml_graph_decodes_as_eager(model):
-    """float32 weights read as ggml F32 rows, in place (no copy, a tied head reads the embedding):
-    the same arithmetic as the eager float32 engine up to rounding, so the same greedy tokens."""
+    """float32: eager steps run oneDNN-packed copies of the linears, the graph reads the plain
+    weights as ggml F32 rows (a tied head reads the embedding itself, no copy): the same arithmetic
+    as the eager float32 engine up to rounding, so the same greedy tokens."""
     build_ggml_or_skip()
     from tandem.engine.config import EngineConfig
+    from tandem.engine.model.cpu_linear import PackedLinear, available
     from tandem.engine.model.ggml_decode import FloatRows, GGMLGraphDecode
 
     prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(3)]
     engine, graph_out = greedy_tokens(EngineConfig(model=model, dtype="float32", cpu_kernels="ggml-graph",
                                                    max_active=4), prompts, 10)
-    model_ = engine.model_runner.model
-    assert isinstance(engine.model_runner.cpu_decode, GGMLGraphDecode)
-    assert isinstance(model_.model.layers[0].qkv_proj, FloatRows) and isinstance(model_.logits_proj, FloatRows)
+    model_, decode = engine.model_runner.model, engine.model_runner.cpu_decode
+    assert isinstance(decode, GGMLGraphDecode)
+    rows = decode.rows
+    assert all(isinstance(layer[name], FloatRows) for layer in rows.layers for name in layer)
+    assert isinstance(rows.head, FloatRows)
+    if available(torch.float32):
+        assert isinstance(model_.model.layers[0].qkv_proj, PackedLinear)
     if model_.lm_head is None:  # tied: the head's rows are the embedding matrix itself
-        assert model_.logits_proj.weight.data_ptr() == model_.model.embed_tokens.weight.data_ptr()
-    _, eager_out = greedy_tokens(EngineConfig(model=model, dtype="float32", max_active=4), prompts, 10)
+        assert rows.head.weight.data_ptr() == model_.model.embed_tokens.weight.data_ptr()
+    _, eager_out = greedy_tokens(EngineConfig(model=model, dtype="float32", cpu_kernels="torch", max_active=4),
+                                 prompts, 10)
     assert graph_out == eager_out
 
 
