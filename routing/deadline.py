@@ -15,6 +15,14 @@ finish first, so it takes that share of the decode work ahead, `k / ahead x` its
 (the ledger's decode term over the same requests, new_token_ratio applied). Both terms use the
 rates the score uses, so calibration corrects them alike.
 
+A slot the ledger sees free while requests are queued is being filled. The engine admits
+waiting requests into a free slot at the start of its next step, but the backend reports the
+admission with that step's progress, after the step: during a long prefill step the ledger
+still counts the request it admitted as queued, and a new request that arrives then finds the
+slot taken. So the oldest queued requests of less urgent classes, in the engine's admission
+order, take the free slots that the queued requests ahead of the new one leave (`filling_work`),
+and their prefill and decode are ahead of it too.
+
 The engine's starvation bound also puts work ahead: a less urgent request that has waited
 longer than the backend's `max_priority_wait_s` takes turns with the more urgent waiting
 requests (engine/scheduler.py), so a new request waits behind up to one aged request per
@@ -52,14 +60,22 @@ def projected_ttft_s(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_
     """Seconds until a new request of class `priority`, arriving at `now_s` (the clock of the
     ledger's `arrival_s`; None: aging ignored), gets its first token on this backend."""
     ahead = ledger.work_ahead(priority)
+    num_queued_ahead = ahead.num_requests - ledger.num_active
+    num_free = spec.max_active - ledger.num_active - num_queued_ahead
+    num_queued_below = ledger.num_queued - num_queued_ahead
+    filling = WorkAhead()
+    if num_free > 0 and num_queued_below > 0:
+        filling = ledger.filling_work(priority, min(num_free, num_queued_below))
+    ahead = ahead + filling
     projected = _projection(spec, rates, new_token_ratio, ahead, num_uncached_tokens)
     if spec.max_priority_wait_s is None or now_s is None:
         return projected
     # Aged requests and more urgent ones take turns, an aged one first at worst: one per
     # request queued ahead at this class or a more urgent one, plus one.
-    num_turns = ahead.num_requests - ledger.num_active + 1
+    num_turns = num_queued_ahead + 1
     for _ in range(AGING_PASSES):
-        aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s, num_turns)
+        aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s, num_turns,
+                                skip=filling.num_requests)
         widened = _projection(spec, rates, new_token_ratio, ahead + aged, num_uncached_tokens)
         if widened <= projected:
             break

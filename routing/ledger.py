@@ -110,21 +110,35 @@ class Ledger:
                 ahead.num_decode_tokens -= queued.num_decode_tokens
         return ahead
 
-    def aged_work(self, priority: int, cutoff_s: float, limit: int) -> WorkAhead:
+    def aged_work(self, priority: int, cutoff_s: float, limit: int, skip: int = 0) -> WorkAhead:
         """The oldest `limit` queued requests of less urgent classes than `priority` routed at
-        or before `cutoff_s`: those a starvation bound will have let take turns with a new
-        request by the time `cutoff_s` plus the bound has passed. O(queued requests), and
-        nothing at all without less urgent ones."""
+        or before `cutoff_s`, after the `skip` oldest of those classes (already counted as
+        taking free slots, `filling_work`): those a starvation bound will have let take turns
+        with a new request by the time `cutoff_s` plus the bound has passed. O(queued
+        requests), and nothing at all without less urgent ones."""
         aged = WorkAhead()
         if not any(p > priority for p in self.queued_by_priority):
             return aged
         for entry in self.entries.values():  # routing order: oldest first
             if aged.num_requests >= limit:
                 break
-            if (entry.status == QUEUED and entry.priority > priority and entry.arrival_s is not None
-                    and entry.arrival_s <= cutoff_s):
+            if entry.status != QUEUED or entry.priority <= priority:
+                continue
+            if skip:
+                skip -= 1
+            elif entry.arrival_s is not None and entry.arrival_s <= cutoff_s:
                 aged.add(entry, +1)
         return aged
+
+    def filling_work(self, priority: int, limit: int) -> WorkAhead:
+        """The first `limit` queued requests of less urgent classes than `priority` in the
+        engine's admission order (class, then routing order): those that take slots the ledger
+        sees free before a new request gets there. O(queued requests)."""
+        below = [e for e in self.entries.values() if e.status == QUEUED and e.priority > priority]
+        filling = WorkAhead()
+        for entry in sorted(below, key=lambda e: e.priority)[:limit]:  # stable: routing order within a class
+            filling.add(entry, +1)
+        return filling
 
     def add_queued(self, entry: LedgerEntry) -> None:
         if entry.req_id in self.entries:

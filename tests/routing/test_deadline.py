@@ -118,11 +118,43 @@ def test_decision_record_logs_the_class_deadline_and_projection():
     assert data["per_backend"]["g"]["projected_ttft_s"] == 0.5
 
 
+def active(router: Router, name: str, prompt: int = 500, budget: int = 101) -> None:
+    """Route `name` and report it admitted, prefilled and one token in: 100 tokens of budget left."""
+    router.route(RouteRequest(name, prompt, budget, arrival_s=0.0))
+    router.on_progress("g", [ProgressEvent(name, "admitted"), ProgressEvent(name, "prefill", prompt),
+                             ProgressEvent(name, "generated", 1)])
+
+
+def test_a_slot_seen_free_with_less_urgent_work_queued_is_being_filled():
+    """The engine fills a free slot from its queue at its next step and reports it after that
+    step, so a new urgent request finds the slot taken: the oldest less urgent queued requests,
+    most urgent class first, take the free slots the queued requests ahead of it leave."""
+    router = Router([g_spec()])
+    active(router, "a1")
+    router.route(req(1, prompt=700, priority=2))
+    router.route(req(2, prompt=300, priority=1))
+    # One slot free, two batch requests queued: r2 (class 1 before class 2) takes it, its 300
+    # tokens prefill first, and then both slots are taken: one of the two must finish first.
+    assert router.score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx((300 + 100) / 1000 + 2.0 * 1 / 2)
+    # An urgent request queued ahead takes the free slot instead; no batch work comes before.
+    router.route(req(0, prompt=100))
+    assert router.score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx((100 + 100) / 1000 + 2.0 * 1 / 2)
+
+
+def test_free_slots_with_nothing_queued_are_free():
+    router = Router([g_spec()])
+    active(router, "a1")
+    assert router.score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx(0.1)
+
+
 def aging_router(bound: float | None = 5.0) -> Router:
-    """Backend g with a 5 s starvation bound and two batch requests queued, routed at t=0 and t=0.5."""
+    """Backend g with a 5 s starvation bound, both slots taken by requests decoding (100 tokens of
+    budget left each), and two batch requests queued behind them, routed at t=0 and t=0.5."""
     spec = g_spec()
     spec.max_priority_wait_s = bound
     router = Router([spec])
+    active(router, "a1")
+    active(router, "a2")
     router.route(req(1, priority=1, arrival_s=0.0))
     router.route(req(2, priority=1, arrival_s=0.5))
     return router
@@ -130,47 +162,50 @@ def aging_router(bound: float | None = 5.0) -> Router:
 
 def test_an_aged_batch_request_takes_its_turn_ahead_of_an_urgent_one():
     router = aging_router()
-    # At t=1 neither batch request ages before the urgent one's 0.1 s: its own prefill only.
-    assert router.score(req(3, prompt=100, arrival_s=1.0))[0].projected_ttft_s == pytest.approx(0.1)
-    # At t=6 both have aged; they take turns with urgent work, so one of them goes first.
-    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(0.6)
+    # At t=1 neither batch request ages within the urgent one's 1.1 s: its own prefill and the
+    # first of the two decoding requests to finish (half of their 2 s).
+    assert router.score(req(3, prompt=100, arrival_s=1.0))[0].projected_ttft_s == pytest.approx(0.1 + 1.0)
+    # At t=6 both have aged; they take turns with urgent work, so one of them goes first: its
+    # prefill, and two of the three ahead must finish (2/3 of their 3 s of decode).
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(0.6 + 2.0)
 
 
 def test_an_urgent_request_waits_for_one_aged_turn_per_urgent_request_ahead():
     router = aging_router()
     router.route(req(0, prompt=100, arrival_s=5.9))  # urgent, queued
-    # r0, then both aged requests (one turn each for r0 and r3): 3 ahead with 1100 prefill
-    # tokens, both slots taken, so 2 of 3 must finish: 2/3 of their 3 s of decode.
-    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.2 + 2.0)
+    # r0, then both aged requests (one turn each for r0 and r3): 5 ahead with 1100 prefill
+    # tokens, both slots taken, so 4 of 5 must finish: 4/5 of their 5 s of decode.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.2 + 4.0)
 
 
 def test_aging_is_projected_until_no_more_work_joins():
     router = aging_router()
-    router.route(req(0, prompt=100, arrival_s=4.9))  # urgent, queued: two aged turns
-    # At t=4.95: r0's 0.2 s puts r1 (routed at 0) past the bound; 1.7 s with it (one pass would
-    # stop there) puts r2 (routed at 0.5) past too.
-    assert router.score(req(3, prompt=100, arrival_s=4.95))[0].projected_ttft_s == pytest.approx(1.2 + 2.0)
-    # At t=4.7 not even r1 ages within the 0.2 s.
-    assert router.score(req(3, prompt=100, arrival_s=4.7))[0].projected_ttft_s == pytest.approx(0.2)
+    router.route(req(0, prompt=100, arrival_s=2.6))  # urgent, queued: two aged turns
+    # At t=3: the 2.2 s without aging (r0's prefill and its own, 2/3 of 3 s) put r1 (routed at
+    # 0) past the bound; the 3.7 s with it (one pass would stop there) put r2 (routed at 0.5) past too.
+    assert router.score(req(3, prompt=100, arrival_s=3.0))[0].projected_ttft_s == pytest.approx(1.2 + 4.0)
+    # At t=2.7 not even r1 ages within the 2.2 s.
+    assert router.score(req(3, prompt=100, arrival_s=2.7))[0].projected_ttft_s == pytest.approx(0.2 + 2.0)
 
 
 def test_aging_is_ignored_without_a_bound_or_an_arrival_time():
     assert aging_router(bound=None).score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s \
-        == pytest.approx(0.1)
-    assert aging_router().score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx(0.1)
+        == pytest.approx(1.1)
+    assert aging_router().score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx(1.1)
 
 
 def test_aged_work_is_already_ahead_of_its_own_class():
-    # A batch request counts both queued batch requests whatever their age, and no more.
+    # A batch request counts both queued batch requests whatever their age, and no more: 4 ahead,
+    # 3 of which must finish (3/4 of their 4 s of decode).
     batch = aging_router().score(req(3, prompt=100, priority=1, arrival_s=6.0))[0]
-    assert batch.projected_ttft_s == pytest.approx(1.1 + 1.0)
+    assert batch.projected_ttft_s == pytest.approx(1.1 + 3.0)
 
 
 def test_a_refusal_behind_an_aged_turn_waits_for_it():
     router = aging_router()
     with pytest.raises(DeadlineUnmetError) as info:
         router.route(req(3, prompt=100, arrival_s=6.0, ttft_deadline_s=0.5))
-    assert info.value.retry_after_s == pytest.approx(0.6 - 0.5)
+    assert info.value.retry_after_s == pytest.approx(2.6 - 0.5)
 
 
 def test_starvation_bound_must_not_be_negative():
