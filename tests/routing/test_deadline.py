@@ -194,6 +194,20 @@ def test_aging_is_ignored_without_a_bound_or_an_arrival_time():
     assert aging_router().score(req(3, prompt=100))[0].projected_ttft_s == pytest.approx(1.1)
 
 
+def test_a_batch_request_filling_a_free_slot_is_not_also_an_aged_turn():
+    """With one slot free, the oldest batch request fills it; only the next one can take an aged
+    turn, so the same request is not counted twice."""
+    spec = g_spec()
+    spec.max_priority_wait_s = 5.0
+    router = Router([spec])
+    active(router, "a1")
+    router.route(req(1, priority=1, arrival_s=0.0))
+    router.route(req(2, prompt=300, priority=1, arrival_s=0.5))
+    # At t=6 both have aged. r1 fills the free slot; r2 takes one aged turn (r3's own): 3 ahead
+    # with 800 prefill tokens and 300 of decode, both slots taken, so 2 of 3 must finish.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(0.9 + 2.0)
+
+
 def test_aged_work_is_already_ahead_of_its_own_class():
     # A batch request counts both queued batch requests whatever their age, and no more: 4 ahead,
     # 3 of which must finish (3/4 of their 4 s of decode).
