@@ -70,17 +70,22 @@ def test_the_first_report_of_a_token_is_compared_with_the_projection_once(tmp_pa
     assert len(errors) == 1 and errors[0][3] == {"backend": "cuda0"} and errors[0][2] >= 0
 
 
-@pytest.mark.parametrize("bound_s, ahead", [(None, 0), (0.0, 64)])
-def test_a_backends_starvation_bound_puts_aged_batch_work_ahead_of_urgent_requests(tmp_path, bound_s, ahead):
+@pytest.mark.parametrize("bound_s, prefill_ahead, decode_ahead", [(None, 0, 16), (0.0, 64, 32)])
+def test_a_backends_starvation_bound_puts_aged_batch_work_ahead_of_urgent_requests(tmp_path, bound_s,
+                                                                                    prefill_ahead, decode_ahead):
     async def scenario():
         router, gpu, _ = make_router(tmp_path)
         info = gpu.info("cuda")
-        info.max_priority_wait_s = bound_s
+        info.max_priority_wait_s, info.max_active = bound_s, 1
         await router.add_backend(info, gpu)
-        await router.place("batch", PROMPT, 16, 1, 1)  # queued, less urgent
+        await router.place("running", list(range(300, 364)), 17, 1, 0)  # takes the one slot
+        await router.report("cuda0", "i1", [progress("running", "running", computed=64, output=1, prompt=64,
+                                                     max_tokens=17)])
+        await router.place("batch", PROMPT, 16, 1, 1)  # queued behind it, less urgent
         return router.place_many([(PlaceRequest("urgent", list(range(100, 164)), 16, 1, priority=0),)])
 
     [placed] = run(scenario())
     # With a bound of 0 s the queued batch request has aged by the time the urgent one is
-    # admitted, so its 64 prompt tokens are ahead; without a bound they are not.
-    assert placed.projected_ttft_s == pytest.approx((ahead + 64) / 2551)
+    # admitted, so its 64 prompt tokens are ahead and the urgent one waits for both to finish;
+    # without a bound it waits for the running request's 16 tokens only.
+    assert placed.projected_ttft_s == pytest.approx((prefill_ahead + 64) / 2551 + decode_ahead / 293)
