@@ -463,7 +463,15 @@ def test_a_dead_router_is_a_503_not_a_500(tiny):
     """Last in this module: it leaves the cluster without its router (nothing restarts one)."""
     import ray
 
-    ray.kill(tiny.router, no_restart=True)
+    ray.kill(tiny.router, no_restart=True)  # asynchronous: wait until calls to it fail
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            ray.get(tiny.router.ping.remote(), timeout=TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed router still answers"
+        time.sleep(0.05)
     with httpx.Client(base_url=tiny.url, timeout=TIMEOUT_S) as http:
         r = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "Anyone there?", "max_tokens": 4})
         assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
