@@ -401,9 +401,13 @@ class RouterActor:
             await asyncio.gather(*(self._check(backend_id, backend) for backend_id, backend in list(self.backends.items())),
                                  *(self._recheck(backend_id, backend) for backend_id, backend in list(self._silent.items())))
 
+    @property
+    def _health_timeout_s(self) -> float:
+        """How long a health check's call may take before it counts as a miss."""
+        return max(2.0, 5 * self.health_check_period_s)
+
     async def _ping(self, backend: _Backend) -> str:
-        return await asyncio.wait_for(_await_ref(backend.handle.ping.remote()),
-                                      timeout=max(2.0, 5 * self.health_check_period_s))
+        return await asyncio.wait_for(_await_ref(backend.handle.ping.remote()), timeout=self._health_timeout_s)
 
     async def _check(self, backend_id: str, backend: _Backend) -> None:
         """One routable backend's ping: a raise drops it now, a run of timeouts drops it silent."""
@@ -438,7 +442,7 @@ class RouterActor:
             logger.warning("router: backend %s answers health checks again; asking it to re-register", backend_id)
             try:
                 await asyncio.wait_for(_await_ref(backend.handle.register.remote(self.known_rates.get(backend_id))),
-                                       timeout=max(2.0, 5 * self.health_check_period_s))
+                                       timeout=self._health_timeout_s)
             except Exception:  # it stays out; a later ping that answers asks again
                 logger.warning("router: backend %s did not re-register", backend_id, exc_info=True)
                 self._silent.setdefault(backend_id, backend)

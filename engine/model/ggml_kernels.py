@@ -157,9 +157,7 @@ def load() -> bool:
         reason = unavailable()
         if reason:
             raise RuntimeError(reason)
-        with file_lock(ggml_build.ggml_dir() / ".build.lock"):
-            if not library.is_file():
-                _build_op_library(library)
+        build()  # libggml is built, so this builds the op library alone, under build's lock
     if not hasattr(torch.ops.tandem_ggml, "linear"):  # a build in this process has loaded it already
         torch.ops.load_library(str(library))
 
