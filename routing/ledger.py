@@ -133,11 +133,15 @@ class Ledger:
     def filling_work(self, priority: int, limit: int) -> WorkAhead:
         """The first `limit` queued requests of less urgent classes than `priority` in the
         engine's admission order (class, then routing order): those that take slots the ledger
-        sees free before a new request gets there. O(queued requests)."""
-        below = [e for e in self.entries.values() if e.status == QUEUED and e.priority > priority]
+        sees free before a new request gets there. Each class's walk stops at the `limit`-th
+        request (at most the backend's free slots), so it seldom goes past the oldest entries."""
         filling = WorkAhead()
-        for entry in sorted(below, key=lambda e: e.priority)[:limit]:  # stable: routing order within a class
-            filling.add(entry, +1)
+        for queued_priority in sorted(p for p in self.queued_by_priority if p > priority):
+            for entry in self.entries.values():  # routing order: oldest first
+                if filling.num_requests >= limit:
+                    return filling
+                if entry.status == QUEUED and entry.priority == queued_priority:
+                    filling.add(entry, +1)
         return filling
 
     def add_queued(self, entry: LedgerEntry) -> None:
