@@ -11,7 +11,10 @@ It compares, in the same process on the same ledgers:
   * every policy at the requested depth, and `cost` with an empty router and a 10x backlog:
     the decision reads each ledger's running sums, so its cost should not depend on depth;
   * "walk the queue": the same score computed by summing every pending request on every
-    backend at decision time, which is what the running sums avoid (a tenth as many decisions).
+    backend at decision time, which is what the running sums avoid (a tenth as many decisions);
+  * "urgent vs batch": urgent requests placed among queued batch work past its starvation
+    bound, with a slot seen free on every backend, so their projected TTFT walks the ledger for
+    the request filling that slot and for an aged turn (routing/deadline.py).
 
 Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`
 (default out/router_decision.json). Run: python -m bench.router_decision
