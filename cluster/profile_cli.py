@@ -16,11 +16,11 @@ import gc
 import sys
 
 from tandem.cluster.config import ConfigError
-from tandem.cluster.serve_cli import add_cluster_arguments, load_config
+from tandem.cluster.serve_cli import add_cluster_arguments, hide_advanced, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_cluster_arguments(parser)
+    hide_advanced(parser, add_cluster_arguments(parser))
     parser.add_argument("--output", default="tandem-rates.json", help="rates file to write (default tandem-rates.json)")
     parser.add_argument("--prompt-len", type=int, default=512, help="uncached prompt tokens for prefill (default 512)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per decode run (default 16)")

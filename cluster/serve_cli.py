@@ -1,7 +1,8 @@
 """`tandem serve`: start the cluster and its OpenAI-compatible HTTP API, until Ctrl-C.
 
 Settings come from `--config FILE` (YAML, see cluster/config.py) and flags, flags winning; every
-setting is described in docs/config.md, so --help stays one line per flag.
+setting is described in docs/config.md, so --help stays one line per flag, and the advanced
+flags are listed by --help-all only, so --help fits on one screen.
 """
 
 from __future__ import annotations
@@ -17,7 +18,31 @@ from tandem.cluster.config import LOG_LEVELS, ConfigError, TandemConfig, cache_r
 from tandem.engine.config import CPU_KERNELS
 
 
-CONFIG_REFERENCE = "Every setting, its YAML field, default and why: docs/config.md (--config FILE sets them all)."
+CONFIG_REFERENCE = ("Every setting, its YAML field, default and why: docs/config.md (--config FILE sets them all); "
+                    "--help-all lists the advanced flags too.")
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: the help with the advanced group's flags shown too (`--help` leaves them out,
+    so it fits on one screen)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="show this help with the advanced flags too and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
+                 option_string: str | None = None) -> None:
+        for action in parser._actions:
+            action.help = getattr(action, "full_help", action.help)
+        parser.print_help()
+        parser.exit()
+
+
+def hide_advanced(parser: argparse.ArgumentParser, advanced: argparse._ArgumentGroup) -> None:
+    """Leave the advanced group's flags out of `--help` (they still work); `--help-all` shows them."""
+    for action in advanced._group_actions:
+        action.full_help, action.help = action.help, argparse.SUPPRESS
+    parser.add_argument("--help-all", action=_HelpAll)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     advanced.add_argument("--dashboard-port", type=int, metavar="N", help="Ray dashboard port (default 8265)")
     advanced.add_argument("--access-log", action="store_true", default=None,
                           help="log a line per HTTP request (Serve's access log; default off)")
+    hide_advanced(parser, advanced)
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -93,16 +93,33 @@ def test_a_port_in_use_is_named_with_its_flag_before_ray_starts(flag, tmp_path):
 
 
 def test_serve_help_fits_one_screen(monkeypatch, capsys):
-    """One line per flag where it fits; the details live in docs/config.md, which the help names."""
+    """One line per flag where it fits, on an 80-column terminal; the advanced flags show under
+    --help-all, and the details live in docs/config.md, which the help names."""
     from tandem.cluster.cli import main
 
-    monkeypatch.setenv("COLUMNS", "100")
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--help"])
-    assert exited.value.code == 0
-    lines = capsys.readouterr().out.splitlines()
+    monkeypatch.setenv("COLUMNS", "80")
+    helps = {}
+    for flag in ("--help", "--help-all"):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", flag])
+        assert exited.value.code == 0
+        helps[flag] = capsys.readouterr().out
+    lines = helps["--help"].splitlines()
     assert len(lines) <= 60, "\n".join(lines)
-    assert "docs/config.md" in lines[-1]
+    assert "docs/config.md" in " ".join(lines[-2:]) and "--help-all" in lines[-1]
+    assert "--spill-margin" not in helps["--help"] and "--spill-margin F " in helps["--help-all"]
+    assert "--cpu-kernels KIND " in helps["--help-all"]
+
+
+def test_advanced_flags_work_without_being_listed():
+    import argparse
+
+    from tandem.cluster.serve_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--spill-margin", "0.1", "--device-shares"])
+    assert args.spill_margin == 0.1 and args.device_shares is True
 
 
 def test_docs_config_names_every_field_and_flag():
