@@ -225,3 +225,54 @@ def test_a_refusal_behind_an_aged_turn_waits_for_it():
 def test_starvation_bound_must_not_be_negative():
     with pytest.raises(ValueError, match="max_priority_wait_s"):
         BackendSpec("g", "cuda", RateProfile(1000, 100, None), max_priority_wait_s=-1.0)
+
+
+# -- the learned offset (routing/ttft_offset.py) --------------------------------------------------
+def calibrating_router(alpha: float = 0.5) -> Router:
+    from tandem.routing import CalibrationConfig
+
+    return Router([g_spec()], calibration=CalibrationConfig(alpha))
+
+
+def test_late_first_tokens_raise_a_busy_backends_projection_and_not_an_idle_ones():
+    router = calibrating_router(alpha=0.5)
+    router.observe_ttft("g", busy=True, error_s=0.4)  # offset 0.2
+    router.observe_ttft("g", busy=True, error_s=0.2)  # 0.2 + 0.5 x 0.2 = 0.3
+    idle = router.route(req(1)).chosen
+    assert (idle.busy, idle.ttft_offset_s, idle.projected_ttft_s) == (False, 0.0, pytest.approx(0.5))
+    busy = router.score(req(2))[0]
+    assert busy.busy and busy.ttft_offset_s == pytest.approx(0.3)
+    assert busy.projected_ttft_s == pytest.approx(1.0 + 0.3)  # r1's prefill, its own, the offset
+    assert busy.score_s == pytest.approx(1.0 + 200 / 100)  # the score does not take it
+
+
+def test_an_idle_backend_learns_its_own_offset():
+    router = calibrating_router(alpha=0.5)
+    router.observe_ttft("g", busy=False, error_s=0.1)
+    assert router.score(req(1))[0].projected_ttft_s == pytest.approx(0.5 + 0.05)
+    router.route(req(1))
+    assert router.score(req(2))[0].projected_ttft_s == pytest.approx(1.0)  # busy: no offset learned
+
+
+def test_early_first_tokens_never_project_below_the_own_prefill():
+    router = calibrating_router(alpha=1.0)
+    router.observe_ttft("g", busy=False, error_s=-3.0)
+    assert router.score(req(1))[0].projected_ttft_s == pytest.approx(0.5)
+
+
+def test_the_offset_is_learned_only_while_calibrating():
+    router = Router([g_spec()])
+    router.observe_ttft("g", busy=False, error_s=1.0)
+    router.observe_ttft("gone", busy=False, error_s=1.0)  # an unknown backend: ignored
+    assert router.score(req(1))[0].projected_ttft_s == pytest.approx(0.5)
+
+
+def test_the_offset_decides_a_deadline():
+    router = calibrating_router(alpha=1.0)
+    router.route(req(1))
+    assert router.score(req(2, ttft_deadline_s=1.2))[0].projected_ttft_s == pytest.approx(1.0)
+    router.observe_ttft("g", busy=True, error_s=0.5)
+    with pytest.raises(DeadlineUnmetError) as refused:
+        router.route(req(2, ttft_deadline_s=1.2))
+    assert refused.value.projected_ttft_s == pytest.approx(1.5)
+    assert refused.value.retry_after_s == pytest.approx(0.3)
