@@ -89,7 +89,6 @@ class _Routed:
     decided_at: float
     estimated_s: float
     projected_ttft_s: float = 0.0
-    busy: bool = False  # the backend had work pending when the request was placed
     first_token_seen: bool = False
 
 
@@ -255,7 +254,7 @@ class RouterActor:
         chosen = record.chosen
         now = time.time()
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
-                                      chosen.projected_ttft_s, chosen.busy)
+                                      chosen.projected_ttft_s)
         if self._log is not None:
             self._log_decision(now, record.to_dict(), request, attempt)
         self._export_decision(record)
@@ -369,8 +368,7 @@ class RouterActor:
                 ProgressEvent(p.req_id, "generated", p.num_output_tokens)]
 
     def _record_first_token(self, backend_id: str, req_id: str, now: float) -> None:
-        """Observed against projected TTFT, once per request (its first report with a token):
-        exported, and learned from (routing/ttft_offset.py)."""
+        """Observed against projected TTFT, once per request: its first report with a token."""
         routed = self.routed.get(req_id)
         if routed is None or routed.first_token_seen:
             return
@@ -378,7 +376,6 @@ class RouterActor:
         error_s = (now - routed.decided_at) - routed.projected_ttft_s
         name = "tandem_router_ttft_late_seconds" if error_s > 0 else "tandem_router_ttft_early_seconds"
         self.metrics.observe(name, abs(error_s), tags={"backend": backend_id})
-        self.router.observe_ttft(backend_id, routed.busy, error_s)
 
     def _record_finished(self, backend_id: str, req_id: str) -> None:
         routed = self.routed.pop(req_id, None)

@@ -35,12 +35,6 @@ class BackendScore:
     replication_term_s: float = 0.0  # instead, where a copy of that prefix is an investment (< 0 once it pays)
     queue_term_s: float = 0.0  # the new request's prefill x the requests queued here, which it delays
     projected_ttft_s: float = 0.0  # the new request's time to first token here (routing/deadline.py)
-    ttft_offset_s: float = 0.0  # the learned part of it (routing/ttft_offset.py)
-
-    @property
-    def busy(self) -> bool:
-        """Whether the backend had work pending when scored (its TTFT offset's condition)."""
-        return self.num_active + self.num_queued > 0
 
     @property
     def rank_s(self) -> float:

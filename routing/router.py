@@ -42,7 +42,6 @@ from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
 from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy, prefix_key
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
 from tandem.routing.replication import PrefixStats, ReplicationConfig
-from tandem.routing.ttft_offset import TTFTOffset
 
 
 @dataclass
@@ -74,7 +73,6 @@ class _BackendState:
     ledger: Ledger
     ratio: NewTokenRatio
     inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
-    ttft_offset: TTFTOffset = field(default_factory=TTFTOffset)  # learned only while calibrating
     cordoned: bool = False  # scored (for the log) but given no new requests
 
 
@@ -195,10 +193,8 @@ class Router:
             )
             num_uncached = request.num_prompt_tokens - s.num_cached_tokens
             s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
-            projected = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
-                                         request.priority, num_uncached, request.arrival_s)
-            s.ttft_offset_s = state.ttft_offset.offset_s(s.busy)
-            s.projected_ttft_s = max(projected + s.ttft_offset_s, num_uncached / state.rates.prefill_tok_s)
+            s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
+                                                  request.priority, num_uncached, request.arrival_s)
             scores.append(s)
         self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
@@ -342,14 +338,6 @@ class Router:
         rates = calibrate(state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
         for sibling in self._siblings(state):
             sibling.rates = rates
-
-    def observe_ttft(self, backend_id: str, busy: bool, error_s: float) -> None:
-        """Blend one first token's error (observed minus projected TTFT, seconds) of a request
-        placed on `backend_id` while it was `busy` (had work pending) into the offset its later
-        projections add (routing/ttft_offset.py); a no-op unless calibrating."""
-        state = self._backends.get(backend_id)
-        if state is not None and self._calibration is not None:
-            state.ttft_offset.observe(busy, error_s, self._calibration.alpha)
 
     def _siblings(self, state: _BackendState) -> list[_BackendState]:
         """`state` and the backends that share its device and profile (just `state` if it has none)."""

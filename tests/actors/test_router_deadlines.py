@@ -70,24 +70,6 @@ def test_the_first_report_of_a_token_is_compared_with_the_projection_once(tmp_pa
     assert len(errors) == 1 and errors[0][3] == {"backend": "cuda0"} and errors[0][2] >= 0
 
 
-def test_with_calibration_the_first_tokens_error_moves_the_backends_projection(tmp_path):
-    """The error the metrics record is what the router learns from: a busy backend's next
-    projection adds alpha times it (routing/ttft_offset.py)."""
-    async def scenario():
-        router, gpu, _ = make_router(tmp_path, calibration_alpha=0.5)
-        await router.add_backend(gpu.info("cuda"), gpu)
-        await router.place("r1", PROMPT, 16)
-        calls = recorded(router)
-        await router.report("cuda0", "i1", [progress("r1", "running", computed=64, output=1, prompt=64)])
-        r2 = await router.place("r2", list(range(100, 164)), 16)
-        return calls, r2
-
-    calls, r2 = run(scenario())
-    [(_, name, size, _)] = [c for c in calls if c[1].startswith("tandem_router_ttft_")]
-    error_s = size if name == "tandem_router_ttft_late_seconds" else -size
-    assert r2.projected_ttft_s == pytest.approx(max(64 / 2551 + 0.5 * error_s, 64 / 2551))
-
-
 @pytest.mark.parametrize("bound_s, prefill_ahead, decode_ahead", [(None, 0, 16), (0.0, 64, 32)])
 def test_a_backends_starvation_bound_puts_aged_batch_work_ahead_of_urgent_requests(tmp_path, bound_s,
                                                                                     prefill_ahead, decode_ahead):
