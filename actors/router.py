@@ -121,6 +121,7 @@ class RouterActor:
         self._silent: dict[str, _Backend] = {}  # dropped for timeouts, still pinged (see the module doc)
         self._pending_export: asyncio.TimerHandle | None = None
         self._wire: wire.WireServer | None = None
+        self._rates_logged: set[str] = set()  # backends whose rates the routing log has since they (re)joined
 
     # -- membership --------------------------------------------------------------------------
     async def add_backend(self, info: BackendInfo, handle: Any, cached_hashes: list[int] = ()) -> None:
@@ -136,6 +137,7 @@ class RouterActor:
         if info.backend_id in self.backends:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
+        self._rates_logged.discard(info.backend_id)
         self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active,
                                             info.shared_device or None, info.max_priority_wait_s))
         self.backends[info.backend_id] = _Backend(info, handle, profile,
@@ -285,10 +287,16 @@ class RouterActor:
 
     def _log_decision(self, now: float, record: dict[str, Any], request: Any, attempt: int) -> None:
         """One JSON line: the decision, the cache answers, and what `tandem route-sim --replay`
-        needs to replay the request (its lengths and its prompt's block hashes)."""
+        needs to replay the request (its lengths and its prompt's block hashes). The first line
+        that scores a backend after it (re)joined also carries its whole rate profile under
+        `rates`, the batch table included, so a replay decodes in batches as the backend does."""
         line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens, "attempt": attempt,
                 "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
                 "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
+        unlogged = [backend_id for backend_id in record["per_backend"] if backend_id not in self._rates_logged]
+        if unlogged:
+            line["rates"] = {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in unlogged}
+            self._rates_logged.update(unlogged)
         self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _export_decision(self, record: Any) -> None:

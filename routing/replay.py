@@ -7,7 +7,9 @@ the traffic: requests arrive at their logged times (relative to the first), with
 lengths, and, where the log has block hashes, their real prefixes, so each simulated backend
 keeps a prefix cache and every policy earns its own hits (as in a tenants scenario, with
 unlimited cache room); without hashes, each request keeps the hits the backends reported for
-it at the time. Backends run at the rates the router used at their first decision.
+it at the time. Backends run at the rates the router used at their first decision: the whole
+profile, batch table included, which the log writes once per backend (older logs have only the
+two rates each score used, so their backends decode at one aggregate rate).
 
 What the log cannot tell, the replay assumes, and the report says so:
 - each request generates its whole `max_tokens` (the decision comes before any output);
@@ -79,14 +81,21 @@ def _parse(line: str, path: Path, n: int) -> dict[str, Any]:
 
 
 def _backends(lines: list[dict[str, Any]]) -> list[SimBackendSpec]:
-    """Every backend a decision scored, at the rates and slots of its first decision."""
+    """Every backend a decision scored, at the slots of its first decision and the rates the
+    log gave with it: the whole profile (batch table included) where the line carries `rates`,
+    else the two rates its score used."""
     first: dict[str, dict[str, Any]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     for line in lines:
         for backend_id, score in line["per_backend"].items():
             first.setdefault(backend_id, score)
+        for backend_id, profile in line.get("rates", {}).items():
+            profiles.setdefault(backend_id, profile)
     backends = []
     for backend_id, score in first.items():
-        rates = RateProfile(score["prefill_tok_s"], score["decode_tok_s"])
+        profile = profiles.get(backend_id)
+        rates = (RateProfile(**profile) if profile is not None
+                 else RateProfile(score["prefill_tok_s"], score["decode_tok_s"]))
         spec = BackendSpec(backend_id, score["device_kind"], rates, score.get("max_active", 4))
         backends.append(SimBackendSpec(spec, rates))
     return sorted(backends, key=lambda b: b.spec.preference_key())

@@ -108,14 +108,27 @@ def _regret_line(regret: dict[str, Any]) -> str:
 def _policies(value: str | None, scenario: Scenario) -> list[str]:
     if value is None:
         return [scenario.policy]
+    unusable = _unusable_policies(scenario)
     if value == "all":  # every policy that has a backend to use here
-        has_cpu = any(b.spec.is_cpu for b in scenario.backends)
-        return [name for name in POLICIES if has_cpu or name != "cpu-only"]
+        return [name for name in POLICIES if name not in unusable]
     names = [v.strip() for v in value.split(",") if v.strip()]
     for name in names:
         if name not in POLICIES:
             raise ConfigError(f"--policy: unknown policy {name!r}; choose from {sorted(POLICIES)} or 'all'")
+        if name in unusable:
+            raise ConfigError(f"--policy {name}: {unusable[name]}")
     return names
+
+
+def _unusable_policies(scenario: Scenario) -> dict[str, str]:
+    """Policies that could place no request on the scenario's backends, and why."""
+    kinds = {"cpu" if b.spec.is_cpu else "accelerator" for b in scenario.backends}
+    unusable = {}
+    if "cpu" not in kinds:
+        unusable["cpu-only"] = "the scenario has no cpu backend"
+    if "accelerator" not in kinds:
+        unusable["accelerator-only"] = "the scenario has no accelerator backend"
+    return unusable
 
 
 def _report(scenario: Scenario, results: list[SimResult], args: argparse.Namespace,

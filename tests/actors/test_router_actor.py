@@ -90,6 +90,24 @@ def test_spec_worked_example_through_the_actor(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
     assert [line["req_id"] for line in lines][-2:] == ["r7", "r8"]
     assert lines[-1]["backend_id"] == "cpu0" and lines[-1]["cache_answers"] == {"cuda0": 496, "cpu0": 496}
+    # Each backend's whole rate profile goes into the log once, with the first decision that scores it.
+    assert [sorted(line.get("rates", {})) for line in lines] == [["cpu0", "cuda0"]] + [[]] * (len(lines) - 1)
+    assert lines[0]["rates"]["cuda0"]["prefill_tok_s"] == 2551
+
+
+def test_a_backend_that_rejoins_has_its_rates_logged_again(tmp_path):
+    async def scenario():
+        router, gpu, cpu = make_router(tmp_path)
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        await router.place("r0", list(range(64)), 8)
+        await router.place("r1", list(range(100, 164)), 8)
+        await router.add_backend(cpu.info("cpu"), cpu)  # re-registered (a restart)
+        await router.place("r2", list(range(200, 264)), 8)
+
+    run(scenario())
+    lines = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    assert [sorted(line.get("rates", {})) for line in lines] == [["cpu0", "cuda0"], [], ["cpu0"]]
 
 
 def test_cache_estimates_follow_reported_publications_and_evictions(tmp_path):

@@ -69,3 +69,38 @@ def test_a_log_without_request_lengths_is_refused_with_the_reason(tmp_path):
 def test_a_scenario_or_a_replay_not_both(capsys):
     assert main([]) == 2
     assert "give a scenario file or --replay" in capsys.readouterr().err
+
+
+def _cpu_only_log(tmp_path, with_rates: bool) -> Path:
+    """The fixture's traffic as if both backends were CPUs, the first line carrying each
+    backend's profile with a batch table (as the router actor logs it) or not (older logs)."""
+    lines = [json.loads(line) for line in LOG.read_text().splitlines()]
+    for line in lines:
+        for score in line["per_backend"].values():
+            score["device_kind"] = "cpu"
+    if with_rates:
+        lines[0]["rates"] = {b: {"prefill_tok_s": 261.0, "decode_tok_s": 37.2,
+                                 "decode_tok_s_by_batch": {"1": 37.2, "2": 61.4, "4": 89.9}}
+                             for b in lines[0]["per_backend"]}
+    path = tmp_path / "cpu.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_logged_profile_gives_the_replay_its_batch_table(tmp_path):
+    backends = load_replay(_cpu_only_log(tmp_path, with_rates=True)).scenario.backends
+    assert [b.spec.rates.decode_tok_s_by_batch for b in backends] == [{1: 37.2, 2: 61.4, 4: 89.9}] * 2
+    assert [b.spec.rates.prefill_tok_s for b in backends] == [261.0, 261.0]
+    older = load_replay(_cpu_only_log(tmp_path, with_rates=False)).scenario.backends
+    assert [(b.spec.rates.prefill_tok_s, b.spec.rates.decode_tok_s_by_batch) for b in older] == [
+        (73.0, None), (2551.0, None)]  # each score's own rates, sorted by id
+
+
+def test_a_cpu_only_log_replays_every_policy_that_can_place_a_request(tmp_path, capsys):
+    log = _cpu_only_log(tmp_path, with_rates=True)
+    out = tmp_path / "report.json"
+    assert main(["--replay", str(log), "--no-decisions", "--no-oracle", "--json-out", str(out)]) == 0
+    names = {s["name"] for s in json.loads(out.read_text())["summaries"]}
+    assert "accelerator-only" not in names and {"cost", "cpu-only", "round-robin"} <= names
+    assert main(["--replay", str(log), "--policy", "accelerator-only"]) == 2
+    assert "--policy accelerator-only: the scenario has no accelerator backend" in capsys.readouterr().err
