@@ -344,14 +344,24 @@ def pending_limit(config: TandemConfig, plans: list[BackendPlan]) -> int:
     return config.max_pending_requests or max(64, 4 * sum(p.max_active for p in plans))
 
 
-def _cpu_notes(plan: BackendPlan) -> str:
-    """What makes a cpu backend's first start slow, so a long wait in the log has its reason."""
+def _cpu_notes(plan: BackendPlan, op_library_pending: Any = None) -> str:
+    """What makes a cpu backend's first start slow, so a long wait in the log has its reason.
+    `op_library_pending()`: whether ggml's op library is yet to be built for this torch (default:
+    asks engine/model/ggml_kernels.py)."""
     notes = ""
-    if plan.cpu_kernels in GGML_KERNELS:
-        notes += ", ggml kernels (a first start on a new torch builds their op library, about a minute)"
+    on_ggml = plan.cpu_kernels in GGML_KERNELS or (
+        plan.device == "cpu" and plan.cpu_kernels == "auto" and plan.dtype in ("auto", "float32") and not plan.cpu_compile)
+    if on_ggml and (op_library_pending or _op_library_pending)():
+        notes += ", ggml kernels (this first start on this torch builds their op library, about a minute)"
     if plan.cpu_compile:
         notes += ", compiled decode (the first start compiles it)"
     return notes
+
+
+def _op_library_pending() -> bool:
+    from tandem.engine.model import ggml_kernels
+
+    return ggml_kernels.op_library_pending()
 
 
 def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, Any],

@@ -76,6 +76,12 @@ def unavailable() -> str | None:
     return None
 
 
+def op_library_pending() -> bool:
+    """Whether loading the ops will first build the op library (libggml is built, the op library
+    for this torch is not): the slow part of a first start, worth a line in the log."""
+    return not _op_library().is_file() and ggml_build.is_built()
+
+
 def _missing_op_tools() -> list[str]:
     """The op library's build tools not found: the C++ compiler, and ninja, which torch's
     extension builder runs (a dependency of Tandem's, in the environment's scripts folder)."""

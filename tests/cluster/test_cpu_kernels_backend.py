@@ -163,11 +163,19 @@ def test_the_default_kernels_are_keyed_by_what_they_resolve_to_alike_by_profile_
 def test_the_start_log_says_why_a_first_start_is_slow():
     from tandem.cluster.launcher import _cpu_notes
 
+    def pending():
+        return True
+
     config = serve_config("--backends", "cpu,cpu", "--cpu-dtype", "int4", "--cpu-kernels", "ggml")
     ggml, _ = plan_backends(config, num_gpus=0, mps_available=False, num_cores=4)
-    assert "builds their op library" in _cpu_notes(ggml)
-    torch_plan = plan_backends(serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
-    assert _cpu_notes(torch_plan) == ""
+    assert "builds their op library" in _cpu_notes(ggml, pending)
+    assert _cpu_notes(ggml, lambda: False) == ""  # built already: nothing slow to announce
+    default = plan_backends(serve_config("--backends", "cpu"), num_gpus=0, mps_available=False)[0]
+    assert default.cpu_kernels == "auto" and "builds their op library" in _cpu_notes(default, pending)
+    torch_plan = plan_backends(serve_config("--backends", "cpu", "--cpu-kernels", "torch"), num_gpus=0,
+                               mps_available=False)[0]
+    int8 = plan_backends(serve_config("--backends", "cpu", "--cpu-dtype", "int8"), num_gpus=0, mps_available=False)[0]
+    assert _cpu_notes(torch_plan, pending) == _cpu_notes(int8, pending) == ""  # eager: no op library
 
 
 def test_bench_takes_the_kernels_flag():
