@@ -104,17 +104,24 @@ def calibrate(
     batch_size: int,
     elapsed_s: float,
 ) -> RateProfile:
-    """Return `profile` with one observed step blended in (or unchanged for mixed/empty steps).
+    """Return `profile` with one observed step blended in (unchanged for empty steps and for
+    mixed steps where decode tokens are as many as the prefill tokens or more).
 
     A decode step observed at one batch size rescales the whole batch table by the same
     factor: what slows a backend down (a busy neighbour on the same cores, the serving path
     around the engine) slows every batch size, and the next decision is often made at a batch
-    size that has not run lately (an idle backend is scored at batch 1)."""
+    size that has not run lately (an idle backend is scored at batch 1).
+
+    A mixed step whose prefill tokens outnumber its decode tokens counts as prefill of all its
+    tokens: the engine runs it as one forward pass over every scheduled token, the decode ones
+    being a few more rows. Under load a backend prefills almost only in such steps (a new
+    request joins requests that are decoding), so without them the prefill rate would keep the
+    idle backend's speed and every projection would be early by the contention it leaves out."""
     if elapsed_s <= 0:
         raise ValueError(f"elapsed_s must be > 0 (got {elapsed_s!r})")
     alpha = config.alpha
-    if num_prefill_tokens > 0 and num_decode_tokens == 0:
-        observed = num_prefill_tokens / elapsed_s
+    if num_prefill_tokens > num_decode_tokens:
+        observed = (num_prefill_tokens + num_decode_tokens) / elapsed_s
         return replace(profile, prefill_tok_s=(1 - alpha) * profile.prefill_tok_s + alpha * observed)
     if num_decode_tokens > 0 and num_prefill_tokens == 0:
         expected = profile.decode_rate(max(1, batch_size))

@@ -32,7 +32,11 @@ def test_calibration_ewma():
     assert updated.decode_rate(2) == pytest.approx(27.5)
     assert updated.decode_tok_s == pytest.approx(13.75)
     assert calibrate(RateProfile(100, 10), config, 0, 50, 1, 1.0).decode_tok_s == 20
-    assert calibrate(rates, config, 10, 10, 2, 1.0) is rates  # mixed step: skipped
+    assert calibrate(rates, config, 10, 10, 2, 1.0) is rates  # mixed, as much decode as prefill: skipped
+    assert calibrate(rates, config, 5, 10, 10, 1.0) is rates
+    # Mostly prefill: one forward over all 400 tokens, 200 tok/s observed
+    assert calibrate(rates, config, 397, 3, 3, 2.0).prefill_tok_s == pytest.approx(0.75 * 100 + 0.25 * 200)
+    assert calibrate(rates, config, 397, 3, 3, 2.0).decode_tok_s_by_batch == rates.decode_tok_s_by_batch
     with pytest.raises(ValueError, match="elapsed_s"):
         calibrate(rates, config, 10, 0, 1, 0.0)
     with pytest.raises(ValueError, match="alpha"):
