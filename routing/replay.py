@@ -7,9 +7,10 @@ the traffic: requests arrive at their logged times (relative to the first), with
 lengths, and, where the log has block hashes, their real prefixes, so each simulated backend
 keeps a prefix cache and every policy earns its own hits (as in a tenants scenario, with
 unlimited cache room); without hashes, each request keeps the hits the backends reported for
-it at the time. Backends run at the rates the router used at their first decision: the whole
-profile, batch table included, which the log writes once per backend (older logs have only the
-two rates each score used, so their backends decode at one aggregate rate).
+it at the time. Backends run at the rates the router used while it served the log: the median of
+the rates its decisions used, applied to the whole profile (batch table included) that the log
+writes once per backend; older logs have only the two rates each score used, so their backends
+decode at one aggregate rate.
 
 What the log cannot tell, the replay assumes, and the report says so:
 - each request generates its whole `max_tokens` (the decision comes before any output);
@@ -25,13 +26,14 @@ simulated TTFT and makespan against the hindsight oracle's, its regret.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.errors import ConfigError
-from tandem.routing.rates import RateProfile
+from tandem.routing.rates import RateProfile, scale_decode
 from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
 
 
@@ -81,24 +83,39 @@ def _parse(line: str, path: Path, n: int) -> dict[str, Any]:
 
 
 def _backends(lines: list[dict[str, Any]]) -> list[SimBackendSpec]:
-    """Every backend a decision scored, at the slots of its first decision and the rates the
-    log gave with it: the whole profile (batch table included) where the line carries `rates`,
-    else the two rates its score used."""
-    first: dict[str, dict[str, Any]] = {}
+    """Every backend a decision scored, at the slots of its first decision and at the rates the
+    router used while it served the log's traffic (`_serving_rates`)."""
+    scores: dict[str, list[dict[str, Any]]] = {}
     profiles: dict[str, dict[str, Any]] = {}
     for line in lines:
         for backend_id, score in line["per_backend"].items():
-            first.setdefault(backend_id, score)
+            scores.setdefault(backend_id, []).append(score)
         for backend_id, profile in line.get("rates", {}).items():
             profiles.setdefault(backend_id, profile)
     backends = []
-    for backend_id, score in first.items():
-        profile = profiles.get(backend_id)
-        rates = (RateProfile(**profile) if profile is not None
-                 else RateProfile(score["prefill_tok_s"], score["decode_tok_s"]))
-        spec = BackendSpec(backend_id, score["device_kind"], rates, score.get("max_active", 4))
+    for backend_id, seen in scores.items():
+        rates = _serving_rates(seen, profiles.get(backend_id))
+        spec = BackendSpec(backend_id, seen[0]["device_kind"], rates, seen[0].get("max_active", 4))
         backends.append(SimBackendSpec(spec, rates))
     return sorted(backends, key=lambda b: b.spec.preference_key())
+
+
+def _serving_rates(scores: list[dict[str, Any]], profile: dict[str, Any] | None) -> RateProfile:
+    """A backend's rates over the log: the median prefill rate its scores used, and its decode
+    rates, the logged profile's batch table (written with the first decision that scored it)
+    scaled by the median ratio of the rate each score used to the table's rate at that score's
+    batch size. Calibration moves the rates while the backend serves (a CPU backend beside busy
+    neighbours prefills and decodes slower than its profile), and the median is what most of
+    the traffic met. A log without a profile has only the scores' rates: one aggregate decode
+    rate, their median."""
+    prefill_tok_s = statistics.median(s["prefill_tok_s"] for s in scores)
+    if profile is None:
+        return RateProfile(prefill_tok_s, statistics.median(s["decode_tok_s"] for s in scores))
+    logged = RateProfile(**profile)
+    factor = statistics.median(
+        s["decode_tok_s"] / logged.decode_rate(max(1, min(s.get("max_active", 4), s["num_active"] + s["num_queued"] + 1)))
+        for s in scores)
+    return scale_decode(replace(logged, prefill_tok_s=prefill_tok_s), factor)
 
 
 def _request(line: dict[str, Any], start: float, with_hashes: bool) -> SimRequest:

@@ -71,29 +71,38 @@ def test_a_scenario_or_a_replay_not_both(capsys):
     assert "give a scenario file or --replay" in capsys.readouterr().err
 
 
+TABLE = {1: 37.2, 2: 61.4, 4: 89.9}
+
+
 def _cpu_only_log(tmp_path, with_rates: bool) -> Path:
-    """The fixture's traffic as if both backends were CPUs, the first line carrying each
+    """The fixture's traffic as if both backends were CPUs that the router's calibration found
+    at half their profiled decode speed and 200 tok/s of prefill, the first line carrying each
     backend's profile with a batch table (as the router actor logs it) or not (older logs)."""
+    from tandem.routing import RateProfile
+
+    profile = RateProfile(261.0, 37.2, TABLE)
     lines = [json.loads(line) for line in LOG.read_text().splitlines()]
     for line in lines:
         for score in line["per_backend"].values():
-            score["device_kind"] = "cpu"
+            batch = min(score["max_active"], score["num_active"] + score["num_queued"] + 1)
+            score.update(device_kind="cpu", prefill_tok_s=200.0, decode_tok_s=0.5 * profile.decode_rate(batch))
     if with_rates:
         lines[0]["rates"] = {b: {"prefill_tok_s": 261.0, "decode_tok_s": 37.2,
-                                 "decode_tok_s_by_batch": {"1": 37.2, "2": 61.4, "4": 89.9}}
+                                 "decode_tok_s_by_batch": {str(k): v for k, v in TABLE.items()}}
                              for b in lines[0]["per_backend"]}
     path = tmp_path / "cpu.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
 
-def test_a_logged_profile_gives_the_replay_its_batch_table(tmp_path):
+def test_the_replay_runs_at_the_rates_the_router_used_on_the_logged_batch_table(tmp_path):
     backends = load_replay(_cpu_only_log(tmp_path, with_rates=True)).scenario.backends
-    assert [b.spec.rates.decode_tok_s_by_batch for b in backends] == [{1: 37.2, 2: 61.4, 4: 89.9}] * 2
-    assert [b.spec.rates.prefill_tok_s for b in backends] == [261.0, 261.0]
+    for b in backends:
+        assert b.spec.rates.prefill_tok_s == pytest.approx(200.0)
+        assert b.spec.rates.decode_tok_s_by_batch == pytest.approx({k: 0.5 * v for k, v in TABLE.items()})
     older = load_replay(_cpu_only_log(tmp_path, with_rates=False)).scenario.backends
-    assert [(b.spec.rates.prefill_tok_s, b.spec.rates.decode_tok_s_by_batch) for b in older] == [
-        (73.0, None), (2551.0, None)]  # each score's own rates, sorted by id
+    assert [b.spec.rates.decode_tok_s_by_batch for b in older] == [None, None]  # one aggregate rate each
+    assert all(b.spec.rates.prefill_tok_s == pytest.approx(200.0) for b in older)
 
 
 def test_a_cpu_only_log_replays_every_policy_that_can_place_a_request(tmp_path, capsys):
