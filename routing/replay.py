@@ -45,21 +45,26 @@ class Replay:
     num_rerouted: int  # requests placed more than once (kept at their last placement)
 
 
-def load_replay(path: str | Path) -> Replay:
-    """Read a routing log; ConfigError (naming the line) when it is not one."""
+def load_replay(path: str | Path, window_s: tuple[float | None, float | None] = (None, None)) -> Replay:
+    """Read a routing log; ConfigError (naming the line) when it is not one. `window_s`: replay
+    only the decisions from `start` to `end` seconds after the log's first (either may be None),
+    e.g. one run of a benchmark that sent several to the same server; the backends' profiles are
+    read from the whole log."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"--replay: cannot read routing log {path}: {exc.strerror}") from None
-    lines = [_parse(line, path, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    every = [_parse(line, path, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    lines = _within(every, window_s)
     placed = [x for x in lines if x.get("placed", True)]
     if not placed:
-        raise ConfigError(f"--replay: {path} holds no placed decision")
+        where = "" if window_s == (None, None) else " in that --window"
+        raise ConfigError(f"--replay: {path} holds no placed decision{where}")
     last: dict[str, dict[str, Any]] = {}
     for line in placed:
         last[line["req_id"]] = line  # a re-route replaces the failed placement
-    backends = _backends(placed)
+    backends = _backends(placed, _profiles(every))
     start = min(x["ts"] for x in last.values())
     with_hashes = all(x.get("block_hashes") for x in last.values())
     requests = sorted((_request(x, start, with_hashes) for x in last.values()), key=lambda r: r.arrival_s)
@@ -82,16 +87,32 @@ def _parse(line: str, path: Path, n: int) -> dict[str, Any]:
     return data
 
 
-def _backends(lines: list[dict[str, Any]]) -> list[SimBackendSpec]:
+def _within(lines: list[dict[str, Any]], window_s: tuple[float | None, float | None]) -> list[dict[str, Any]]:
+    """The lines from `start` to `end` seconds after the first line (None: no bound)."""
+    start, end = window_s
+    if not lines or window_s == (None, None):
+        return lines
+    first = lines[0]["ts"]
+    return [x for x in lines if (start is None or x["ts"] - first >= start) and (end is None or x["ts"] - first <= end)]
+
+
+def _profiles(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each backend's rate profile, from the first line that carries it (the router writes it
+    with the first decision that scores the backend after it joined)."""
+    profiles: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        for backend_id, profile in line.get("rates", {}).items():
+            profiles.setdefault(backend_id, profile)
+    return profiles
+
+
+def _backends(lines: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> list[SimBackendSpec]:
     """Every backend a decision scored, at the slots of its first decision and at the rates the
     router used while it served the log's traffic (`_serving_rates`)."""
     scores: dict[str, list[dict[str, Any]]] = {}
-    profiles: dict[str, dict[str, Any]] = {}
     for line in lines:
         for backend_id, score in line["per_backend"].items():
             scores.setdefault(backend_id, []).append(score)
-        for backend_id, profile in line.get("rates", {}).items():
-            profiles.setdefault(backend_id, profile)
     backends = []
     for backend_id, seen in scores.items():
         rates = _serving_rates(seen, profiles.get(backend_id))

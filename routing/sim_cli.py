@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", type=Path, nargs="?", help="scenario file (.json, .yaml or .yml)")
     parser.add_argument("--replay", type=Path, default=None, metavar="ROUTING_LOG",
                         help="replay a server's routing log (tandem serve --routing-log) instead of a scenario")
+    parser.add_argument("--window", default=None, metavar="START:END",
+                        help="with --replay: only the decisions START to END seconds after the log's first "
+                             "(either may be left out, e.g. 120: or :60), such as one run of several")
     parser.add_argument("--policy", default=None,
                         help=f"policy, comma-separated list, or 'all' ({', '.join(POLICIES)}); "
                              "default: the scenario's policy ('all' with --replay)")
@@ -56,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         if (args.scenario is None) == (args.replay is None):
             raise ConfigError("give a scenario file or --replay ROUTING_LOG (one of them)")
         if args.replay is not None:
-            replay = load_replay(args.replay)
+            replay = load_replay(args.replay, _window(args.window))
             scenario = replay.scenario
+        elif args.window is not None:
+            raise ConfigError("--window needs --replay")
         else:
             scenario = load_scenario(args.scenario, num_requests=args.num_requests, overrides=args.set)
         policies = _policies(args.policy if args.policy or replay is None else "all", scenario)
@@ -103,6 +108,22 @@ def _regret_line(regret: dict[str, Any]) -> str:
     parts.append(f"{regret['num_refused']} refused for their deadline (not replayed), "
                  f"{regret['num_rerouted']} re-routed (replayed once); every request assumed to use its whole max_tokens")
     return "; ".join(parts)
+
+
+def _window(value: str | None) -> tuple[float | None, float | None]:
+    """`--window START:END` as seconds (None where a side is left out)."""
+    if value is None:
+        return None, None
+    start, sep, end = value.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = tuple(float(x) if x.strip() else None for x in (start, end))
+    except ValueError:
+        raise ConfigError(f"--window: expected START:END in seconds (e.g. 30:90, 30: or :90), got {value!r}") from None
+    if None not in bounds and bounds[0] > bounds[1]:
+        raise ConfigError(f"--window: START is after END ({value!r})")
+    return bounds
 
 
 def _policies(value: str | None, scenario: Scenario) -> list[str]:

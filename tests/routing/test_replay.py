@@ -113,3 +113,22 @@ def test_a_cpu_only_log_replays_every_policy_that_can_place_a_request(tmp_path, 
     assert "accelerator-only" not in names and {"cost", "cpu-only", "round-robin"} <= names
     assert main(["--replay", str(log), "--policy", "accelerator-only"]) == 2
     assert "--policy accelerator-only: the scenario has no accelerator backend" in capsys.readouterr().err
+
+
+def test_a_window_replays_part_of_the_log_with_the_profiles_of_all_of_it(tmp_path, capsys):
+    log = _cpu_only_log(tmp_path, with_rates=True)  # the fixture's decisions are 50 ms apart
+    part = load_replay(log, (0.12, 0.26)).scenario
+    assert [r.req_id for r in part.requests] == ["r3", "r4", "r5"]
+    assert part.requests[0].arrival_s == 0.0  # times count from the window's first decision
+    # The profile is on the log's first line, outside the window: its batch table still applies.
+    assert all(b.spec.rates.decode_tok_s_by_batch is not None for b in part.backends)
+    assert [r.req_id for r in load_replay(log, (None, 0.06)).scenario.requests] == ["r0", "r1"]
+    assert [r.req_id for r in load_replay(log, (0.36, None)).scenario.requests] == ["r7"]
+    with pytest.raises(ConfigError, match="no placed decision in that --window"):
+        load_replay(log, (5.0, None))
+    assert main(["--replay", str(log), "--window", "0.12:0.26", "--policy", "cost", "--no-decisions"]) == 0
+    for bad, why in (("3", "expected START:END"), ("b:", "expected START:END"), ("2:1", "START is after END")):
+        assert main(["--replay", str(log), "--window", bad]) == 2
+        assert why in capsys.readouterr().err
+    assert main([str(log), "--window", "1:2"]) == 2
+    assert "--window needs --replay" in capsys.readouterr().err
