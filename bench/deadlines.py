@@ -19,9 +19,15 @@ and the projection's error (the TTFT the client observed minus the `x-tandem-pro
 it was placed with; the client's TTFT includes the HTTP hops, so the error is biased late by
 them). TTFT is the first streamed chunk with text, as bench/client.py measures it.
 
-It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`): the
-live measurement on a GPU host is `--url` against `tandem serve`. Output: a table on stdout and
-`--out` JSON with every request.
+It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`; with
+`tandem serve`'s defaults, online calibration included): the live measurement on a GPU host is
+`--url` against `tandem serve`. Output: a table on stdout and `--out` JSON with every request.
+
+With `--routing-log FILE` (the server's routing log: the file a started server writes, or the
+one `tandem serve --routing-log` was given) each run is also replayed from the log
+(`tandem route-sim --replay FILE --window ...` over the run's span, under the policy that served
+it), and its summary sets the replayed TTFT p50 beside the measured one (every request served):
+how well the what-if simulator predicts the traffic it was given.
 """
 
 from __future__ import annotations
@@ -199,13 +205,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             return "-"
         return f"{value:.3f}{unit}" if isinstance(value, float) else str(value)
 
+    replays = any("replayed_ttft_p50_s" in r for r in rows)
+    if replays:
+        header += ("ttft p50", "replay p50")
     lines = [header] + [(
         r["arm"], cell(r["rate_per_s"]), str(r["num_urgent"]), str(r["num_batch"]), str(r["num_refused"]),
         cell(r["urgent_ttft_p50_s"]), cell(r["urgent_ttft_p95_s"]), cell(r["deadline_s"]),
         "-" if r["urgent_within_deadline"] is None else f"{100 * r['urgent_within_deadline']:.0f}%",
         "-" if r["batch_output_tok_s"] is None else f"{r['batch_output_tok_s']:.1f}",
         cell(r["refusal_latency_p95_s"]), cell(r["projection_error_p50_s"]), cell(r["projection_error_p95_s"]),
-    ) for r in rows]
+    ) + ((cell(r.get("ttft_p50_s")), cell(r.get("replayed_ttft_p50_s"))) if replays else ()) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
@@ -213,15 +222,38 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
-            arms: tuple[str, ...] = ARMS) -> dict[str, Any]:
+            arms: tuple[str, ...] = ARMS, routing_log: Path | None = None) -> dict[str, Any]:
     rows, runs = [], []
     for rate in rates:
         for arm in arms:
             workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
+            started = time.time()  # the routing log's clock
             outcomes = asyncio.run(run_load(url, model, workload, arm, traffic))
+            span = (started, time.time())
             rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
-            runs.append({"arm": arm, "rate_per_s": rate, "requests": [asdict(o) for o in outcomes]})
+            runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
+    if routing_log is not None:
+        for row, run in zip(rows, runs):
+            row.update(replayed(routing_log, run["span"], run["requests"]))
     return {"traffic": asdict(traffic), "duration_s": duration_s, "seed": seed, "summaries": rows, "runs": runs}
+
+
+def replayed(routing_log: Path, span: tuple[float, float], requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's part of the routing log replayed under the policy that served it: its TTFT p50
+    beside the measured one (every request served, from send to the first text)."""
+    from tandem.routing.replay import first_decision_s, load_replay
+    from tandem.routing.sim_report import summarize as summarize_sim
+    from tandem.routing.simulator import simulate
+
+    first = first_decision_s(routing_log)
+    window = (span[0] - first, span[1] - first)
+    replay = load_replay(routing_log, window)
+    result = simulate(replay.scenario, replay.served_policy)
+    simulated = summarize_sim(result.policy, result.outcomes, [b.spec.backend_id for b in replay.scenario.backends])
+    measured = percentile([r["first_text_s"] - r["send_s"] for r in requests
+                           if r["status"] == 200 and r["first_text_s"] is not None], 50)
+    return {"replay_window_s": [round(w, 3) for w in window], "replayed_ttft_p50_s": simulated.ttft_p50_s,
+            "ttft_p50_s": measured}
 
 
 @dataclass
@@ -249,7 +281,8 @@ def start_server(args: argparse.Namespace) -> _Server:
     handle = start(model=args.model, backends=args.backends.split(","), cpu_threads=args.cpu_threads,
                    max_active=args.max_active, max_pending_requests=args.max_pending_requests,
                    port=free_port(), metrics_port=free_port(), rates=args.rates, profile="never" if args.rates else "auto",
-                   access_log=False, log=lambda line: None, calibration_alpha=0)
+                   access_log=False, log=lambda line: None,
+                   routing_log=None if args.routing_log is None else str(args.routing_log))
     return _Server(handle.url, args.model, handle)
 
 
@@ -268,6 +301,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--urgent-lengths", default="64,16", help="urgent prompt,max_tokens")
     parser.add_argument("--batch-lengths", default="256,128", help="batch prompt,max_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing-log", type=Path, default=None,
+                        help="the server's routing log (a started server writes it): replay each run from it "
+                             "and report the replayed TTFT p50 beside the measured one")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
 
 
@@ -281,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server(args.url, args.model) if args.url else start_server(args)
     try:
         report = run_all(server.url, server.model, [float(x) for x in args.loads.split(",")], args.duration_s,
-                         traffic, args.seed)
+                         traffic, args.seed, routing_log=args.routing_log)
     finally:
         server.close()
     if args.out is not None:

@@ -87,6 +87,16 @@ def _parse(line: str, path: Path, n: int) -> dict[str, Any]:
     return data
 
 
+def first_decision_s(path: str | Path) -> float:
+    """The time (`ts`, the router's wall clock) of a routing log's first line, which `--window`
+    counts from."""
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                return float(_parse(line, Path(path), n)["ts"])
+    raise ConfigError(f"--replay: {path} is empty")
+
+
 def _within(lines: list[dict[str, Any]], window_s: tuple[float | None, float | None]) -> list[dict[str, Any]]:
     """The lines from `start` to `end` seconds after the first line (None: no bound)."""
     start, end = window_s

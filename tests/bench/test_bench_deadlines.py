@@ -58,7 +58,8 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     command = [sys.executable, "-m", "bench.deadlines", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--max-active", "2", "--rates", str(rates), "--loads", "4",
                "--duration-s", "2", "--urgent-lengths", "16,4", "--batch-lengths", "64,16", "--urgent-share", "0.3",
-               "--deadline-ms", "2000", "--seed", "3", "--out", str(out)]
+               "--deadline-ms", "2000", "--seed", "3", "--routing-log", str(tmp_path / "routing.jsonl"),
+               "--out", str(out)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -77,3 +78,9 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     assert summaries["fcfs"]["num_refused"] == 0 and summaries["deadline"]["num_failed"] == 0
     assert summaries["fcfs"]["batch_output_tok_s"] > 0
     assert "urgent p95" in done.stdout and "proj err p95" in done.stdout
+    # Each run replayed from the started server's routing log, over its own span of it.
+    assert "replay p50" in done.stdout
+    first, second = report["summaries"]
+    assert first["replay_window_s"][1] <= second["replay_window_s"][0]
+    for s in report["summaries"]:
+        assert s["replayed_ttft_p50_s"] > 0 and s["ttft_p50_s"] > 0
