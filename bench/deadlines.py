@@ -27,7 +27,8 @@ With `--routing-log FILE` (the server's routing log: the file a started server w
 one `tandem serve --routing-log` was given) each run is also replayed from the log
 (`tandem route-sim --replay FILE --window ...` over the run's span, under the policy that served
 it), and its summary sets the replayed TTFT p50 beside the measured one (every request served):
-how well the what-if simulator predicts the traffic it was given.
+how well the what-if simulator predicts the traffic it was given. The replay does not simulate
+priorities and leaves out refused requests, so the `fcfs` arm is the like-for-like comparison.
 """
 
 from __future__ import annotations
@@ -241,13 +242,17 @@ def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic
 def replayed(routing_log: Path, span: tuple[float, float], requests: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's part of the routing log replayed under the policy that served it: its TTFT p50
     beside the measured one (every request served, from send to the first text)."""
+    from tandem.routing.errors import ConfigError
     from tandem.routing.replay import first_decision_s, load_replay
     from tandem.routing.sim_report import summarize as summarize_sim
     from tandem.routing.simulator import simulate
 
-    first = first_decision_s(routing_log)
-    window = (span[0] - first, span[1] - first)
-    replay = load_replay(routing_log, window)
+    try:
+        first = first_decision_s(routing_log)
+        window = (span[0] - first, span[1] - first)
+        replay = load_replay(routing_log, window)
+    except (ConfigError, OSError) as exc:  # no log, or nothing placed in this run: the run's figures stand
+        return {"replay_error": str(exc)}
     result = simulate(replay.scenario, replay.served_policy)
     simulated = summarize_sim(result.policy, result.outcomes, [b.spec.backend_id for b in replay.scenario.backends])
     measured = percentile([r["first_text_s"] - r["send_s"] for r in requests

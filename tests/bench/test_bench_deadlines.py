@@ -84,3 +84,14 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     assert first["replay_window_s"][1] <= second["replay_window_s"][0]
     for s in report["summaries"]:
         assert s["replayed_ttft_p50_s"] > 0 and s["ttft_p50_s"] > 0
+
+
+def test_a_run_the_routing_log_does_not_cover_keeps_its_figures_and_says_why(tmp_path):
+    from bench.deadlines import replayed
+
+    log = ROOT / "tests" / "routing" / "fixtures" / "routing-log.jsonl"
+    first = json.loads(log.read_text().splitlines()[0])["ts"]
+    covered = replayed(log, (first - 1, first + 1), [{"status": 200, "send_s": 0.0, "first_text_s": 0.25}])
+    assert covered["replayed_ttft_p50_s"] > 0 and covered["ttft_p50_s"] == 0.25
+    assert "no placed decision in that --window" in replayed(log, (first + 60, first + 61), [])["replay_error"]
+    assert "replay_error" in replayed(tmp_path / "missing.jsonl", (0, 1), [])
