@@ -17,7 +17,8 @@ deadline (refused ones counted apart), batch output tokens/s (batch output token
 span from the first batch send to the last batch end), the refusal latency (send to the 429),
 and the projection's error (the TTFT the client observed minus the `x-tandem-projected-ttft-ms`
 it was placed with; the client's TTFT includes the HTTP hops, so the error is biased late by
-them). TTFT is the first streamed chunk with text, as bench/client.py measures it.
+them), overall and per backend (`x-tandem-backend`): its median, and the median and p90 of its
+absolute value. TTFT is the first streamed chunk with text, as bench/client.py measures it.
 
 It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`; with
 `tandem serve`'s defaults, online calibration included): the live measurement on a GPU host is
@@ -46,6 +47,7 @@ from typing import Any
 
 ARMS = ("deadline", "fcfs")
 PROJECTED_HEADER = "x-tandem-projected-ttft-ms"
+BACKEND_HEADER = "x-tandem-backend"
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Outcome:
     num_output_tokens: int = 0
     projected_ttft_s: float | None = None
     error: str | None = None
+    backend: str | None = None  # the backend that served it (`x-tandem-backend`)
 
     @property
     def ttft_s(self) -> float | None:
@@ -124,6 +127,7 @@ async def send(client: Any, start: float, model: str, request: Request, arm: str
             out.status = r.status_code
             projected = r.headers.get(PROJECTED_HEADER)
             out.projected_ttft_s = None if projected is None else float(projected) / 1000
+            out.backend = r.headers.get(BACKEND_HEADER)
             if r.status_code != 200:
                 out.end_s = time.perf_counter() - start
                 out.error = (await r.aread()).decode(errors="replace")[:300]
@@ -181,8 +185,8 @@ def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
     ttfts = [o.ttft_s for o in served]
     batch_done = [o for o in batch if o.status == 200 and o.end_s is not None]
     span_s = (max(o.end_s for o in batch_done) - min(o.send_s for o in batch)) if batch_done else 0.0
-    errors = [o.ttft_s - o.projected_ttft_s for o in outcomes
-              if o.status == 200 and o.ttft_s is not None and o.projected_ttft_s is not None]
+    placed = [o for o in outcomes if o.status == 200 and o.ttft_s is not None and o.projected_ttft_s is not None]
+    errors = [o.ttft_s - o.projected_ttft_s for o in placed]
     return {
         "num_urgent": len(urgent), "num_batch": len(batch), "num_refused": len(refused),
         "num_failed": sum(1 for o in outcomes if o.status not in (200, 429) or (o.status == 200 and o.error)),
@@ -194,7 +198,20 @@ def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
         "refusal_latency_p95_s": percentile([o.end_s - o.send_s for o in refused], 95),
         "projection_error_p50_s": percentile(errors, 50), "projection_error_p95_s": percentile(errors, 95),
         "projection_abs_error_p95_s": percentile([abs(e) for e in errors], 95),
+        "projection_error_by_backend": projection_error_by_backend(placed),
     }
+
+
+def projection_error_by_backend(placed: list[Outcome]) -> dict[str, dict[str, Any]]:
+    """Observed minus projected TTFT of the requests each backend served: how many, the median
+    error (its bias), the median and p90 of its absolute value (its spread)."""
+    by_backend: dict[str, list[float]] = {}
+    for o in placed:
+        by_backend.setdefault(o.backend or "?", []).append(o.ttft_s - o.projected_ttft_s)
+    return {backend: {"n": len(errors), "median_s": percentile(errors, 50),
+                      "median_abs_s": percentile([abs(e) for e in errors], 50),
+                      "p90_abs_s": percentile([abs(e) for e in errors], 90)}
+            for backend, errors in sorted(by_backend.items())}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -219,6 +236,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
+    text += ["", "projection error (observed - projected TTFT) by backend: n, median, median |e|, p90 |e| (s)"]
+    for r in rows:
+        cells = [f"{backend} {e['n']} {e['median_s']:+.3f} {e['median_abs_s']:.3f} {e['p90_abs_s']:.3f}"
+                 for backend, e in r.get("projection_error_by_backend", {}).items()]
+        text.append(f"  {r['arm']} {r['rate_per_s']:g}/s: " + ("; ".join(cells) or "-"))
     return "\n".join(text)
 
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.deadlines import Traffic, make_workload, request_body, summarize, Outcome
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +42,9 @@ def test_workload_mix_and_bodies_are_seeded_and_per_arm():
 
 def test_summary_figures():
     traffic = Traffic(deadline_ms=500)
-    outcomes = [Outcome(0, True, 0.0, 200, 0.2, 0.5, 4, 0.1), Outcome(1, True, 1.0, 200, 1.9, 2.0, 4, 0.5),
-                Outcome(2, True, 2.0, 429, None, 2.01), Outcome(3, False, 0.5, 200, 0.9, 4.5, 40, 0.3)]
+    outcomes = [Outcome(0, True, 0.0, 200, 0.2, 0.5, 4, 0.1, backend="cpu0"),
+                Outcome(1, True, 1.0, 200, 1.9, 2.0, 4, 0.5, backend="cpu1"),
+                Outcome(2, True, 2.0, 429, None, 2.01), Outcome(3, False, 0.5, 200, 0.9, 4.5, 40, 0.3, backend="cpu0")]
     s = summarize(outcomes, traffic)
     assert (s["num_urgent"], s["num_batch"], s["num_refused"], s["num_failed"]) == (3, 1, 1, 0)
     assert abs(s["urgent_within_deadline"] - 1 / 3) < 1e-12  # 0.2 s met, 0.9 s missed, one refused
@@ -49,6 +52,10 @@ def test_summary_figures():
     assert abs(s["refusal_latency_p50_s"] - 0.01) < 1e-9
     errors = sorted([0.2 - 0.1, 0.9 - 0.5, 0.4 - 0.3])
     assert abs(s["projection_error_p50_s"] - errors[1]) < 1e-9
+    by_backend = s["projection_error_by_backend"]
+    assert sorted(by_backend) == ["cpu0", "cpu1"] and (by_backend["cpu0"]["n"], by_backend["cpu1"]["n"]) == (2, 1)
+    assert by_backend["cpu0"]["median_abs_s"] == pytest.approx((0.1 + 0.1) / 2)  # 0.2 - 0.1 and 0.4 - 0.3
+    assert by_backend["cpu1"]["median_s"] == pytest.approx(0.9 - 0.5)
 
 
 def test_deadlines_bench_on_two_cpu_backends(tmp_path):
@@ -84,6 +91,11 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     assert first["replay_window_s"][1] <= second["replay_window_s"][0]
     for s in report["summaries"]:
         assert s["replayed_ttft_p50_s"] > 0 and s["ttft_p50_s"] > 0
+        # Every served request names its backend, so each error is counted under one.
+        served = sum(r["status"] == 200 for r in runs[s["arm"]])
+        assert set(s["projection_error_by_backend"]) <= {"cpu0", "cpu1"}
+        assert sum(e["n"] for e in s["projection_error_by_backend"].values()) == served
+    assert "projection error (observed - projected TTFT) by backend" in done.stdout
 
 
 def test_a_run_the_routing_log_does_not_cover_keeps_its_figures_and_says_why(tmp_path):
