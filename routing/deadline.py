@@ -20,7 +20,7 @@ waiting requests into a free slot at the start of its next step, but the backend
 admission with that step's progress, after the step: during a long prefill step the ledger
 still counts the request it admitted as queued, and a new request that arrives then finds the
 slot taken. So the oldest queued requests of less urgent classes, in the engine's admission
-order, take the free slots that the queued requests ahead of the new one leave (`filling_work`),
+order, take the free slots that the queued requests ahead of the new one leave (`Ledger.filling`),
 and their prefill and decode are ahead of it too.
 
 The engine's starvation bound also puts work ahead: a less urgent request that has waited
@@ -63,19 +63,20 @@ def projected_ttft_s(spec: BackendSpec, rates: RateProfile, ledger: Ledger, new_
     num_queued_ahead = ahead.num_requests - ledger.num_active
     num_free = spec.max_active - ledger.num_active - num_queued_ahead
     num_queued_below = ledger.num_queued - num_queued_ahead
-    filling = WorkAhead()
+    filling = []
     if num_free > 0 and num_queued_below > 0:
-        filling = ledger.filling_work(priority, min(num_free, num_queued_below))
-    ahead = ahead + filling
+        filling = ledger.filling(priority, min(num_free, num_queued_below))
+    ahead = ahead + WorkAhead.of(filling)
     projected = _projection(spec, rates, new_token_ratio, ahead, num_uncached_tokens)
     if spec.max_priority_wait_s is None or now_s is None:
         return projected
     # Aged requests and more urgent ones take turns, an aged one first at worst: one per
     # request queued ahead at this class or a more urgent one, plus one.
     num_turns = num_queued_ahead + 1
+    filled = frozenset(entry.req_id for entry in filling)
     for _ in range(AGING_PASSES):
         aged = ledger.aged_work(priority, now_s + projected - spec.max_priority_wait_s, num_turns,
-                                skip=filling.num_requests)
+                                skip=filled)
         widened = _projection(spec, rates, new_token_ratio, ahead + aged, num_uncached_tokens)
         if widened <= projected:
             break

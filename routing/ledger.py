@@ -74,6 +74,13 @@ class WorkAhead:
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
         self.num_decode_tokens += sign * entry.num_decode_tokens_left()
 
+    @classmethod
+    def of(cls, entries: list[LedgerEntry]) -> WorkAhead:
+        work = cls()
+        for entry in entries:
+            work.add(entry, +1)
+        return work
+
     def __add__(self, other: WorkAhead) -> WorkAhead:
         return WorkAhead(self.num_requests + other.num_requests, self.num_prefill_tokens + other.num_prefill_tokens,
                          self.num_decode_tokens + other.num_decode_tokens)
@@ -110,38 +117,35 @@ class Ledger:
                 ahead.num_decode_tokens -= queued.num_decode_tokens
         return ahead
 
-    def aged_work(self, priority: int, cutoff_s: float, limit: int, skip: int = 0) -> WorkAhead:
+    def aged_work(self, priority: int, cutoff_s: float, limit: int, skip: frozenset[str] = frozenset()) -> WorkAhead:
         """The oldest `limit` queued requests of less urgent classes than `priority` routed at
-        or before `cutoff_s`, after the `skip` oldest of those classes (already counted as
-        taking free slots, `filling_work`): those a starvation bound will have let take turns
-        with a new request by the time `cutoff_s` plus the bound has passed. O(queued
-        requests), and nothing at all without less urgent ones."""
+        or before `cutoff_s`, leaving out those in `skip` (already counted as taking free slots,
+        `filling`): those a starvation bound will have let take turns with a new request by the
+        time `cutoff_s` plus the bound has passed. O(queued requests), and nothing at all
+        without less urgent ones."""
         aged = WorkAhead()
         if not any(p > priority for p in self.queued_by_priority):
             return aged
         for entry in self.entries.values():  # routing order: oldest first
             if aged.num_requests >= limit:
                 break
-            if entry.status != QUEUED or entry.priority <= priority:
-                continue
-            if skip:
-                skip -= 1
-            elif entry.arrival_s is not None and entry.arrival_s <= cutoff_s:
+            if (entry.status == QUEUED and entry.priority > priority and entry.req_id not in skip
+                    and entry.arrival_s is not None and entry.arrival_s <= cutoff_s):
                 aged.add(entry, +1)
         return aged
 
-    def filling_work(self, priority: int, limit: int) -> WorkAhead:
+    def filling(self, priority: int, limit: int) -> list[LedgerEntry]:
         """The first `limit` queued requests of less urgent classes than `priority` in the
         engine's admission order (class, then routing order): those that take slots the ledger
         sees free before a new request gets there. Each class's walk stops at the `limit`-th
         request (at most the backend's free slots), so it seldom goes past the oldest entries."""
-        filling = WorkAhead()
+        filling: list[LedgerEntry] = []
         for queued_priority in sorted(p for p in self.queued_by_priority if p > priority):
             for entry in self.entries.values():  # routing order: oldest first
-                if filling.num_requests >= limit:
+                if len(filling) >= limit:
                     return filling
                 if entry.status == QUEUED and entry.priority == queued_priority:
-                    filling.add(entry, +1)
+                    filling.append(entry)
         return filling
 
     def add_queued(self, entry: LedgerEntry) -> None:

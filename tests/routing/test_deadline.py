@@ -208,6 +208,21 @@ def test_a_batch_request_filling_a_free_slot_is_not_also_an_aged_turn():
     assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(0.9 + 2.0)
 
 
+def test_with_two_less_urgent_classes_the_filler_is_not_also_an_aged_turn():
+    """The free slot goes to the more urgent of the less urgent classes even when an older
+    request of a lower class is queued: the aged turn is then that older request, not the
+    filler a second time."""
+    spec = g_spec()
+    spec.max_priority_wait_s = 5.0
+    router = Router([spec])
+    active(router, "a1")
+    router.route(req(1, prompt=700, priority=2, arrival_s=0.0))
+    router.route(req(2, prompt=300, priority=1, arrival_s=0.5))
+    # At t=6 both have aged. r2 (class 1) fills the free slot; r1 takes the aged turn: 3 ahead
+    # with 1000 prefill tokens and 300 of decode, both slots taken, so 2 of 3 must finish.
+    assert router.score(req(3, prompt=100, arrival_s=6.0))[0].projected_ttft_s == pytest.approx(1.1 + 2.0)
+
+
 def test_aged_work_is_already_ahead_of_its_own_class():
     # A batch request counts both queued batch requests whatever their age, and no more: 4 ahead,
     # 3 of which must finish (3/4 of their 4 s of decode).
