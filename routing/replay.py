@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.routing.backend_spec import BackendSpec
+from tandem.routing.cost_model import decode_rate_for
 from tandem.routing.errors import ConfigError
 from tandem.routing.rates import RateProfile, scale_decode
 from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
@@ -144,7 +145,7 @@ def _serving_rates(scores: list[dict[str, Any]], profile: dict[str, Any] | None)
         return RateProfile(prefill_tok_s, statistics.median(s["decode_tok_s"] for s in scores))
     logged = RateProfile(**profile)
     factor = statistics.median(
-        s["decode_tok_s"] / logged.decode_rate(max(1, min(s.get("max_active", 4), s["num_active"] + s["num_queued"] + 1)))
+        s["decode_tok_s"] / decode_rate_for(logged, s.get("max_active", 4), s["num_active"] + s["num_queued"] + 1)
         for s in scores)
     return scale_decode(replace(logged, prefill_tok_s=prefill_tok_s), factor)
 
