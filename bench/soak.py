@@ -9,7 +9,8 @@ that second, as a crash would end it, and Ray restarts it.
 
 Every `--interval-s` it records (bench/soak_probe.py): the resident memory and open file
 descriptors of each process of the server (the serve process and Ray's processes under it), GPU
-memory where nvidia-smi is present, the KV blocks in use per backend (/metrics), and the
+memory where nvidia-smi is present (the server's processes, or the device's whole use where
+nvidia-smi cannot see them from inside a container), the KV blocks in use per backend (/metrics), and the
 requests that finished in the interval with their outcomes and p50/p99 latency. Before the
 traffic and after it has drained it reads the KV gauges again at idle.
 
@@ -18,6 +19,7 @@ The checks, each with its bound in the JSON (`--max-*` flags):
   timeout, no byte-less wait of `--hang-s`, no dropped connection, no stray 5xx);
 - memory after warm-up: the server's RSS (idle pool workers aside) in the last interval minus
   the second, and the least-squares slope over the intervals from the second on (MiB/min);
+  GPU memory in the last interval minus the second, where there is a GPU;
 - latency: p99 in the last interval within `--max-p99-growth` (20 %) of the second interval's;
 - idle KV: no block in use on any backend once the traffic has drained;
 - the server is still up at the end.
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-backend-at-s", type=float, help="kill one backend's process at this second")
     parser.add_argument("--max-rss-growth-mib", type=float, default=256.0,
                         help="bound on the server's RSS, last interval minus the second (default 256)")
+    parser.add_argument("--max-gpu-growth-mib", type=float, default=256.0,
+                        help="bound on the server's GPU memory, last interval minus the second (default 256)")
     parser.add_argument("--max-rss-slope-mib-per-min", type=float, default=16.0,
                         help="bound on its RSS slope from the second interval on (default 16 MiB/min)")
     parser.add_argument("--max-p99-growth", type=float, default=0.20,
@@ -153,7 +157,7 @@ class Soak:
             "rss_mib": soak_probe.total(processes, "rss_mib"), "num_fds": int(soak_probe.total(processes, "num_fds")),
             "rss_mib_by_process": soak_probe.by_role(processes, {p.pid: p.rss_mib for p in processes}),
             "num_fds_by_process": soak_probe.by_role(processes, {p.pid: p.num_fds for p in processes}),
-            "gpu_mib": None if gpu is None else round(sum(gpu.values()), 1),
+            "gpu_mib": _gpu_total(gpu),
             "gpu_mib_by_process": None if gpu is None else soak_probe.by_role(processes, gpu),
             "kv": await self.kv(client),
         }
@@ -183,6 +187,17 @@ class Soak:
         killed = soak_probe.kill_a_backend(self.server.proc.pid)
         self.kills.append({"at_s": round(self.clock(), 1), "killed": killed})
         print(f"soak: killed {killed} at {self.clock():.0f} s", flush=True)
+
+
+def _gpu_total(by_pid: dict[int, float] | None) -> float | None:
+    """The server's GPU memory: its processes' sum, or the whole device's use where nvidia-smi
+    names none of them (the bench is then assumed to be the device's only user)."""
+    if by_pid is None:
+        return None
+    if by_pid:
+        return round(sum(by_pid.values()), 1)
+    device = soak_probe.gpu_device_used_mib()
+    return None if device is None else round(device, 1)
 
 
 def _ms(value: float | None) -> float | None:

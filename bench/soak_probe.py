@@ -191,6 +191,19 @@ def gpu_memory_mib(pids: set[int]) -> dict[int, float] | None:
     return used
 
 
+def gpu_device_used_mib() -> float | None:
+    """MiB in use on all GPUs together, per nvidia-smi: the fallback where the per-process query
+    cannot name the tree's processes (a container whose pid namespace nvidia-smi does not see)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+        return sum(float(line) for line in done.stdout.split()) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 # -- KV blocks from /metrics ---------------------------------------------------------------------
 def kv_blocks(page: str) -> dict[str, dict[str, float]]:
     """Per backend: `usage` (0-1), `free_blocks` and `blocks_in_use`, from a Prometheus page. A

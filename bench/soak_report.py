@@ -64,6 +64,10 @@ def checks(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
     out.append(_check("rss_slope_mib_per_min", None if slope is None else slope <= args.max_rss_slope_mib_per_min,
                       slope, args.max_rss_slope_mib_per_min, "least-squares slope of server RSS from the second "
                       "interval on, fitted per segment between backend kills"))
+    gpu = [row.get("gpu_mib") for row in (intervals[1], intervals[-1])] if enough else [None, None]
+    gpu_growth = round(gpu[1] - gpu[0], 1) if None not in gpu else None
+    out.append(_check("gpu_growth_mib", None if gpu_growth is None else gpu_growth <= args.max_gpu_growth_mib,
+                      gpu_growth, args.max_gpu_growth_mib, "GPU memory of the server, last interval minus the second"))
     second, last = (intervals[1].get("p99_ms"), intervals[-1].get("p99_ms")) if enough else (None, None)
     ratio = round(last / second, 3) if second and last is not None else None
     out.append(_check("p99_last_over_second", None if ratio is None else ratio <= 1 + args.max_p99_growth, ratio,

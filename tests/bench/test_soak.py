@@ -167,12 +167,15 @@ def test_kv_blocks_from_a_prometheus_page():
 
 # -- the checks ------------------------------------------------------------------------------------
 def _args(**overrides):
-    values = dict(hang_s=60.0, max_rss_growth_mib=256.0, max_rss_slope_mib_per_min=16.0, max_p99_growth=0.2)
+    values = dict(hang_s=60.0, max_rss_growth_mib=256.0, max_gpu_growth_mib=256.0, max_rss_slope_mib_per_min=16.0,
+                  max_p99_growth=0.2)
     return argparse.Namespace(**{**values, **overrides})
 
 
-def _report(rss: list[float], p99: list[float], lost: int = 0, idle_blocks: int = 0) -> dict:
-    intervals = [{"end_s": 60.0 * (k + 1), "rss_mib": m, "p99_ms": p} for k, (m, p) in enumerate(zip(rss, p99))]
+def _report(rss: list[float], p99: list[float], lost: int = 0, idle_blocks: int = 0, gpu: list | None = None) -> dict:
+    gpu = gpu or [None] * len(rss)
+    intervals = [{"end_s": 60.0 * (k + 1), "rss_mib": m, "p99_ms": p, "gpu_mib": g}
+                 for k, (m, p, g) in enumerate(zip(rss, p99, gpu))]
     outcomes = {o: 0 for o in OUTCOMES} | {"lost": lost}
     kv = {"cpu0": {"usage": 0.0, "free_blocks": 10.0, "blocks_in_use": idle_blocks}}
     return {"totals": {"outcomes": outcomes}, "intervals": intervals, "server": {"alive_at_end": True},
@@ -188,16 +191,20 @@ def test_checks_pass_and_fail_on_their_bounds():
     rows = [{"end_s": 60.0 * (i + 1), "rss_mib": m} for i, m in enumerate([500, 1000, 1010, 900, 1300, 1310, 1320])]
     assert rss_slope_mib_per_min(rows, [200.0]) == 10.0
     assert rss_slope_mib_per_min(rows) > 50  # fitted across the step
-    good = {c["name"]: c for c in checks(_report([500, 1000, 1010, 1020], [900, 100, 300, 119]), _args())}
+    good = {c["name"]: c for c in checks(_report([500, 1000, 1010, 1020], [900, 100, 300, 119],
+                                                 gpu=[0, 9000, 9100, 9200]), _args())}
     assert all(c["passed"] for c in good.values()), good
+    assert good["gpu_growth_mib"]["value"] == 200.0
     assert (good["rss_growth_mib"]["value"], good["rss_slope_mib_per_min"]["value"]) == (20.0, 10.0)
     assert good["p99_last_over_second"]["value"] == 1.19
-    bad = {c["name"]: c for c in checks(_report([500, 1000, 1010, 1020], [900, 100, 300, 121], lost=1, idle_blocks=3),
+    bad = {c["name"]: c for c in checks(_report([500, 1000, 1010, 1020], [900, 100, 300, 121], lost=1, idle_blocks=3,
+                                                gpu=[0, 9000, 9100, 9300]),
                                         _args(max_rss_slope_mib_per_min=5.0, max_rss_growth_mib=10.0))}
     assert {n for n, c in bad.items() if c["passed"] is False} == {
-        "lost", "rss_growth_mib", "rss_slope_mib_per_min", "p99_last_over_second", "idle_kv_blocks"}
+        "lost", "rss_growth_mib", "rss_slope_mib_per_min", "gpu_growth_mib", "p99_last_over_second", "idle_kv_blocks"}
     short = {c["name"]: c["passed"] for c in checks(_report([500, 1000], [100, 100]), _args())}
     assert short["rss_growth_mib"] is None and short["p99_last_over_second"] is None  # too short to judge
+    assert short["gpu_growth_mib"] is None
     assert short["lost"] and short["hung"]
 
 
@@ -269,7 +276,8 @@ def test_a_short_soak_loses_nothing(tmp_path):
     assert done.returncode == (0 if all(v is not False for v in verdicts.values()) else 1)
     assert report["passed"] == (done.returncode == 0)
     assert set(verdicts) == {"lost", "hung", "server_alive", "rss_growth_mib", "rss_slope_mib_per_min",
-                             "p99_last_over_second", "idle_kv_blocks"}
+                             "gpu_growth_mib", "p99_last_over_second", "idle_kv_blocks"}
+    assert verdicts["gpu_growth_mib"] is None  # no GPU here: not judged
     assert (report["model"], report["max_model_len"]) == (MODEL, 1024)
     assert "sekret" not in (out / "soak.json").read_text() + (out / "soak.md").read_text()
     assert [row["index"] for row in report["intervals"]] == [0, 1, 2, 3]
