@@ -19,6 +19,9 @@ and the projection's error (the TTFT the client observed minus the `x-tandem-pro
 it was placed with; the client's TTFT includes the HTTP hops, so the error is biased late by
 them), overall and per backend (`x-tandem-backend`): its median, and the median and p90 of its
 absolute value. TTFT is the first streamed chunk with text, as bench/client.py measures it.
+It also reports how late the client sent (p99 and max of actual send minus scheduled arrival):
+one Python process reading hundreds of streams falls behind, and then its figures measure the
+client; `--client-procs N` shares the arrivals among N processes.
 
 It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`; with
 `tandem serve`'s defaults, online calibration included): the live measurement on a GPU host is
@@ -48,6 +51,7 @@ from typing import Any
 ARMS = ("deadline", "fcfs")
 PROJECTED_HEADER = "x-tandem-projected-ttft-ms"
 BACKEND_HEADER = "x-tandem-backend"
+MAX_CLIENT_LAG_S = 0.05  # a run whose client sent later than this (p99) says so
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Outcome:
     projected_ttft_s: float | None = None
     error: str | None = None
     backend: str | None = None  # the backend that served it (`x-tandem-backend`)
+    send_lag_s: float = 0.0  # how late the client sent it: a busy client delays every figure after
 
     @property
     def ttft_s(self) -> float | None:
@@ -122,6 +127,7 @@ def request_body(model: str, request: Request, arm: str, traffic: Traffic) -> di
 async def send(client: Any, start: float, model: str, request: Request, arm: str, traffic: Traffic) -> Outcome:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     out = Outcome(request.index, request.urgent, time.perf_counter() - start)
+    out.send_lag_s = out.send_s - request.arrival_s
     try:
         async with client.stream("POST", "/v1/completions", json=request_body(model, request, arm, traffic)) as r:
             out.status = r.status_code
@@ -156,13 +162,57 @@ def _read_event(line: str, out: Outcome, now_s: float) -> None:
 
 
 async def run_load(url: str, model: str, requests: list[Request], arm: str, traffic: Traffic,
-                   timeout_s: float = 600.0) -> list[Outcome]:
+                   start: float | None = None, timeout_s: float = 600.0) -> list[Outcome]:
+    """Send `requests` at their arrival times after `start` (a `time.perf_counter()` value, the
+    same clock in every process of this machine; None: now) and read their streams."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         return list(await asyncio.gather(*(send(client, start, model, r, arm, traffic) for r in requests)))
+
+
+def _load_in_process(url: str, model: str, requests: list[Request], arm: str, traffic: Traffic,
+                     start: float) -> list[Outcome]:
+    return asyncio.run(run_load(url, model, requests, arm, traffic, start))
+
+
+class Clients:
+    """The client side of a run: one event loop in this process, or `num_procs` processes that
+    share the arrivals round-robin. One Python process reading hundreds of streams falls behind
+    its own arrival schedule (the send lag each outcome records), and then every figure measures
+    the client; processes keep the schedule at rates one cannot."""
+
+    START_LEAD_S = 0.5  # the processes get the requests before the first arrival is due
+
+    def __init__(self, num_procs: int) -> None:
+        self.num_procs = max(1, num_procs)
+        self.pool = None
+        if self.num_procs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(self.num_procs, mp_context=multiprocessing.get_context("spawn"))
+            list(self.pool.map(_warm_up, range(self.num_procs)))
+
+    def run(self, url: str, model: str, requests: list[Request], arm: str, traffic: Traffic) -> list[Outcome]:
+        if self.pool is None:
+            return asyncio.run(run_load(url, model, requests, arm, traffic))
+        start = time.perf_counter() + self.START_LEAD_S
+        parts = [self.pool.submit(_load_in_process, url, model, requests[i::self.num_procs], arm, traffic, start)
+                 for i in range(self.num_procs)]
+        return sorted((o for part in parts for o in part.result()), key=lambda o: o.index)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _warm_up(_: int) -> None:
+    import httpx  # noqa: F401  (the first run should not pay the import)
+
+    time.sleep(0.2)  # long enough that each worker takes one
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -199,6 +249,8 @@ def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
         "projection_error_p50_s": percentile(errors, 50), "projection_error_p95_s": percentile(errors, 95),
         "projection_abs_error_p95_s": percentile([abs(e) for e in errors], 95),
         "projection_error_by_backend": projection_error_by_backend(placed),
+        "client_lag_p99_s": percentile([o.send_lag_s for o in outcomes], 99),
+        "client_lag_max_s": max((o.send_lag_s for o in outcomes), default=None),
     }
 
 
@@ -216,7 +268,7 @@ def projection_error_by_backend(placed: list[Outcome]) -> dict[str, dict[str, An
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = ("arm", "rate/s", "urgent", "batch", "refused", "urgent p50", "urgent p95", "deadline", "met",
-              "batch tok/s", "refusal p95", "proj err p50", "proj err p95")
+              "batch tok/s", "refusal p95", "proj err p50", "proj err p95", "client lag p99")
 
     def cell(value: Any, unit: str = "") -> str:
         if value is None:
@@ -232,6 +284,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "-" if r["urgent_within_deadline"] is None else f"{100 * r['urgent_within_deadline']:.0f}%",
         "-" if r["batch_output_tok_s"] is None else f"{r['batch_output_tok_s']:.1f}",
         cell(r["refusal_latency_p95_s"]), cell(r["projection_error_p50_s"]), cell(r["projection_error_p95_s"]),
+        cell(r.get("client_lag_p99_s")),
     ) + ((cell(r.get("ttft_p50_s")), cell(r.get("replayed_ttft_p50_s"))) if replays else ()) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
@@ -241,20 +294,28 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells = [f"{backend} {e['n']} {e['median_s']:+.3f} {e['median_abs_s']:.3f} {e['p90_abs_s']:.3f}"
                  for backend, e in r.get("projection_error_by_backend", {}).items()]
         text.append(f"  {r['arm']} {r['rate_per_s']:g}/s: " + ("; ".join(cells) or "-"))
+    behind = [f"{r['arm']} {r['rate_per_s']:g}/s" for r in rows if (r.get("client_lag_p99_s") or 0) > MAX_CLIENT_LAG_S]
+    if behind:
+        text += ["", f"the client sent late (p99 over {1e3 * MAX_CLIENT_LAG_S:.0f} ms) in: {', '.join(behind)}; "
+                     "those rows measure the client too: run again with more --client-procs"]
     return "\n".join(text)
 
 
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
-            arms: tuple[str, ...] = ARMS, routing_log: Path | None = None) -> dict[str, Any]:
+            arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1) -> dict[str, Any]:
     rows, runs = [], []
-    for rate in rates:
-        for arm in arms:
-            workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
-            started = time.time()  # the routing log's clock
-            outcomes = asyncio.run(run_load(url, model, workload, arm, traffic))
-            span = (started, time.time())
-            rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
-            runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
+    clients = Clients(client_procs)
+    try:
+        for rate in rates:
+            for arm in arms:
+                workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
+                started = time.time()  # the routing log's clock
+                outcomes = clients.run(url, model, workload, arm, traffic)
+                span = (started, time.time())
+                rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
+                runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
+    finally:
+        clients.close()
     if routing_log is not None:
         for row, run in zip(rows, runs):
             row.update(replayed(routing_log, run["span"], run["requests"]))
@@ -328,6 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--urgent-lengths", default="64,16", help="urgent prompt,max_tokens")
     parser.add_argument("--batch-lengths", default="256,128", help="batch prompt,max_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="client processes sharing the arrivals (one falls behind at high rates: see the "
+                             "client lag column)")
     parser.add_argument("--routing-log", type=Path, default=None,
                         help="the server's routing log (a started server writes it): replay each run from it "
                              "and report the replayed TTFT p50 beside the measured one")
@@ -344,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server(args.url, args.model) if args.url else start_server(args)
     try:
         report = run_all(server.url, server.model, [float(x) for x in args.loads.split(",")], args.duration_s,
-                         traffic, args.seed, routing_log=args.routing_log)
+                         traffic, args.seed, routing_log=args.routing_log, client_procs=args.client_procs)
     finally:
         server.close()
     if args.out is not None:

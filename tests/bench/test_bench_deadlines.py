@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.deadlines import Traffic, make_workload, request_body, summarize, Outcome
+from bench.deadlines import Outcome, Traffic, format_table, make_workload, request_body, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 RATES = {"prefill_tok_s": 2000.0, "decode_tok_s": 200.0}
@@ -56,6 +56,15 @@ def test_summary_figures():
     assert sorted(by_backend) == ["cpu0", "cpu1"] and (by_backend["cpu0"]["n"], by_backend["cpu1"]["n"]) == (2, 1)
     assert by_backend["cpu0"]["median_abs_s"] == pytest.approx((0.1 + 0.1) / 2)  # 0.2 - 0.1 and 0.4 - 0.3
     assert by_backend["cpu1"]["median_s"] == pytest.approx(0.9 - 0.5)
+    assert s["client_lag_max_s"] == 0.0  # the outcomes were built on schedule
+
+
+def test_the_table_says_where_the_client_fell_behind():
+    late = Outcome(0, False, 0.4, 200, 0.5, 0.9, 8, 0.1, send_lag_s=0.3)
+    rows = [{"arm": "fcfs", "rate_per_s": rate, **summarize(outcomes, Traffic())}
+            for rate, outcomes in ((1.0, [Outcome(0, False, 0.0, 200, 0.1, 0.5, 8, 0.1)]), (9.0, [late]))]
+    table = format_table(rows)
+    assert "the client sent late" in table and "fcfs 9/s" in table and "fcfs 1/s" not in table.split("late")[-1]
 
 
 def test_deadlines_bench_on_two_cpu_backends(tmp_path):
@@ -65,7 +74,7 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     command = [sys.executable, "-m", "bench.deadlines", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--max-active", "2", "--rates", str(rates), "--loads", "4",
                "--duration-s", "2", "--urgent-lengths", "16,4", "--batch-lengths", "64,16", "--urgent-share", "0.3",
-               "--deadline-ms", "2000", "--seed", "3", "--routing-log", str(tmp_path / "routing.jsonl"),
+               "--deadline-ms", "2000", "--seed", "3", "--client-procs", "2", "--routing-log", str(tmp_path / "routing.jsonl"),
                "--out", str(out)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -75,6 +84,8 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     assert sorted(runs) == ["deadline", "fcfs"]
     assert [r["urgent"] for r in runs["deadline"]] == [r["urgent"] for r in runs["fcfs"]] != []
     for arm, requests in runs.items():
+        # Two client processes sent the arrivals between them: every request once, back in order.
+        assert [r["index"] for r in requests] == list(range(len(requests)))
         for r in requests:
             assert r["error"] is None or r["status"] == 429, r
             assert r["status"] == 200 or (arm == "deadline" and r["urgent"] and r["status"] == 429), r
@@ -84,7 +95,8 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     summaries = {s["arm"]: s for s in report["summaries"]}
     assert summaries["fcfs"]["num_refused"] == 0 and summaries["deadline"]["num_failed"] == 0
     assert summaries["fcfs"]["batch_output_tok_s"] > 0
-    assert "urgent p95" in done.stdout and "proj err p95" in done.stdout
+    assert "urgent p95" in done.stdout and "proj err p95" in done.stdout and "client lag p99" in done.stdout
+    assert all(s["client_lag_max_s"] >= s["client_lag_p99_s"] >= 0 for s in report["summaries"])
     # Each run replayed from the started server's routing log, over its own span of it.
     assert "replay p50" in done.stdout
     first, second = report["summaries"]
