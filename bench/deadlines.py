@@ -301,6 +301,40 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
+def timeline(report: dict[str, Any], run: dict[str, Any], bin_s: float = 1.0) -> list[dict[str, Any]]:
+    """One run of a report, by arrival time in bins of `bin_s`: how late the client sent (max),
+    and the urgent and batch TTFTs (median, max) of the requests that arrived in the bin. Where
+    the client fell behind, or the server stalled, it shows when."""
+    traffic = Traffic(**report["traffic"])
+    arrivals = {r.index: r.arrival_s for r in make_workload(run["rate_per_s"], report["duration_s"], traffic,
+                                                           report["seed"], prompts_of=run["arm"])}
+    bins: dict[int, list[dict[str, Any]]] = {}
+    for request in run["requests"]:
+        bins.setdefault(int(arrivals[request["index"]] // bin_s), []).append(request)
+    rows = []
+    for k, requests in sorted(bins.items()):
+        def ttfts(urgent: bool) -> list[float]:
+            return [r["first_text_s"] - r["send_s"] for r in requests
+                    if r["urgent"] == urgent and r["first_text_s"] is not None]
+        rows.append({"from_s": k * bin_s, "num_requests": len(requests),
+                     "client_lag_max_s": max(r["send_s"] - arrivals[r["index"]] for r in requests),
+                     "urgent_ttft_p50_s": percentile(ttfts(True), 50), "urgent_ttft_max_s": max(ttfts(True), default=None),
+                     "batch_ttft_p50_s": percentile(ttfts(False), 50)})
+    return rows
+
+
+def format_timeline(report: dict[str, Any]) -> str:
+    text = []
+    for run in report["runs"]:
+        text.append(f"{run['arm']} {run['rate_per_s']:g}/s, by arrival second: client lag max, urgent TTFT p50/max, "
+                    "batch TTFT p50 (s)")
+        for row in timeline(report, run):
+            text.append(f"  {row['from_s']:5.0f}  {row['client_lag_max_s']:7.3f}  "
+                        + "  ".join(f"{'-':>7}" if row[k] is None else f"{row[k]:7.3f}"
+                                    for k in ("urgent_ttft_p50_s", "urgent_ttft_max_s", "batch_ttft_p50_s")))
+    return "\n".join(text)
+
+
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
             arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1) -> dict[str, Any]:
     rows, runs = [], []
@@ -396,12 +430,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's routing log (a started server writes it): replay each run from it "
                              "and report the replayed TTFT p50 beside the measured one")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--timeline", type=Path, default=None, metavar="REPORT",
+                        help="print a written report's runs second by second (client lag, TTFTs) and exit")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.deadlines", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.timeline is not None:
+        print(format_timeline(json.loads(args.timeline.read_text())))
+        return 0
     (urgent_prompt, urgent_max), (batch_prompt, batch_max) = (
         tuple(int(x) for x in value.split(",")) for value in (args.urgent_lengths, args.batch_lengths))
     traffic = Traffic(args.urgent_share, args.deadline_ms, urgent_prompt, urgent_max, batch_prompt, batch_max)
