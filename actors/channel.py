@@ -11,6 +11,13 @@ sorts into per-request queues. A request's reader merges whatever has piled up s
 read into one output, so a caller that falls behind reads fewer, larger deltas instead of
 queueing more messages: the hop costs per step, and the caller's own pace sets the chunking.
 
+Pacing is here too: after its first output a request hands out a delta at most every interval,
+which grows with the channel's open requests (0.25 ms each, at most 20 ms), because what a
+caller pays per message (a wake-up, an SSE chunk, a socket write) is what limits a caller with
+many streams, while a caller with few gets every step; a request's last output (or its error)
+goes at once. The engine core sends every step as it comes and leaves the pacing to its callers
+(actors/fanout.py), so the per-output work is the callers', in their own processes.
+
 A channel's transport is decided by locality: on the backend's own node, the same-node wire
 to the backend's engine core process itself (a Unix socket, see actors/wire.py), which costs a
 socket write per batch each way; elsewhere Ray, a one-way `BackendActor.add_many` per batch of
@@ -41,6 +48,12 @@ from tandem.engine.errors import BackendError, BackendGoneError
 from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
+
+# A request's deltas wait at most this long between two hand-overs, however large its channel.
+MAX_STREAM_DELAY_S = 0.02
+# After its first output, one hand-over per this many seconds per open request of its channel
+# (64 streams in one caller: 16 ms), at most MAX_STREAM_DELAY_S.
+CHANNEL_PACE_PER_STREAM_S = 0.00025
 
 _channels: dict[tuple[int, str], Channel] = {}
 
@@ -94,7 +107,7 @@ class Channel:
         self.key = key
         self.channel_id = f"ch-{uuid.uuid4().hex}"
         self.adds = NoticeBatcher(self._send_adds, on_error=self._adds_failed)
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.error: BaseException | None = None
         self.transport: str | None = None  # "wire" or "ray", once the reader task knows
         self._writer: asyncio.StreamWriter | None = None
@@ -134,8 +147,8 @@ class Channel:
                 self._writer.close()
             if _channels.get(self.key) is self:
                 del _channels[self.key]
-            for queue in self.queues.values():
-                queue.put_nowait(exc)
+            for stream in list(self.streams.values()):
+                stream.deliver(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -164,26 +177,30 @@ class Channel:
             batch, self._unsent = self._unsent, []
             self._send_adds(batch)
 
+    def interval(self) -> float:
+        """How long a request's deltas are held between two hand-overs (see the module doc)."""
+        return min(MAX_STREAM_DELAY_S, len(self.streams) * CHANNEL_PACE_PER_STREAM_S)
+
     def _sort(self, items: list) -> None:
         """A batch's items (`EngineCoreOutput`, `Admitted` or `Refusal`), each to its request's
-        queue: an output as a `RequestOutput`, a refusal as its exception."""
+        stream: an output as a `RequestOutput`, a refusal as its exception."""
         for item in items:
-            queue = self.queues.get(item.req_id)
-            if queue is None:
+            stream = self.streams.get(item.req_id)
+            if stream is None:
                 continue
             if isinstance(item, Refusal):
-                queue.put_nowait(item.error)
+                stream.deliver(item.error)
             elif isinstance(item, Admitted):
-                queue.put_nowait(item)
+                stream.deliver(item)
             else:
-                queue.put_nowait(item.to_request_output())
+                stream.deliver(item.to_request_output())
 
     def _adds_failed(self, batch: list[EngineCoreRequest], error: BaseException) -> None:
         """The adds could not be sent: each request hears it as its answer."""
         for request in batch:
-            queue = self.queues.get(request.req_id)
-            if queue is not None:
-                queue.put_nowait(error)
+            stream = self.streams.get(request.req_id)
+            if stream is not None:
+                stream.deliver(error)
 
 
 class RequestStream:
@@ -198,6 +215,18 @@ class RequestStream:
         self._ready: list = []  # merged outputs of other choices, returned before reading more
         self._first: list = []  # outputs that came with the admission (`Admitted.outputs`)
         self._admitted = False
+        self._due = 0.0  # the loop's time before which no delta but the last is handed out
+        self._last_queued = False  # the last output, or an error, is in the queue
+        self._waiter: asyncio.Future | None = None  # set while next() waits for its turn
+
+    def deliver(self, item: Any) -> None:
+        """The channel's reader hands over the next item (`Admitted`, a `RequestOutput` or an
+        exception); the last output and an error end a wait for the next turn."""
+        self._queue.put_nowait(item)
+        if isinstance(item, BaseException) or getattr(item, "finished", False):
+            self._last_queued = True
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
 
     async def next(self) -> Any:
         if not self._admitted:
@@ -209,6 +238,7 @@ class RequestStream:
         if self._first:  # came with the admission: before anything the channel brought since
             items, self._first = self._first, []
         else:
+            await self._turn()
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 self.close()
@@ -223,11 +253,27 @@ class RequestStream:
         item, *self._ready = merge_outputs(items)
         if items[-1].finished:
             self.close()
+        else:
+            self._due = asyncio.get_running_loop().time() + self.channel.interval()
         return item
+
+    async def _turn(self) -> None:
+        """Wait until this request's next delta is due, unless its last output is in already."""
+        loop = asyncio.get_running_loop()
+        wait = self._due - loop.time()
+        if wait <= 0 or self._last_queued:
+            return
+        self._waiter = loop.create_future()
+        timer = loop.call_later(wait, _wake, self._waiter)
+        try:
+            await self._waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     async def _add(self) -> Admitted:
         channel = self.channel
-        channel.queues[self.req_id] = self._queue  # before the add, which answers on this queue
+        channel.streams[self.req_id] = self  # before the add, which answers on this stream
         if channel.error is not None:
             self.close()
             raise channel.error
@@ -247,5 +293,10 @@ class RequestStream:
         return admitted
 
     def close(self) -> None:
-        if self.channel.queues.get(self.req_id) is self._queue:
-            del self.channel.queues[self.req_id]
+        if self.channel.streams.get(self.req_id) is self:
+            del self.channel.streams[self.req_id]
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -6,7 +6,7 @@ world runs here, on one thread with its own asyncio event loop:
 
 - the same-node wire's server (actors/wire.py): each caller process connects once per
   backend, presents the token, opens its channel (`ChannelOpen`) and sends `ChannelAdds`
-  frames; the channels' bookkeeping, admissions and pacing are actors/fanout.py's;
+  frames; the channels' bookkeeping and admissions are actors/fanout.py's;
 - the core pipe from the backend actor: control calls, aborts and the stop, queued for the
   step loop as they come; its end-of-file (the actor is gone) stops the step loop;
 - once per step, what the step loop posts (`StepNews`): the step's outputs go to their

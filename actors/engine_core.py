@@ -11,7 +11,7 @@ the step's news to the I/O thread.
 
 A request's data goes straight between its caller and this process: the core serves the
 callers' channels itself on the same-node wire (actors/core_io.py runs the socket I/O on its
-own thread; actors/fanout.py admits, paces and batches), so a step's tokens leave in one frame
+own thread; actors/fanout.py admits and batches), so a step's tokens leave in one frame
 per caller with no hop through the actor. vLLM's engine core talks to its front end the same
 way (a local socket, serialized on an output thread).
 

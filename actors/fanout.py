@@ -1,5 +1,5 @@
 """An engine core's side of its channels: which caller each request streams to, its admission,
-and the pacing of its outputs.
+and one frame per channel per step with its outputs.
 
 A channel is one caller process's multiplexed stream (actors/channel.py is the caller's end):
 every request the caller adds on it comes back on it, first its admission, then its outputs,
@@ -15,11 +15,10 @@ reaches the caller with the answer instead of a channel message later. A request
 outputs then (queued behind others, or a prompt prefilled in chunks) is admitted without them;
 a refused add is answered at once with a `Refusal`.
 
-Pacing: a request's first output goes at once, and so does its last; in between, outputs are
-merged and handed over at most every interval, which grows with the channel's open requests
-(0.25 ms each, at most 20 ms), because what a caller pays per message (a wake-up, an SSE
-chunk, a socket write) is what limits a caller with many streams, while a caller with few gets
-every step.
+No pacing here: every step's outputs go out in that step, one frame per channel, since this
+thread shares the GIL with the step loop, and per-output work here (holding, merging, timers)
+is taken from a host-bound step. Pacing is the caller's (actors/channel.py): its request
+streams hand out merged deltas at most every interval, where each caller pays per message.
 
 A slow caller never holds up the engine: writes go into the socket's buffer without waiting,
 and once a channel has `MAX_UNSENT_BYTES` unsent its outputs stay held and keep merging (one
@@ -43,11 +42,6 @@ from tandem.engine.errors import BackendError, InvalidRequestError
 
 logger = logging.getLogger("tandem.backend")
 
-# A request's outputs wait at most this long between two hand-overs, however large its channel.
-MAX_STREAM_DELAY_S = 0.02
-# After its first output, one hand-over per this many seconds per open request of its channel
-# (64 streams in one caller: 16 ms), at most MAX_STREAM_DELAY_S.
-CHANNEL_PACE_PER_STREAM_S = 0.00025
 # Above this many bytes written but not yet taken by its caller, a channel's outputs are held.
 MAX_UNSENT_BYTES = 4 << 20
 
@@ -61,38 +55,29 @@ class Abort:
 
 @dataclass(eq=False)  # one per connection, compared and hashed by identity
 class ChannelState:
-    """One channel: its caller's socket, its open requests and their held outputs."""
+    """One channel: its caller's socket, its open requests, and the outputs held while its
+    caller is backed up."""
 
     channel_id: str = ""
     writer: asyncio.StreamWriter | None = None  # None: bookkeeping only (unit tests)
     req_ids: set = field(default_factory=set)
     closed: bool = False
-    # Each request's outputs not handed over yet, and when its next hand-over is due
-    # (time.monotonic; absent: its first output goes at once).
-    held: dict = field(default_factory=dict)
-    next_send: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)  # req_id -> outputs not written while backed up
     draining: bool = False  # a task waits for the caller to take what was written
 
-    def take_due(self, now: float) -> list[EngineCoreOutput]:
-        """The held outputs due now, merged per request: finished ones, and the rest once their
-        interval has passed (or a step, when steps are slower)."""
-        interval = min(MAX_STREAM_DELAY_S, len(self.req_ids) * CHANNEL_PACE_PER_STREAM_S)
-        due = []
-        for req_id, pending in list(self.held.items()):
-            finished = pending[-1].finished
-            if finished or now >= self.next_send.get(req_id, 0.0):
-                del self.held[req_id]
-                if finished:
-                    self.next_send.pop(req_id, None)
-                else:
-                    self.next_send[req_id] = now + interval
-                due.extend(merge_core_outputs(pending))
-        return due
+    def hold(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            self.held.setdefault(out.req_id, []).append(out)
+
+    def take_held(self) -> list[EngineCoreOutput]:
+        """What was held, one merged delta per request (per choice)."""
+        merged = [out for pending in self.held.values() for out in merge_core_outputs(pending)]
+        self.held.clear()
+        return merged
 
     def drop(self, req_id: str) -> None:
         self.req_ids.discard(req_id)
         self.held.pop(req_id, None)
-        self.next_send.pop(req_id, None)
 
     def backed_up(self) -> bool:
         return self.writer is not None and self.writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES
@@ -178,7 +163,7 @@ class Fanout:
     # -- from the step loop ------------------------------------------------------------------
     def on_step(self, added: list[tuple[str, int, float]], refused: list[tuple[str, BaseException]],
                 outputs: list[EngineCoreOutput]) -> None:
-        """Admit, merge, pace and send one step's news: `added` (req_id, num_prompt_tokens,
+        """Admit and send one step's news: `added` (req_id, num_prompt_tokens,
         queued time) and `refused` (req_id, error) are the adds the step loop applied."""
         admissions: dict[int, tuple[ChannelState, list]] = {}
         if self._admitting or self._awaiting_first:
@@ -240,29 +225,35 @@ class Fanout:
         return rest
 
     def _deliver(self, outputs: list[EngineCoreOutput], admissions: dict) -> None:
-        """Hold a step's outputs on their channels and send what is due, a channel's admissions
-        first, one frame per channel."""
-        now = time.monotonic()
+        """Write a step's outputs, one frame per channel, a channel's admissions first; a
+        backed-up channel holds its outputs (admissions still go) until its caller drains."""
+        batches: dict[int, tuple[ChannelState, list]] = {}
         for out in outputs:
             channel = self.channel_of.get(out.req_id)
             if channel is None:  # aborted or failed meanwhile: its caller already heard why
                 continue
-            channel.held.setdefault(out.req_id, []).append(out)
-            self._holding[id(channel)] = channel
-            if out.finished:  # it leaves the channel's count; its outputs stay held
+            entry = batches.get(id(channel))
+            if entry is None:
+                entry = batches[id(channel)] = (channel, [])
+            entry[1].append(out)
+            if out.finished:  # it leaves the channel's count
                 self._leave_channel(out.req_id)
-        batches = dict(admissions)
-        for key, channel in list(self._holding.items()):
+        for key, channel in self._holding.items():
+            batches.setdefault(key, (channel, []))
+        for key in admissions.keys() - batches.keys():
+            batches[key] = (admissions[key][0], [])
+        for key, (channel, items) in batches.items():
+            admitted = admissions[key][1] if key in admissions else []
             if channel.backed_up():
+                channel.hold(items)
+                self._holding[key] = channel
                 self._drain_later(channel)
-                continue
-            due = channel.take_due(now)
-            if due:
-                batches.setdefault(key, (channel, []))[1].extend(due)
-            if not channel.held:
+                items = []
+            elif key in self._holding:
                 del self._holding[key]
-        for channel, items in batches.values():
-            channel.send(items)
+                items = channel.take_held() + items
+            if admitted or items:
+                channel.send(admitted + items)
 
     def _drain_later(self, channel: ChannelState) -> None:
         """Once a backed-up caller has taken what was written, send what it is due (its

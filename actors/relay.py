@@ -6,7 +6,8 @@ A caller on the backend's node talks to the engine core directly, on the same-no
 actor's Ray methods instead (`add_many`, sent one-way, and one `subscribe` stream per
 channel); the actor connects to its core as that caller's channel and passes the frames on
 as they are, encoded (`ChannelAdds` one way, `ChannelBatch` the other), without decoding
-them: the core does the admissions and pacing for these channels exactly as for local ones.
+them: the core does the admissions for these channels exactly as for local ones, and the
+caller paces its streams itself (actors/channel.py), whichever way the frames came.
 """
 
 from __future__ import annotations

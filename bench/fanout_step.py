@@ -4,11 +4,12 @@ The I/O thread (actors/core_io.py) runs in the engine core's process, so every m
 Python it spends per step is taken from the step loop under the GIL when the step loop is
 host-bound (a small model at a large batch on a GPU). This measures that work alone, on the
 real code path: the step's `RequestOutput`s become `EngineCoreOutput`s, and `Fanout.on_step`
-holds, paces, merges and encodes them into one frame per channel. The frames go into an
-in-memory sink instead of a socket (the write syscall is not counted). Steps are spaced
-`--step-ms` apart so the channels' pacing sees serving's timing.
+sorts and encodes them into one frame per channel. The frames go into an in-memory sink
+instead of a socket (the write syscall is not counted). Steps are spaced `--step-ms` apart, as
+in serving, for any timing the fan-out keeps.
 
-Prints CPU microseconds per step (median of the rounds' means) for each (outputs per step,
+Prints microseconds per step (median of the rounds' means; wall time of the work, which is
+single-threaded, so CPU time on an idle core) for each (outputs per step,
 channels) pair, and writes them with every round to `--out`.
 """
 
@@ -49,7 +50,7 @@ def _outputs(num: int) -> list[RequestOutput]:
 
 
 def measure(num_outputs: int, num_channels: int, num_steps: int, step_s: float) -> float:
-    """Mean CPU seconds per step of converting and fanning out `num_outputs` outputs."""
+    """Mean seconds per step of converting and fanning out `num_outputs` outputs."""
     fanout = Fanout("bench", lambda command: None)
     channels = [ChannelState(f"c{k}", writer=_Sink()) for k in range(num_channels)]  # type: ignore[arg-type]
     outputs = _outputs(num_outputs)
@@ -59,9 +60,9 @@ def measure(num_outputs: int, num_channels: int, num_steps: int, step_s: float) 
         fanout.channel_of[out.req_id] = channel
     spent = 0.0
     for _ in range(num_steps):
-        start = time.thread_time()
+        start = time.perf_counter()  # wall time of one thread's work; the thread's CPU clock is a syscall
         fanout.on_step([], [], [EngineCoreOutput.of(o) for o in outputs])
-        spent += time.thread_time() - start
+        spent += time.perf_counter() - start
         time.sleep(step_s)
     return spent / num_steps
 
@@ -76,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    print(f"{'outputs':>8} {'channels':>8} {'CPU us/step':>12} {'rounds':>30}")
+    print(f"{'outputs':>8} {'channels':>8} {'us/step':>12} {'rounds':>30}")
     for num_outputs in (int(x) for x in args.outputs.split(",")):
         for num_channels in (int(x) for x in args.channels.split(",")):
             rounds = [1e6 * measure(num_outputs, num_channels, args.steps, args.step_ms / 1e3)
                       for _ in range(args.rounds)]
             median = statistics.median(rounds)
-            rows.append({"outputs": num_outputs, "channels": num_channels, "cpu_us_per_step": round(median, 1),
+            rows.append({"outputs": num_outputs, "channels": num_channels, "us_per_step": round(median, 1),
                          "rounds_us": [round(r, 1) for r in rounds]})
             print(f"{num_outputs:>8} {num_channels:>8} {median:>12.1f} {' '.join(f'{r:.0f}' for r in rounds):>30}")
     if args.out is not None:

@@ -1,17 +1,26 @@
 """The backend's merge of the core's outputs and a channel's pacing, without Ray (milliseconds).
 
 `merge_core_outputs` is `merge_outputs` for the core's `EngineCoreOutput`s: they must agree on
-every sequence of outputs, choices and logprobs included. `ChannelState.take_due` hands a
-request's first and last outputs over at once and paces the rest by the channel's size.
+every sequence of outputs, choices and logprobs included. The core writes every step to its
+channels as it comes; the caller's `RequestStream` hands a request's first and last outputs
+over at once and paces the rest by its channel's size.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from types import SimpleNamespace
 
-from tandem.actors.fanout import CHANNEL_PACE_PER_STREAM_S, MAX_STREAM_DELAY_S, ChannelState
-from tandem.actors.messages import EngineCoreOutput, merge_core_outputs
+import pytest
+
+from tandem.actors.channel import CHANNEL_PACE_PER_STREAM_S, MAX_STREAM_DELAY_S, Channel, RequestStream
+from tandem.actors.fanout import ChannelState, Fanout
+from tandem.actors.messages import EngineCoreOutput, EngineCoreRequest, merge_core_outputs
+from tandem.engine.errors import BackendGoneError
 from tandem.engine.outputs import RequestOutput, Usage, merge_outputs
+from tandem.engine.sampling_params import SamplingParams
 
 
 def _output(rng: random.Random, step: int, index: int, finished: bool, with_logprobs: bool) -> RequestOutput:
@@ -38,38 +47,90 @@ def _output_of(req_id: str, finished: bool = False) -> EngineCoreOutput:
     return EngineCoreOutput(req_id, [1], "a", finished, "stop" if finished else None, 3, 1, 0)
 
 
-def test_first_and_last_outputs_go_at_once_the_rest_by_the_channel_size():
-    channel = ChannelState()
-    channel.req_ids.update(f"r{i}" for i in range(40))
-    interval = min(MAX_STREAM_DELAY_S, 40 * CHANNEL_PACE_PER_STREAM_S)
-    channel.held["r0"] = [_output_of("r0")]
-    assert [o.req_id for o in channel.take_due(100.0)] == ["r0"]  # first output: at once
-    channel.held["r0"] = [_output_of("r0")]
-    assert channel.take_due(100.0 + interval / 2) == []  # held
-    channel.held["r0"].append(_output_of("r0"))
-    due = channel.take_due(100.0 + interval)  # due: both steps in one output
-    assert len(due) == 1 and due[0].new_token_ids == [1, 1] and due[0].new_text == "aa"
-    channel.held["r0"] = [_output_of("r0", finished=True)]
-    assert [o.finished for o in channel.take_due(100.0 + interval + 1e-4)] == [True]  # last: at once
-    assert "r0" not in channel.next_send and not channel.held
+def test_the_core_writes_every_step_one_frame_per_channel():
+    fanout = Fanout("b", to_core=lambda command: None)
+    channels = [RecordingChannel("c0"), RecordingChannel("c1")]
+    for i, channel in enumerate(channels * 2):
+        channel.req_ids.add(f"r{i}")
+        fanout.channel_of[f"r{i}"] = channel
+    for step in range(3):
+        fanout.on_step([], [], [_output_of(f"r{i}", finished=step == 2) for i in range(4)])
+    assert [[o.req_id for o in batch] for batch in channels[0].sent] == [["r0", "r2"]] * 3
+    assert [[o.req_id for o in batch] for batch in channels[1].sent] == [["r1", "r3"]] * 3
+    assert not fanout.channel_of and not channels[0].req_ids  # finished: they left their channels
 
 
-def test_a_small_channel_is_not_held_and_a_big_one_at_most_the_cap():
-    small, big = ChannelState(), ChannelState()
-    small.req_ids.update({"a", "b"})
-    big.req_ids.update(f"r{i}" for i in range(10_000))
-    for channel, req_id in ((small, "a"), (big, "r0")):
-        channel.held[req_id] = [_output_of(req_id)]
-        channel.take_due(0.0)
-    small.held["a"] = [_output_of("a")]
-    assert small.take_due(2 * CHANNEL_PACE_PER_STREAM_S)  # 2 streams: 0.5 ms
-    big.held["r0"] = [_output_of("r0")]
-    assert big.take_due(MAX_STREAM_DELAY_S)  # never longer than the cap
+def _stream(interval: float) -> tuple[RequestStream, SimpleNamespace]:
+    channel = SimpleNamespace(streams={}, interval=lambda: interval)
+    stream = RequestStream(channel, EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=8)))
+    stream._admitted = True  # past its admission: what is paced is the outputs after it
+    channel.streams["r"] = stream
+    return stream, channel
+
+
+def _out(text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", [ord(text)], text, finished, "length" if finished else None, Usage(2, 1, 0))
+
+
+def test_after_its_first_output_a_request_gets_merged_deltas_at_most_every_interval():
+    async def scenario():
+        stream, _ = _stream(interval=0.2)
+        stream._first = [_out("a")]
+        t0 = time.monotonic()
+        assert (await stream.next()).new_text == "a"  # the first: at once
+        stream.deliver(_out("b"))
+        stream.deliver(_out("c"))
+        second = await stream.next()  # waits for its turn, then one delta of what piled up
+        assert second.new_text == "bc" and time.monotonic() - t0 >= 0.2
+        stream.deliver(_out("d"))
+        reader = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0.01)
+        assert not reader.done()  # its turn has not come
+        stream.deliver(_out("e", finished=True))  # the last output ends the wait
+        last = await asyncio.wait_for(reader, 0.1)
+        assert last.new_text == "de" and last.finished and time.monotonic() - t0 < 0.35
+
+    asyncio.run(scenario())
+
+
+def test_an_error_ends_the_wait_and_a_small_interval_does_not_hold():
+    async def scenario():
+        stream, _ = _stream(interval=10.0)
+        stream._first = [_out("a")]
+        await stream.next()
+        reader = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0.01)
+        stream.deliver(BackendGoneError("gone"))
+        with pytest.raises(BackendGoneError):
+            await asyncio.wait_for(reader, 0.5)
+        quick, _ = _stream(interval=0.0)
+        quick._first = [_out("a")]
+        await quick.next()
+        quick.deliver(_out("b"))
+        assert (await asyncio.wait_for(quick.next(), 0.5)).new_text == "b"
+
+    asyncio.run(scenario())
+
+
+def test_the_interval_grows_with_the_channel_and_stops_at_the_cap():
+    small = SimpleNamespace(streams=dict.fromkeys("ab"))
+    big = SimpleNamespace(streams=dict.fromkeys(range(10_000)))
+    assert Channel.interval(small) == 2 * CHANNEL_PACE_PER_STREAM_S  # 0.5 ms
+    assert Channel.interval(big) == MAX_STREAM_DELAY_S
 
 
 def test_a_dropped_request_sends_nothing_more():
     channel = ChannelState()
     channel.req_ids.add("r")
-    channel.held["r"] = [_output_of("r")]
+    channel.hold([_output_of("r")])
     channel.drop("r")
-    assert channel.take_due(1.0) == [] and not channel.req_ids
+    assert channel.take_held() == [] and not channel.req_ids
+
+
+class RecordingChannel(ChannelState):
+    def __init__(self, channel_id: str) -> None:
+        super().__init__(channel_id)
+        self.sent: list = []
+
+    def send(self, items: list) -> None:
+        self.sent.append(items)
