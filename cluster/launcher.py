@@ -348,9 +348,11 @@ def _cpu_notes(plan: BackendPlan, op_library_pending: Any = None) -> str:
     """What makes a cpu backend's first start slow, so a long wait in the log has its reason.
     `op_library_pending()`: whether ggml's op library is yet to be built for this torch (default:
     asks engine/model/ggml_kernels.py)."""
+    from tandem.engine.model.ggml_kernels import auto_excluded
+
     notes = ""
     on_ggml = plan.cpu_kernels in GGML_KERNELS or (
-        plan.device == "cpu" and plan.cpu_kernels == "auto" and plan.dtype in ("auto", "float32") and not plan.cpu_compile)
+        plan.cpu_kernels == "auto" and auto_excluded(plan.device, plan.dtype, plan.cpu_compile) is None)
     if on_ggml and (op_library_pending or _op_library_pending)():
         notes += ", ggml kernels (this first start on this torch builds their op library, about a minute)"
     if plan.cpu_compile:

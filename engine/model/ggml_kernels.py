@@ -93,20 +93,30 @@ def _ninja() -> str | None:
     return shutil.which("ninja") or shutil.which("ninja", path=sysconfig.get_path("scripts"))
 
 
+def auto_excluded(device_type: str, dtype: str, cpu_compile: bool, pack_cpu_weights: bool = True) -> str | None:
+    """Why `cpu_kernels="auto"` runs eager for an engine of these settings whatever the machine,
+    or None where ggml's graph is its choice once ggml is built. Pure: the engine and the
+    start-up log (cluster/launcher.py) decide alike."""
+    if device_type != "cpu":
+        return f"device {device_type}"
+    if dtype not in ("auto", "float32"):
+        return f"eager: ggml's graph runs {dtype} only when asked (cpu_kernels ggml-graph)"
+    if cpu_compile:
+        return "eager: cpu_compile decodes through compiled graphs"
+    if not pack_cpu_weights:
+        return "eager: pack_cpu_weights is off"
+    return None
+
+
 def auto_kernels(config: EngineConfig) -> tuple[str, str]:
     """What `cpu_kernels="auto"` runs for `config` on this machine, and why, in words for the
     start-up log: ("ggml-graph", ...) for a cpu engine with float32 weights where ggml is built,
     else ("torch", why not). Other choices are returned as they are."""
     if config.cpu_kernels != "auto":
         return config.cpu_kernels, "as configured"
-    if config.device_type != "cpu":
-        return "torch", f"device {config.device}"
-    if config.dtype not in ("auto", "float32"):
-        return "torch", f"eager: ggml's graph runs {config.dtype} only when asked (cpu_kernels ggml-graph)"
-    if config.cpu_compile:
-        return "torch", "eager: cpu_compile decodes through compiled graphs"
-    if not config.pack_cpu_weights:
-        return "torch", "eager: pack_cpu_weights is off"
+    excluded = auto_excluded(config.device_type, config.dtype, config.cpu_compile, config.pack_cpu_weights)
+    if excluded:
+        return "torch", excluded if config.device_type == "cpu" else f"device {config.device}"
     reason = unavailable()
     if reason:
         return "torch", f"eager: {reason}"

@@ -178,6 +178,25 @@ def test_the_start_log_says_why_a_first_start_is_slow():
     assert _cpu_notes(torch_plan, pending) == _cpu_notes(int8, pending) == ""  # eager: no op library
 
 
+def test_the_start_log_and_the_engine_read_auto_alike():
+    """The log announces an op-library build exactly where the engine's auto choice would try
+    ggml's graph: both ask `auto_excluded`."""
+    from tandem.cluster.launcher import _cpu_notes
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_kernels import auto_excluded, auto_kernels
+
+    for dtype in ("auto", "float32", "int8", "int4"):
+        for compile_ in (False, True):
+            flags = ("--backends", "cpu", "--cpu-dtype", dtype) + (("--cpu-compile",) if compile_ else ())
+            plan = plan_backends(serve_config(*flags), num_gpus=0, mps_available=False)[0]
+            excluded = auto_excluded(plan.device, plan.dtype, plan.cpu_compile)
+            assert ("builds their op library" in _cpu_notes(plan, lambda: True)) == (excluded is None), flags
+            if excluded is not None:  # the engine runs eager, for the same reason
+                config = EngineConfig(model="tiny-llama-random", device="cpu", dtype=dtype, cpu_compile=compile_)
+                assert auto_kernels(config) == ("torch", excluded), flags
+    assert auto_excluded("cuda", "auto", False) == "device cuda"
+
+
 def test_bench_takes_the_kernels_flag():
     from bench.cli import add_arguments
     from bench.harness import _dtype_suffix
