@@ -43,9 +43,9 @@ from typing import Any
 from tandem.actors import wire
 from tandem.actors.batching import NoticeBatcher
 from tandem.actors.detached import detached
-from tandem.actors.messages import Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal, decode, encode
+from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal, decode, encode,
+                                    merge_core_outputs)
 from tandem.engine.errors import BackendError, BackendGoneError
-from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
 
@@ -183,17 +183,13 @@ class Channel:
 
     def _sort(self, items: list) -> None:
         """A batch's items (`EngineCoreOutput`, `Admitted` or `Refusal`), each to its request's
-        stream: an output as a `RequestOutput`, a refusal as its exception."""
+        stream, a refusal as its exception. Outputs stay the core's structs until the stream
+        hands them out, merged: one `RequestOutput` per delta, not per step."""
         for item in items:
             stream = self.streams.get(item.req_id)
             if stream is None:
                 continue
-            if isinstance(item, Refusal):
-                stream.deliver(item.error)
-            elif isinstance(item, Admitted):
-                stream.deliver(item)
-            else:
-                stream.deliver(item.to_request_output())
+            stream.deliver(item.error if isinstance(item, Refusal) else item)
 
     def _adds_failed(self, batch: list[EngineCoreRequest], error: BaseException) -> None:
         """The adds could not be sent: each request hears it as its answer."""
@@ -220,7 +216,7 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None  # set while next() waits for its turn
 
     def deliver(self, item: Any) -> None:
-        """The channel's reader hands over the next item (`Admitted`, a `RequestOutput` or an
+        """The channel's reader hands over the next item (`Admitted`, an `EngineCoreOutput` or an
         exception); the last output and an error end a wait for the next turn."""
         self._queue.put_nowait(item)
         if isinstance(item, BaseException) or getattr(item, "finished", False):
@@ -250,7 +246,7 @@ class RequestStream:
                 self._pending_error = following
                 break
             items.append(following)
-        item, *self._ready = merge_outputs(items)
+        item, *self._ready = [out.to_request_output() for out in merge_core_outputs(items)]
         if items[-1].finished:
             self.close()
         else:
@@ -287,7 +283,7 @@ class RequestStream:
             self.close()
             raise admitted
         self._admitted = True
-        self._first = [out.to_request_output() for out in admitted.outputs]
+        self._first = list(admitted.outputs)
         if self._first and self._first[-1].finished:
             self.close()
         return admitted

@@ -68,8 +68,8 @@ def _stream(interval: float) -> tuple[RequestStream, SimpleNamespace]:
     return stream, channel
 
 
-def _out(text: str, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", [ord(text)], text, finished, "length" if finished else None, Usage(2, 1, 0))
+def _out(text: str, finished: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput("r", [ord(text)], text, finished, "length" if finished else None, 2, 1, 0)
 
 
 def test_after_its_first_output_a_request_gets_merged_deltas_at_most_every_interval():
@@ -89,6 +89,7 @@ def test_after_its_first_output_a_request_gets_merged_deltas_at_most_every_inter
         stream.deliver(_out("e", finished=True))  # the last output ends the wait
         last = await asyncio.wait_for(reader, 0.1)
         assert last.new_text == "de" and last.finished and time.monotonic() - t0 < 0.35
+        assert isinstance(last, RequestOutput) and last.usage == Usage(2, 1, 0)  # handed out as the engine's type
 
     asyncio.run(scenario())
 
