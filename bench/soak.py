@@ -5,7 +5,8 @@ It starts `tandem serve [--model M] --port PORT FLAGS` as bench/serve_load.py do
 own process group, console in OUT/STEM.log, ready when /health answers 200, stopped with Ctrl-C),
 then C concurrent clients (httpx, one asyncio loop) send the mix of bench/soak_traffic.py back to
 back for `--duration-s`. Optionally (`--kill-backend-at-s`) one backend's process is killed at
-that second, as a crash would end it, and Ray restarts it.
+that second, as a crash would end it, and Ray restarts it (`--kill-backend ID` picks which, by the
+pid its ready line in the server's console carries).
 
 Every `--interval-s` it records (bench/soak_probe.py): the resident memory and open file
 descriptors of each process of the server (the serve process and Ray's processes under it), GPU
@@ -32,7 +33,7 @@ Exits 1 if a check fails, 2 if the server did not start, 3 if the bench itself b
 report then carries its traceback). Example (a GPU box):
 
     python -m bench.soak --model qwen2.5-0.5b-random --flags='--backends cuda,cpu' \\
-        --duration-s 1800 --kill-backend-at-s 900 --out /tmp/soak
+        --duration-s 1800 --kill-backend-at-s 900 --kill-backend cuda0 --out /tmp/soak
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-s", type=float, default=60.0,
                         help="a request with no byte for this long is hung (default 60)")
     parser.add_argument("--kill-backend-at-s", type=float, help="kill one backend's process at this second")
+    parser.add_argument("--kill-backend", metavar="ID",
+                        help="which backend to kill (e.g. cuda0; default: the backend actor with the lowest pid)")
     parser.add_argument("--max-rss-growth-mib", type=float, default=256.0,
                         help="bound on the server's RSS, last interval minus the second (default 256)")
     parser.add_argument("--max-gpu-growth-mib", type=float, default=256.0,
@@ -184,7 +187,11 @@ class Soak:
 
     async def kill_at(self, at_s: float) -> None:
         await asyncio.sleep(max(0.0, at_s - self.clock()))
-        killed = soak_probe.kill_a_backend(self.server.proc.pid)
+        wanted = soak_probe.backend_pids(self.server.log_text()).get(self.args.kill_backend or "")
+        killed = soak_probe.kill_a_backend(self.server.proc.pid, wanted)
+        if killed is not None:
+            killed["backend"] = next((b for b, pid in soak_probe.backend_pids(self.server.log_text()).items()
+                                      if pid == killed["pid"]), None)
         self.kills.append({"at_s": round(self.clock(), 1), "killed": killed})
         print(f"soak: killed {killed} at {self.clock():.0f} s", flush=True)
 

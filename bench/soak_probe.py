@@ -157,13 +157,25 @@ def total(samples: list[ProcessSample], value: str) -> float:
     return round(sum(getattr(s, value) for s in samples if s.role != IDLE_ROLE), 1)
 
 
-def kill_a_backend(root_pid: int) -> dict[str, Any] | None:
-    """SIGKILL the lowest-pid backend actor's process, as a crash would end it (Ray restarts the
-    actor); what was killed, or None if the tree has no backend."""
+# Ray prefixes a worker's console lines with its pid; a backend names itself in its ready line.
+_BACKEND_LINE = re.compile(r"\(BackendActor pid=(\d+)\)(?:\x1b\[[0-9;]*m)?\s+backend (\S+): device")
+
+
+def backend_pids(server_log: str) -> dict[str, int]:
+    """Each backend's actor pid, from the server's console: the latest ready line of each (a
+    restarted backend logs a new one)."""
+    return {backend_id: int(pid) for pid, backend_id in _BACKEND_LINE.findall(server_log)}
+
+
+def kill_a_backend(root_pid: int, backend_pid: int | None = None) -> dict[str, Any] | None:
+    """SIGKILL a backend actor's process, as a crash would end it (Ray restarts the actor):
+    `backend_pid` if it is a backend of this tree, else the lowest-pid one; what was killed, or
+    None if the tree has no backend."""
     backends = [s for s in sample_processes(root_pid) if s.role == BACKEND_ROLE]
     if not backends:
         return None
-    victim = min(backends, key=lambda s: s.pid)
+    chosen = [s for s in backends if s.pid == backend_pid]
+    victim = chosen[0] if chosen else min(backends, key=lambda s: s.pid)
     os.kill(victim.pid, signal.SIGKILL)
     return {"pid": victim.pid, "role": victim.role, "rss_mib": victim.rss_mib}
 

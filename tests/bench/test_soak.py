@@ -293,3 +293,15 @@ def test_a_short_soak_loses_nothing(tmp_path):
     assert report["server"]["stop"]["clean"], report["server"]["stop"]
     assert (out / "soak.md").read_text().count("| lost | yes |") == 1
     assert (out / "soak.png").stat().st_size > 0
+
+
+def test_backend_pids_come_from_the_ready_lines_the_latest_winning():
+    log = "\n".join([
+        "(BackendActor pid=840) backend cpu0: device cpu (configured cpu), dtype float32, ...",
+        "(BackendActor pid=841) backend cuda0: device cuda (configured cuda), dtype bfloat16, ...",
+        "(BackendActor pid=840) cpu engine: float32, kernels auto",
+        "(RouterActor pid=846) router: backend cpu0 (cpu, instance ad3d1ae9e6ef) joined routing",
+        "\x1b[36m(BackendActor pid=851)\x1b[0m backend cpu0: device cpu (configured cpu), ...",  # restarted
+    ])
+    assert soak_probe.backend_pids(log) == {"cpu0": 851, "cuda0": 841}
+    assert soak_probe.backend_pids("") == {}
