@@ -147,9 +147,10 @@ class BackendActor:
         self._relay(channel_id).add(adds)
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[bytes]:
-        """The admissions and outputs of every request added with `channel_id`, one encoded
-        `ChannelBatch` per hand-over. Ends when the caller closes it, which aborts that
-        channel's unfinished requests."""
+        """The admissions and outputs of every request added with `channel_id`: the core's
+        `ChannelBatch` frames as they arrive, several to an item when they pile up (the caller's
+        `wire.FrameSplitter` takes them apart). Ends when the caller closes it, which aborts
+        that channel's unfinished requests."""
         relay = self._relay(channel_id)
         try:
             async for batch in relay.batches():

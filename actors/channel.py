@@ -155,8 +155,10 @@ class Channel:
     async def _read_ray(self) -> None:
         gen = self.handle.subscribe.options(num_returns="streaming").remote(self.channel_id)
         self._start("ray")
+        frames = wire.FrameSplitter()
         async for ref in gen:
-            self._sort(decode(await ref).items)
+            for payload in frames.feed(await ref):
+                self._sort(decode(payload).items)
         raise BackendError(f"backend channel {self.channel_id} ended")
 
     async def _read_wire(self, address: tuple[str, bytes]) -> None:

@@ -5,7 +5,8 @@ A caller on the backend's node talks to the engine core directly, on the same-no
 (actors/wire.py). A caller on another node cannot reach that Unix socket, so it uses the
 actor's Ray methods instead (`add_many`, sent one-way, and one `subscribe` stream per
 channel); the actor connects to its core as that caller's channel and passes the frames on
-as they are, encoded (`ChannelAdds` one way, `ChannelBatch` the other), without decoding
+as they are, encoded (`ChannelAdds` one way; the other way the core's bytes as they arrive,
+so the frames written while a Ray item was in flight go as one item), without decoding
 them: the core does the admissions for these channels exactly as for local ones, and the
 caller paces its streams itself (actors/channel.py), whichever way the frames came.
 """
@@ -18,6 +19,9 @@ from collections.abc import AsyncIterator
 from tandem.actors import wire
 from tandem.actors.messages import ChannelOpen
 from tandem.engine.errors import BackendGoneError
+
+
+RELAY_CHUNK_BYTES = 1 << 20  # the most one Ray item carries
 
 
 class Relay:
@@ -48,12 +52,17 @@ class Relay:
             self._writer.write(wire.frame_encoded(adds))
 
     async def batches(self) -> AsyncIterator[bytes]:
-        """The channel's encoded `ChannelBatch`es, as the core sends them."""
+        """The channel's `ChannelBatch` frames, as the core wrote them (length-prefixed), in chunks
+        of whatever has arrived: frames that pile up while the caller is slow travel as one Ray
+        item, and a frame may end in the next chunk (`FrameSplitter` reassembles them)."""
         try:
             reader = await self._connected
             while True:
-                yield await wire.read_encoded(reader)
-        except (asyncio.IncompleteReadError, ConnectionError):
+                chunk = await reader.read(RELAY_CHUNK_BYTES)
+                if not chunk:
+                    raise ConnectionError("end of stream")
+                yield chunk
+        except ConnectionError:
             raise BackendGoneError(f"the engine core's wire for channel {self.channel_id} closed") from None
 
     def close(self) -> None:

@@ -64,6 +64,27 @@ def frame_encoded(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+class FrameSplitter:
+    """Frames out of a byte stream that arrives in chunks of any size (a relay's Ray items)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The encoded messages of every frame `chunk` completes."""
+        self._buffer += chunk
+        payloads, start = [], 0
+        while len(self._buffer) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buffer, start)
+            end = start + HEADER.size + size
+            if end > len(self._buffer):
+                break
+            payloads.append(bytes(self._buffer[start + HEADER.size:end]))
+            start = end
+        del self._buffer[:start]
+        return payloads
+
+
 async def read_frame(reader: asyncio.StreamReader) -> Message:
     """The next frame's message; `asyncio.IncompleteReadError` at the end of the stream."""
     return messages.decode(await read_encoded(reader))

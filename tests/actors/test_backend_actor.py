@@ -14,6 +14,7 @@ import pytest
 
 from tandem.actors.backend import BackendActor
 from tandem.actors.fanout import MAX_UNSENT_BYTES, ChannelState, Fanout
+from tandem.actors.wire import FrameSplitter
 from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreOutput, EngineCoreRequest, Refusal,
                                     decode, encode)
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -50,20 +51,25 @@ def run(coro, timeout_s: float = 60.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
+def _decoded(frames: FrameSplitter, chunk: bytes) -> list:
+    """The items of every `ChannelBatch` frame a subscription's chunk completes."""
+    return [item for payload in frames.feed(chunk) for item in decode(payload).items]
+
+
 async def collect(actor, req_id, ids, params):
     """One request on a channel of its own: its outputs as `RequestOutput`s (the first ones those
     its admission brought); the refusal's exception raised."""
     subscription = actor.subscribe(f"ch-{req_id}")
     reading = asyncio.ensure_future(subscription.__anext__())
     await actor.add_many(f"ch-{req_id}", _adds([(req_id, ids, params)]))
-    items = []
+    items, frames = [], FrameSplitter()
     try:
         while not items or not _finished(items[-1]):
-            batch = decode(await reading).items
+            batch = _decoded(frames, await reading)
             items += batch
-            if isinstance(batch[-1], Refusal):
+            if batch and isinstance(batch[-1], Refusal):
                 raise batch[-1].error
-            if not _finished(items[-1]):
+            if not items or not _finished(items[-1]):
                 reading = asyncio.ensure_future(subscription.__anext__())
     finally:
         await subscription.aclose()
@@ -107,7 +113,7 @@ def test_closing_a_channel_aborts_its_requests_and_frees_blocks(backend):
         subscription = backend.subscribe("ch-abandoned")
         reading = asyncio.ensure_future(subscription.__anext__())
         await backend.add_many("ch-abandoned", _adds([("abandoned", list(range(5, 60)), params)]))
-        assert isinstance(decode(await reading).items[0], Admitted)
+        assert isinstance(_decoded(FrameSplitter(), await reading)[0], Admitted)
         await subscription.__anext__()
         await subscription.aclose()  # what Ray does when the caller closes the channel
         for _ in range(100):
@@ -210,10 +216,11 @@ async def _channel_run(actor, channel_id, requests):
     """Add `requests` ((req_id, ids, params)) on one channel; returns each one's Admitted (which
     the channel brings first) and the `EngineCoreOutput`s the channel brought for it after."""
     batches: list = []
+    frames = FrameSplitter()
 
     async def read() -> None:
-        async for batch in actor.subscribe(channel_id):
-            batches.extend(decode(batch).items)
+        async for chunk in actor.subscribe(channel_id):
+            batches.extend(_decoded(frames, chunk))
 
     reader = asyncio.get_running_loop().create_task(read())
     assert await actor.add_many(channel_id, _adds(requests)) is None
@@ -252,10 +259,11 @@ def test_a_channel_add_brings_the_first_token_and_the_channel_the_rest(backend):
 def test_a_rejected_channel_add_is_answered_on_the_channel(backend):
     async def scenario():
         batches: list = []
+        frames = FrameSplitter()
 
         async def read() -> None:
-            async for batch in backend.subscribe("ch-bad"):
-                batches.extend(decode(batch).items)
+            async for chunk in backend.subscribe("ch-bad"):
+                batches.extend(_decoded(frames, chunk))
 
         reader = asyncio.get_running_loop().create_task(read())
         too_long = SamplingParams(max_tokens=10**6, temperature=0.0)

@@ -221,3 +221,16 @@ def test_adds_on_a_wire_that_closed_under_them_fail_as_backend_gone(loop, monkey
             server.close()
 
     assert isinstance(run(asyncio.wait_for(main(), 30)), BackendGoneError)
+
+
+def test_frames_split_back_out_of_chunks_of_any_size():
+    """A relay passes the core's bytes on in whatever chunks arrived: the caller gets every
+    frame back whole, in order, however the chunks cut them."""
+    payloads = [bytes([i]) * n for i, n in enumerate((1, 0, 300, 5, 70_000))]
+    stream = b"".join(wire.frame_encoded(p) for p in payloads)
+    for size in (1, 3, 7, 4096, len(stream)):
+        frames, got = wire.FrameSplitter(), []
+        for start in range(0, len(stream), size):
+            got += frames.feed(stream[start:start + size])
+        assert got == payloads, size
+    assert wire.FrameSplitter().feed(stream[:3]) == []  # a header cut short waits for the rest
