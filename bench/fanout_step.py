@@ -11,15 +11,22 @@ in serving, for any timing the fan-out keeps.
 Prints microseconds per step (median of the rounds' means; wall time of the work, which is
 single-threaded, so CPU time on an idle core) for each (outputs per step,
 channels) pair, and writes them with every round to `--out`.
+
+The other side, measured the same way: what a caller (an ingress replica) spends per step on
+its channel's frames: decoding them, sorting them into its request streams, and each stream's
+merged delta once per `--steps-per-read` steps (the pacing). That work is done in the callers'
+own processes, beside the core rather than inside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tandem.actors.fanout import ChannelState, Fanout
@@ -67,6 +74,37 @@ def measure(num_outputs: int, num_channels: int, num_steps: int, step_s: float) 
     return spent / num_steps
 
 
+def measure_caller(num_streams: int, steps_per_read: int, num_reads: int) -> float:
+    """Mean seconds per step that a caller with `num_streams` streams on one channel spends on
+    the core's frames: decoding each step's frame, sorting it into the streams (`Channel._sort`)
+    and, every `steps_per_read` steps (its pacing), each stream's merged delta (`next()`)."""
+    from tandem.actors.channel import Channel, RequestStream
+    from tandem.actors.messages import Admitted, ChannelBatch, EngineCoreRequest, decode, encode
+    from tandem.engine.sampling_params import SamplingParams
+
+    async def run() -> float:
+        # The caller's end of a channel without its transport: the streams, the add hook, no pacing.
+        channel = SimpleNamespace(streams={}, error=None, interval=lambda: 0.0,
+                                  adds=SimpleNamespace(notify=lambda request: None))
+        streams = [RequestStream(channel, EngineCoreRequest(f"cmpl-{i:032x}", [1], SamplingParams(max_tokens=1 << 20)))
+                   for i in range(num_streams)]
+        admissions = [asyncio.ensure_future(stream.next()) for stream in streams]
+        await asyncio.sleep(0)
+        Channel._sort(channel, [Admitted(s.req_id, "bench", 1, [], 0.0, 0.0) for s in streams])
+        await asyncio.gather(*admissions)
+        frames = [encode(ChannelBatch([EngineCoreOutput.of(o) for o in _outputs(num_streams)]))
+                  for _ in range(steps_per_read)]
+        start = time.perf_counter()
+        for _ in range(num_reads):
+            for payload in frames:
+                Channel._sort(channel, decode(payload).items)
+            for stream in streams:
+                await stream.next()
+        return (time.perf_counter() - start) / (num_reads * steps_per_read)
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.fanout_step", description=__doc__.splitlines()[0])
     parser.add_argument("--outputs", default="64,256", help="outputs per step, comma-separated")
@@ -74,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--step-ms", type=float, default=2.0, help="time between steps")
+    parser.add_argument("--caller-streams", default="16,64", help="streams on the caller's channel, comma-separated")
+    parser.add_argument("--steps-per-read", type=int, default=8,
+                        help="steps between two reads of a stream (its pacing: 16 ms over 2 ms steps)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -86,11 +127,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"outputs": num_outputs, "channels": num_channels, "us_per_step": round(median, 1),
                          "rounds_us": [round(r, 1) for r in rounds]})
             print(f"{num_outputs:>8} {num_channels:>8} {median:>12.1f} {' '.join(f'{r:.0f}' for r in rounds):>30}")
+    callers: list[dict[str, Any]] = []
+    print(f"\ncaller side, one channel: {'streams':>8} {'steps/read':>10} {'us/step':>10}")
+    for num_streams in (int(x) for x in args.caller_streams.split(",")):
+        rounds = [1e6 * measure_caller(num_streams, args.steps_per_read, max(1, args.steps // args.steps_per_read))
+                  for _ in range(args.rounds)]
+        median = statistics.median(rounds)
+        callers.append({"streams": num_streams, "steps_per_read": args.steps_per_read, "us_per_step": round(median, 1),
+                        "rounds_us": [round(r, 1) for r in rounds]})
+        print(f"{'':>26}{num_streams:>8} {args.steps_per_read:>10} {median:>10.1f}")
     if args.out is not None:
         from bench._machine import machine_info
 
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine_info(1),
-                                        "rows": rows}, indent=2) + "\n")
+                                        "rows": rows, "caller": callers}, indent=2) + "\n")
     return 0
 
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 
-from bench.fanout_step import _Sink, measure, main
+from bench.fanout_step import _Sink, main, measure, measure_caller
 
 
 def test_the_report_has_every_pair_and_round(tmp_path):
     assert measure(num_outputs=8, num_channels=2, num_steps=3, step_s=0.0) > 0
     out = tmp_path / "fanout.json"
-    assert main(["--outputs", "4,8", "--channels", "1,2", "--steps", "3", "--rounds", "2", "--step-ms", "0",
-                 "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    assert measure_caller(num_streams=4, steps_per_read=2, num_reads=2) > 0
+    assert main(["--outputs", "4,8", "--channels", "1,2", "--steps", "4", "--rounds", "2", "--step-ms", "0",
+                 "--caller-streams", "2,3", "--steps-per-read", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(c["streams"], len(c["rounds_us"])) for c in report["caller"]] == [(2, 2), (3, 2)]
+    rows = report["rows"]
     assert [(r["outputs"], r["channels"]) for r in rows] == [(4, 1), (4, 2), (8, 1), (8, 2)]
     assert all(len(r["rounds_us"]) == 2 and r["us_per_step"] > 0 for r in rows)
 
