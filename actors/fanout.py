@@ -227,23 +227,18 @@ class Fanout:
     def _deliver(self, outputs: list[EngineCoreOutput], admissions: dict) -> None:
         """Write a step's outputs, one frame per channel, a channel's admissions first; a
         backed-up channel holds its outputs (admissions still go) until its caller drains."""
-        batches: dict[int, tuple[ChannelState, list]] = {}
+        # id(channel) -> (channel, its admissions, its outputs): every channel with news or held outputs
+        batches = {key: (channel, admitted, []) for key, (channel, admitted) in admissions.items()}
+        for key, channel in self._holding.items():
+            batches.setdefault(key, (channel, [], []))
         for out in outputs:
             channel = self.channel_of.get(out.req_id)
             if channel is None:  # aborted or failed meanwhile: its caller already heard why
                 continue
-            entry = batches.get(id(channel))
-            if entry is None:
-                entry = batches[id(channel)] = (channel, [])
-            entry[1].append(out)
+            batches.setdefault(id(channel), (channel, [], []))[2].append(out)
             if out.finished:  # it leaves the channel's count
                 self._leave_channel(out.req_id)
-        for key, channel in self._holding.items():
-            batches.setdefault(key, (channel, []))
-        for key in admissions.keys() - batches.keys():
-            batches[key] = (admissions[key][0], [])
-        for key, (channel, items) in batches.items():
-            admitted = admissions[key][1] if key in admissions else []
+        for key, (channel, admitted, items) in batches.items():
             if channel.backed_up():
                 channel.hold(items)
                 self._holding[key] = channel

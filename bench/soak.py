@@ -187,11 +187,10 @@ class Soak:
 
     async def kill_at(self, at_s: float) -> None:
         await asyncio.sleep(max(0.0, at_s - self.clock()))
-        wanted = soak_probe.backend_pids(self.server.log_text()).get(self.args.kill_backend or "")
-        killed = soak_probe.kill_a_backend(self.server.proc.pid, wanted)
+        pids = soak_probe.backend_pids(self.server.log_text())
+        killed = soak_probe.kill_a_backend(self.server.proc.pid, pids.get(self.args.kill_backend or ""))
         if killed is not None:
-            killed["backend"] = next((b for b, pid in soak_probe.backend_pids(self.server.log_text()).items()
-                                      if pid == killed["pid"]), None)
+            killed["backend"] = next((b for b, pid in pids.items() if pid == killed["pid"]), None)
         self.kills.append({"at_s": round(self.clock(), 1), "killed": killed})
         print(f"soak: killed {killed} at {self.clock():.0f} s", flush=True)
 
