@@ -230,7 +230,7 @@ def physical_device(device_kind: str) -> str:
     whose threads are its own, and outside Ray."""
     import ray
 
-    if device_kind == "cpu" or not ray.is_initialized():
+    if device_kind in ("cpu", "sim") or not ray.is_initialized():  # a sim device is its own, emulated
         return ""
     ids = ",".join(str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
     return f"{wire.node_id()}/{device_kind}:{ids}"

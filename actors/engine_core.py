@@ -55,6 +55,17 @@ PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
 
 
+def sim_step_time(engine_kwargs: dict[str, Any]) -> Any:
+    """The step-time model of a sim backend, from the profile the plan passes with its engine's
+    settings (`sim_profile`, taken out of them: the engine knows no profiles); None otherwise."""
+    profile = engine_kwargs.pop("sim_profile", None)
+    if profile is None:
+        return None
+    from tandem.routing.step_time import sim_profile_from_dict
+
+    return sim_profile_from_dict(profile).step_time().step_s
+
+
 def run_core(conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     """The child's entry point (a module-level function, so 'spawn' can import it)."""
     import signal
@@ -89,7 +100,9 @@ class EngineCore:
         self.backend_id = backend_id
         self.parent_pid = parent_pid
         start = time.perf_counter()
-        self.engine = LLMEngine(EngineConfig(**engine_kwargs))
+        engine_kwargs = dict(engine_kwargs)
+        step_time = sim_step_time(engine_kwargs)
+        self.engine = LLMEngine(EngineConfig(**engine_kwargs), step_time=step_time)
         self.added: list[tuple[str, int, float]] = []
         self.refused: list[tuple[str, BaseException]] = []
         self.replies: list[CallReply] = []
@@ -101,7 +114,7 @@ class EngineCore:
         # The pipe's first message is this one: the I/O thread starts sending only after it.
         self.io = CoreIO(backend_id, conn)
         conn.send_bytes(encode(EngineCoreReady(
-            device=str(engine.device), device_kind=engine.device.type,
+            device=cfg.device if engine.is_sim else str(engine.device), device_kind=engine.device_kind,
             dtype=cfg.weight_quantization or str(engine.dtype).removeprefix("torch."), max_active=cfg.max_active,
             block_size=cfg.block_size, num_kv_tokens=engine.num_kv_tokens, cpu_kernels=cfg.cpu_kernels,
             model_name=engine.model_name, max_model_len=engine.max_model_len,

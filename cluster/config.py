@@ -38,7 +38,9 @@ from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL, cache_root, 
 from tandem.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from tandem.routing.errors import ConfigError, format_validation_errors
 
-DEVICES = ("cpu", "cuda", "mps", "auto")
+DEVICES = ("cpu", "cuda", "mps", "auto", "sim")
+# The device a sim backend emulates unless told (routing/sim_profiles/; routing/step_time.py).
+DEFAULT_SIM_PROFILE = "h200-qwen2.5-0.5b"
 EVERY_GPU_DEVICES = ("cuda", "auto")  # the devices `count: all` (`cuda*all`) applies to
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
@@ -53,8 +55,11 @@ class BackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: Literal["cpu", "cuda", "mps", "auto"] = "cpu"
+    device: Literal["cpu", "cuda", "mps", "auto", "sim"] = "cpu"
     count: Annotated[int, Field(ge=1)] | Literal["all"] = 1
+    # sim backends: the profiled device they emulate, a shipped profile's name or a JSON file
+    # (routing/step_time.py); None: the cluster's sim_profile.
+    profile: str | None = None
     id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
     # int8 / int4: weight-only quantized linears with bfloat16 activations, cpu backends only
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"] = "auto"
@@ -81,6 +86,8 @@ class BackendConfig(BaseModel):
             raise ValueError(f"dtype {self.dtype} (quantized weights) is for cpu backends, not {self.device}")
         if self.gpu_memory_share is not None and self.device not in ("cuda", "auto"):
             raise ValueError(f"gpu_memory_share is a share of a GPU's memory, for cuda backends, not {self.device}")
+        if self.profile is not None and self.device != "sim":
+            raise ValueError(f"profile is the device a sim backend emulates, not a setting of {self.device}")
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile (torch.compile'd CPU decode) is for cpu backends, not {self.device}; "
                              "set it on a backend with device: cpu")
@@ -130,6 +137,7 @@ class TandemConfig(BaseModel):
     cpu_kernels: Literal["auto", "torch", "ggml", "ggml-graph"] | None = None
     cpu_compile: bool | None = None
     seed: int = 0
+    sim_profile: str = DEFAULT_SIM_PROFILE  # what a sim backend without its own `profile` emulates
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

@@ -385,9 +385,11 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
     engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
                          block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
                          kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
-                         max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-                         cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels,
+                         max_num_batched_tokens=plan.max_num_batched_tokens or config.max_num_batched_tokens,
+                         seed=config.seed, cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels,
                          gpu_memory_share=plan.gpu_memory_share)
+    if plan.sim_profile is not None:
+        engine_kwargs["sim_profile"] = plan.sim_profile  # the engine core makes its step-time model of it
     options: dict[str, Any] = dict(
         name=BACKEND_PREFIX + plan.backend_id, namespace=config.namespace, num_cpus=0, num_gpus=plan.num_gpus,
         max_concurrency=10_000, max_restarts=config.backend_max_restarts, max_task_retries=0)
@@ -404,6 +406,7 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     import ray
 
     from tandem.cluster.profile import describe_rates, load_cache, rate_fields, resolve_profiles, store_in_cache
+    from tandem.routing.step_time import sim_profile_from_dict
 
     from_file = _load_rates_file(config) if config.rates else {}
     device_names = _gpu_models() if any(i.device_kind == "cuda" for i in infos) else {}
@@ -411,7 +414,9 @@ def _resolve_rates(config: TandemConfig, plans: list[BackendPlan], infos: list[A
     wanted: list[tuple[str, str]] = []
     for plan, info in zip(plans, infos):
         entry = plan.backend_id if plan.backend_id in from_file else info.device_kind
-        if entry in from_file:
+        if plan.sim_profile is not None and entry not in from_file:  # the device it emulates, as profiled
+            rates[plan.backend_id] = sim_profile_from_dict(plan.sim_profile).rate_fields()
+        elif entry in from_file:
             rates[plan.backend_id] = from_file[entry]
             log(f"rates for {plan.backend_id} from {config.rates} (entry {entry!r}): {describe_rates(from_file[entry])}")
         else:

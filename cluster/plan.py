@@ -29,17 +29,23 @@ from Python and stalls when it has to wait for a core: each cpu backend gets
 `(cores - 1 - num_accelerators) // num_cpu` torch threads (at least 1) unless told otherwise:
 oversubscribed OpenMP threads of a cpu backend slow both backends down. Accelerator backends
 only need a thread for the host-side Python.
+
+`sim` is an emulated device (engine/sim_runner.py): the real engine without its model, each
+step lasting what a profiled device's step of that shape takes. Its defaults (max_active, KV
+cache, batched tokens) are the profiled engine's, so `sim*16` with an H200 profile is sixteen
+H200 engines to the router, on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.cluster.config import BackendConfig, ConfigError, TandemConfig
 from tandem.engine.config import check_cpu_kernels
 from tandem.engine.memory import default_max_active
+from tandem.routing.step_time import load_sim_profile
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class BackendPlan:
     cpu_kernels: str = "auto"  # cpu: whose kernels (EngineConfig.cpu_kernels)
     engines_per_gpu: int = 1  # cuda: how many engines share this backend's GPU
     gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
+    max_num_batched_tokens: int | None = None  # None: the cluster's (a sim backend: its profile's)
+    sim_profile: dict | None = None  # sim: the profiled device it emulates (routing/step_time.py's SimProfile)
 
     @property
     def num_gpus(self) -> float:
@@ -113,7 +121,27 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
             engines_per_gpu=sharing, gpu_memory_share=share,
             **(cpu_settings(config, backend, backend_id) if device == "cpu" else {"dtype": backend.dtype})))
+        if device == "sim":
+            plans[-1] = sim_settings(plans[-1], config, backend)
     return plans
+
+
+def sim_settings(plan: BackendPlan, config: TandemConfig, backend: BackendConfig) -> BackendPlan:
+    """A sim backend's engine as its profile describes the device, where the config says nothing:
+    max_active, KV cache and batched-token budget are the profiled engine's."""
+    name = backend.profile or config.sim_profile
+    try:
+        profile = load_sim_profile(name)
+    except ConfigError as exc:
+        raise ConfigError(f"backend {plan.backend_id}: {exc}") from None
+    num_kv_blocks = plan.num_kv_blocks
+    if num_kv_blocks is None and plan.kv_cache_memory_gb is None and profile.num_kv_tokens:
+        num_kv_blocks = math.ceil(profile.num_kv_tokens / config.block_size) + 1  # + the null block
+    return replace(plan, reason=f"{plan.reason}, emulating {name}",
+                   max_active=backend.max_active or config.max_active or profile.max_active,
+                   num_kv_blocks=num_kv_blocks, dtype="auto",
+                   max_num_batched_tokens=config.max_num_batched_tokens or profile.max_num_batched_tokens,
+                   sim_profile=profile.model_dump())
 
 
 def cpu_settings(config: TandemConfig, backend: BackendConfig, backend_id: str) -> dict:

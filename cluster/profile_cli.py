@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens per decode run (default 16)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="measure this many times and take each rate's median (default 3)")
+    parser.add_argument("--sim-profiles", metavar="DIR",
+                        help="also write each backend's sim profile (rates, context cost, engine shape) to "
+                             "DIR/ID.json, for `--backends sim --sim-profile DIR/ID.json`")
+    parser.add_argument("--context-len", type=int, default=1024, metavar="N",
+                        help="sim profiles: the long context whose decode cost is measured (default 1024)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_of[backend_id]
         engine = _load_engine(config, plan, cuda_index.get(backend_id, 0))
         try:
-            return measure_rates(engine, plan.max_active, prompt_len=args.prompt_len,
-                                 decode_tokens=args.decode_tokens, repeats=args.repeats)
+            entry = measure_rates(engine, plan.max_active, prompt_len=args.prompt_len,
+                                  decode_tokens=args.decode_tokens, repeats=args.repeats)
+            if args.sim_profiles:
+                entry["sim"] = _sim_extras(engine, plan, args)
+            return entry
         finally:
             del engine
             gc.collect()
@@ -62,7 +70,38 @@ def run(args: argparse.Namespace) -> int:
                              not_stored=NOT_STORED_PROFILE)
     write_rates_file(args.output, {backend_id: rate_fields(entry) for backend_id, entry in found.items()})
     print(f"wrote {args.output}; use it with: tandem serve --rates {args.output}")
+    if args.sim_profiles:
+        _write_sim_profiles(args.sim_profiles, found)
     return 0
+
+
+def _sim_extras(engine, plan, args: argparse.Namespace) -> dict:
+    """What a sim profile holds beyond the rates: the context cost and the engine's shape."""
+    import platform
+
+    from tandem.engine.profiler import engine_shape, measure_context_cost
+
+    context_cost = measure_context_cost(engine, args.context_len, args.decode_tokens, repeats=args.repeats)
+    description = (f"tandem profile of {engine.model_name} on {engine.config.device} ({plan.reason}), dtype "
+                   f"{engine.config.dtype}, {plan.threads} thread{'s' if plan.threads != 1 else ''}, "
+                   f"{platform.node() or 'this machine'}")
+    return {"description": description, "decode_s_per_context_token": context_cost, **engine_shape(engine)}
+
+
+def _write_sim_profiles(directory: str, found: dict) -> None:
+    import json
+    from pathlib import Path
+
+    from tandem.cluster.profile import rate_fields
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for backend_id, entry in found.items():
+        if "sim" not in entry:
+            continue
+        path = out / f"{backend_id}.json"
+        path.write_text(json.dumps({**rate_fields(entry), **entry["sim"]}, indent=1) + "\n")
+        print(f"wrote {path}; use it with: tandem serve --backends sim --sim-profile {path}")
 
 
 def _plan_key(config, plan, cuda_index: int | None) -> str:

@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 
-from tandem.cluster.config import LOG_LEVELS, ConfigError, TandemConfig, cache_root, parse_backends
+from tandem.cluster.config import (DEFAULT_SIM_PROFILE, LOG_LEVELS, ConfigError, TandemConfig, cache_root,
+                                   parse_backends)
 from tandem.engine.config import CPU_KERNELS
 
 
@@ -96,7 +97,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     parser.add_argument("--config", metavar="FILE", help="YAML config file; flags override it")
     parser.add_argument("--model", help="preset name, local HF directory or .gguf file (default smollm2-135m)")
     parser.add_argument("--backends", metavar="LIST",
-                        help="cpu, cuda, mps, auto, ID=DEVICE, cuda*2, cuda*all (default cpu,auto)")
+                        help="cpu, cuda, mps, sim, auto, ID=DEVICE, cuda*2, cuda*all (default cpu,auto)")
     parser.add_argument("--max-active", type=int, metavar="N",
                         help="running requests per backend (default by device: cpu 4, a GPU 256, mps 32)")
     cpu = parser.add_argument_group("every backend on the cpu")
@@ -112,13 +113,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     advanced = parser.add_argument_group("advanced")
     advanced.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                           help="share of each GPU's memory its engines use together (default 0.9)")
+    advanced.add_argument("--sim-profile", metavar="NAME|FILE",
+                          help="the device sim backends emulate: a shipped profile (default "
+                               f"{DEFAULT_SIM_PROFILE}) or a `tandem profile` file")
     return advanced
 
 
 def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
     overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads,
-                     gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None), **extra)
+                     gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                     sim_profile=getattr(args, "sim_profile", None), **extra)
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
     cpu_settings = {"cpu_dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None),

@@ -39,13 +39,14 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, StepShape, activation_bytes, kv_cache_bytes
-from tandem.engine.model.loader import load_model
+from tandem.engine.model.loader import load_model, load_model_meta
 from tandem.engine.model_runner import ModelRunner, StepHandle
 from tandem.engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import SamplingRow
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.sim_runner import SIM_DEVICE, SimModelRunner, StepTime, sim_token_space
 from tandem.engine.structured_output import GrammarCompiler, RequestGrammar
 from tandem.engine.tokenizer import encode_chat, encode_prompt
 
@@ -105,16 +106,25 @@ def _resolved(cfg: EngineConfig) -> EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(self, config: EngineConfig | None = None, step_time: StepTime | None = None, **overrides) -> None:
+        """`step_time` times the steps of a `sim` device (engine/sim_runner.py); other devices run
+        the model and take none."""
         self.config = _resolved(config or EngineConfig(**overrides))
         cfg = self.config
+        self.is_sim = cfg.device_type == SIM_DEVICE
+        if self.is_sim != (step_time is not None):
+            raise ValueError("a sim device needs a step_time model, and only a sim device takes one")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.device = torch.device(cfg.device)
+        self.device = torch.device("cpu" if self.is_sim else cfg.device)  # a sim's few tensors live on the host
+        self.device_kind = cfg.device_type
         self.dtype = cfg.torch_dtype
-        loaded = load_model(cfg.model, self.device, self.dtype, quantization=cfg.weight_quantization,
-                            kernels=cfg.cpu_kernels)
+        if self.is_sim:
+            loaded = load_model_meta(cfg.model)
+        else:
+            loaded = load_model(cfg.model, self.device, self.dtype, quantization=cfg.weight_quantization,
+                                kernels=cfg.cpu_kernels)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config
@@ -132,13 +142,16 @@ class LLMEngine:
                             cfg.max_priority_wait_s),
             self.kv_cache_manager,
         )
-        self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
-                                        cfg.attention_backend, cfg.max_active, self.max_model_len,
-                                        cfg.enforce_eager, cfg.pack_cpu_weights,
-                                        cfg.resolved_max_num_batched_tokens, cfg.cpu_compile,
-                                        ggml_graph=cfg.cpu_kernels == "ggml-graph")
+        if self.is_sim:
+            self.model_runner = SimModelRunner(step_time, sim_token_space(loaded))
+        else:
+            self.model_runner = ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size,
+                                            cfg.attention_backend, cfg.max_active, self.max_model_len,
+                                            cfg.enforce_eager, cfg.pack_cpu_weights,
+                                            cfg.resolved_max_num_batched_tokens, cfg.cpu_compile,
+                                            ggml_graph=cfg.cpu_kernels == "ggml-graph")
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.device_kind in ("cuda", SIM_DEVICE))
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, loaded.sampling_vocab_size or self.model_config.vocab_size, self.eos_token_ids)
         self._in_flight: _InFlight | None = None
@@ -213,6 +226,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {req_id!r} is already in use")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
+        if self.is_sim:
+            SimModelRunner.check_request(params.logprobs, params.structured_output is not None)
         if params.n > 1:
             self._add_group(req_id, token_ids, params, arrival_time)
             return len(token_ids)

@@ -68,6 +68,37 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
                        "decode_tok_s_by_batch": round(max(_spread(runs) for runs in decode_runs.values()), 4)}}
 
 
+def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: int = 16, seed: int = 1,
+                         repeats: int = 3) -> float:
+    """Seconds a decode step gains per context token of its batch: decode steps of the largest
+    profiled batch at `context_len` tokens against the same at 16, the difference spread over
+    the batch's extra context (median of `repeats`; 0 when longer contexts measured no slower).
+    The rates leave this out (their prompts are short); an emulated device adds it back
+    (routing/step_time.py)."""
+    rng = random.Random(seed)
+    num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
+    context_len = max(32, min(context_len, engine.max_model_len - decode_tokens - 2))
+    batch = max(1, min(engine.config.max_active, engine.kv_cache_manager.num_usable_blocks * engine.config.block_size
+                       // (context_len + decode_tokens) // 2))
+
+    def step_s(prompt_len: int) -> float:
+        prompts = [[rng.randrange(3, num_tokens) for _ in range(prompt_len)] for _ in range(batch)]
+        _, (decode_tok, decode_s) = _run(engine, prompts, max_tokens=decode_tokens)
+        return decode_s / max(1, decode_tok / batch)
+
+    step_s(context_len)  # warm-up: this batch's shapes at a long context
+    costs = [(step_s(context_len) - step_s(16)) / (batch * (context_len - 16)) for _ in range(max(1, repeats))]
+    engine.drain_progress()
+    return max(0.0, _median(costs))
+
+
+def engine_shape(engine: Any) -> dict[str, int]:
+    """The engine a profile was measured on, which an emulated device takes as its defaults."""
+    cfg = engine.config
+    return {"max_active": cfg.max_active, "num_kv_tokens": engine.num_kv_tokens,
+            "max_num_batched_tokens": cfg.resolved_max_num_batched_tokens}
+
+
 def profiled_batch_sizes(max_active: int) -> list[int]:
     """1, 2, 4, ... up to `max_active`, and `max_active` itself."""
     sizes = [1 << i for i in range(max(1, max_active).bit_length()) if 1 << i <= max_active]

@@ -43,7 +43,7 @@ _CONVERSION_FORMAT = 1
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | None  # None: loaded without weights (`load_model_meta`)
     tokenizer: PreTrainedTokenizerBase
     model_config: ModelConfig
     name: str
@@ -76,6 +76,12 @@ def load_model(
     return loaded
 
 
+def load_model_meta(name_or_path: str) -> LoadedModel:
+    """A model's tokenizer and config without its weights (`model` is None): what an engine
+    that emulates the forward pass needs (the sim device, engine/sim_runner.py)."""
+    return _load(name_or_path, torch.device("cpu"), torch.float32, None, with_weights=False)
+
+
 def _gguf_source(name_or_path: str) -> Path | None:
     """The GGUF file a model came from, whose quantized blocks can be used as they are."""
     if name_or_path in PRESETS:
@@ -85,23 +91,25 @@ def _gguf_source(name_or_path: str) -> Path | None:
     return path if path.suffix == ".gguf" else None
 
 
-def _load(name_or_path: str, device: torch.device, dtype: torch.dtype, attn_backend) -> LoadedModel:
+def _load(name_or_path: str, device: torch.device, dtype: torch.dtype, attn_backend,
+          with_weights: bool = True) -> LoadedModel:
     if name_or_path in PRESETS:
         preset = get_preset(name_or_path)
         if isinstance(preset, RandomPreset):
-            return _load_random(preset, device, dtype, attn_backend)
+            return _load_random(preset, device, dtype, attn_backend, with_weights)
         hf_dir = _ensure_converted(_package_gguf(preset), models_cache_dir() / preset.name)
-        return _load_hf_dir(hf_dir, device, dtype, attn_backend, name=preset.name)
+        return _load_hf_dir(hf_dir, device, dtype, attn_backend, preset.name, with_weights)
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {name_or_path!r} does not exist")
         hf_dir = _ensure_converted(path, models_cache_dir() / _gguf_cache_name(path))
-        return _load_hf_dir(hf_dir, device, dtype, attn_backend, name=name_or_path)
+        return _load_hf_dir(hf_dir, device, dtype, attn_backend, name_or_path, with_weights)
     if path.is_dir():
-        return _load_hf_dir(path, device, dtype, attn_backend, name=name_or_path)
+        return _load_hf_dir(path, device, dtype, attn_backend, name_or_path, with_weights)
     if _looks_like_hub_id(name_or_path):
-        return _load_hf_dir(_download_from_hub(name_or_path), device, dtype, attn_backend, name=name_or_path)
+        return _load_hf_dir(_download_from_hub(name_or_path), device, dtype, attn_backend, name_or_path,
+                            with_weights)
     if name_or_path.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model directory {name_or_path!r} does not exist")
     raise ValueError(
@@ -131,20 +139,24 @@ def _finish(model, tokenizer, config: ModelConfig, name: str, hf_path: str | Non
     return LoadedModel(model, tokenizer, config, name, hf_path, sampling_vocab_size)
 
 
-def _load_random(preset: RandomPreset, device, dtype, attn_backend) -> LoadedModel:
+def _load_random(preset: RandomPreset, device, dtype, attn_backend, with_weights: bool = True) -> LoadedModel:
     config = ModelConfig.from_hf(preset.hf_config())
-    model = build_empty_model(config, device, dtype, attn_backend)
-    load_hf_weights(model, random_hf_weights(config, preset.std, preset.seed, device))
+    model = None
+    if with_weights:
+        model = build_empty_model(config, device, dtype, attn_backend)
+        load_hf_weights(model, random_hf_weights(config, preset.std, preset.seed, device))
     return _finish(model, build_byte_tokenizer(), config, preset.name, None)
 
 
-def _load_hf_dir(path: Path, device, dtype, attn_backend, name: str) -> LoadedModel:
+def _load_hf_dir(path: Path, device, dtype, attn_backend, name: str, with_weights: bool = True) -> LoadedModel:
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     config.eos_token_ids = _merge_generation_eos(config.eos_token_ids, path)
-    model = build_empty_model(config, device, dtype, attn_backend)
-    load_hf_weights(model, _iter_safetensors(path))
+    model = None
+    if with_weights:
+        model = build_empty_model(config, device, dtype, attn_backend)
+        load_hf_weights(model, _iter_safetensors(path))
     return _finish(model, load_tokenizer(path), config, name, str(path))
 
 

@@ -1,0 +1,111 @@
+"""How long one engine step takes on a profiled device: the timing model of every emulated engine.
+
+Two things emulate a device from its profile, and both time a step with `StepTimeModel`:
+- the `sim` device (engine/sim_runner.py behind the real scheduler and KV cache, in a real
+  server), which sleeps each step's duration, and
+- route-sim's simulated backend (routing/sim_backend.py), which advances a virtual clock by it.
+
+A step that prefills `num_prefill_tokens` and decodes one token for each of `num_decode_seqs`
+sequences whose KV spans `num_context_tokens` lasts
+
+    num_prefill_tokens / prefill_tok_s + num_decode_seqs / decode_rate(num_decode_seqs)
+        + num_context_tokens * decode_s_per_context_token
+
+The first two terms are the cost model's own reading of a profile (routing/rates.py: aggregate
+prefill and batch-aware decode rates), so the router ranks work with the same numbers the
+emulator spends. The third is what a profile measured at short contexts leaves out: attention
+reads every cached token of every decoding sequence each step, which on a GPU at 4k-token
+contexts and large batches costs as much as the weights. A profile without it (0) times every
+decode as if its context were short.
+
+A *sim profile* is one device's measurement, written by `tandem profile` from a real device: the
+rates plus the engine shape the device was run with (max_active, KV tokens, batched-token
+budget), which the emulated engine takes as its defaults. Named profiles ship in
+routing/sim_profiles/; `load_sim_profile` takes such a name or a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.routing.errors import ConfigError, format_validation_errors
+from tandem.routing.rates import RateProfile
+
+PROFILES_DIR = Path(__file__).resolve().parent / "sim_profiles"
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    rates: RateProfile
+    decode_s_per_context_token: float = 0.0
+
+    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int = 0) -> float:
+        """Seconds the step takes alone on its device (module docstring)."""
+        seconds = 0.0
+        if num_prefill_tokens:
+            seconds += num_prefill_tokens / self.rates.prefill_tok_s
+        if num_decode_seqs:
+            seconds += self.rates.decode_step_s(num_decode_seqs)
+            seconds += num_context_tokens * self.decode_s_per_context_token
+        return seconds
+
+
+class SimProfile(BaseModel):
+    """One device's profile as a file holds it (validated here, at the file edge)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = ""  # what was measured, where, how
+    prefill_tok_s: float = Field(gt=0)
+    decode_tok_s: float = Field(gt=0)
+    decode_tok_s_by_batch: dict[int, float] | None = None
+    decode_s_per_context_token: float = Field(default=0.0, ge=0)
+    # The engine the device ran, which an emulated engine takes as its defaults.
+    max_active: int = Field(default=256, ge=1)
+    num_kv_tokens: int | None = Field(default=None, ge=1)  # None: the engine's own default
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+
+    def rates(self) -> RateProfile:
+        return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch)
+
+    def step_time(self) -> StepTimeModel:
+        return StepTimeModel(self.rates(), self.decode_s_per_context_token)
+
+    def rate_fields(self) -> dict[str, Any]:
+        """What the router's rates file holds for this device."""
+        return self.model_dump(include={"prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch"})
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(path.stem for path in PROFILES_DIR.glob("*.json"))
+
+
+def load_sim_profile(name_or_path: str) -> SimProfile:
+    """A shipped profile by name (routing/sim_profiles/NAME.json) or a JSON file."""
+    path = PROFILES_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"sim profile {name_or_path!r} is neither a shipped profile "
+                          f"({', '.join(shipped_profiles())}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read sim profile {path}: {exc}") from None
+    return sim_profile_from_dict(data, str(path))
+
+
+def sim_profile_from_dict(data: dict[str, Any], where: str = "sim profile") -> SimProfile:
+    try:
+        profile = SimProfile.model_validate(data)
+        profile.rates()  # the rate table's own checks
+    except ValidationError as exc:
+        raise ConfigError(format_validation_errors(where, exc.errors())) from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return profile
