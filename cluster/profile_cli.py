@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.cluster.profile import (NOT_STORED_PROFILE, load_cache, rate_fields, resolve_profiles, store_in_cache,
                                         write_rates_file)
     from tandem.engine.profiler import measure_rates
+    from tandem.routing.step_time import sim_profile_from_dict
 
     try:
         config = load_config(args)
@@ -49,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
     # Engines that share a GPU are packed k to a device, as Ray's fractional GPUs place them.
     cuda_index = {p.backend_id: i // p.engines_per_gpu for i, p in enumerate(p for p in plans if p.device == "cuda")}
     plan_of = {plan.backend_id: plan for plan in plans}
-    wanted = [(plan.backend_id, _plan_key(config, plan, cuda_index.get(plan.backend_id))) for plan in plans]
+    # A sim backend's rates are its profile's: the device it emulates was measured already.
+    emulated = {plan.backend_id: sim_profile_from_dict(plan.sim_profile).rate_fields()
+                for plan in plans if plan.sim_profile is not None}
+    wanted = [(plan.backend_id, _plan_key(config, plan, cuda_index.get(plan.backend_id)))
+              for plan in plans if plan.backend_id not in emulated]
 
     def measure(backend_id: str) -> dict:
         plan = plan_of[backend_id]
@@ -68,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                              store=lambda key, entry: store_in_cache(config.rates_cache, key, entry),
                              log=lambda line: print(line, flush=True), previous=load_cache(config.rates_cache),
                              not_stored=NOT_STORED_PROFILE)
-    write_rates_file(args.output, {backend_id: rate_fields(entry) for backend_id, entry in found.items()})
+    found.update(emulated)
+    write_rates_file(args.output, {plan.backend_id: rate_fields(found[plan.backend_id]) for plan in plans})
     print(f"wrote {args.output}; use it with: tandem serve --rates {args.output}")
     if args.sim_profiles:
         _write_sim_profiles(args.sim_profiles, found)

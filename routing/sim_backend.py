@@ -6,7 +6,8 @@ The model, chosen to be simple, deterministic and close to nano-vllm's scheduler
   backend is idle.
 - Prefill first, no chunking: if any admitted request has not been prefilled, the next step
   prefills all of them together, taking `sum(uncached prompt tokens) / prefill_tok_s`
-  seconds, while decode waits. The prefill step produces each request's first token (TTFT).
+  seconds, while decode waits. Every step is timed by routing/step_time.py's model, the one
+  the `sim` device's engines use. The prefill step produces each request's first token (TTFT).
 - Otherwise the step decodes every running request by one token and takes
   `batch_size / decode_rate(batch_size)` seconds: `decode_tok_s` (or
   `decode_tok_s_by_batch[batch_size]`) is the aggregate rate the batch shares. Without a
@@ -42,6 +43,7 @@ from tandem.routing.messages import ProgressEvent
 from tandem.routing.rates import RateProfile
 from tandem.routing.sim_device import SimDevice
 from tandem.routing.sim_prefix_cache import SimPrefixCache
+from tandem.routing.step_time import StepTimeModel
 
 
 @dataclass
@@ -86,9 +88,10 @@ def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:
 class SimBackend:
     def __init__(self, backend_id: str, rates: RateProfile, max_active: int,
                  reporter: Reporter | None = None, cache: SimPrefixCache | None = None,
-                 device: SimDevice | None = None) -> None:
+                 device: SimDevice | None = None, step_time: StepTimeModel | None = None) -> None:
         self.backend_id = backend_id
         self.rates = rates
+        self.step_time = step_time or StepTimeModel(rates)  # the sim device's timing (routing/step_time.py)
         self.max_active = max_active
         self.reporter = reporter
         self.cache = cache
@@ -214,14 +217,17 @@ class SimBackend:
         num_prefill_tokens = sum(j.num_prefill_tokens for j in self.active if j.num_output_tokens == 0)
         if any(j.num_output_tokens == 0 for j in self.active):
             self.step = "prefill"
+            step_s = self.step_time.step_s(num_prefill_tokens, 0)
             if self.device is None:
-                self.step_end_s = t + num_prefill_tokens / self.rates.prefill_tok_s
+                self.step_end_s = t + step_s
             else:
-                self.device.begin_step(self, num_prefill_tokens / self.rates.prefill_tok_s)
+                self.device.begin_step(self, step_s)
         elif self.active:
             self.step = "decode"
             self.run_start_s = t
-            self.run_step_s = self.rates.decode_step_s(len(self.active))
+            # A run's steps all take its first step's time: the context it adds is left out.
+            num_context_tokens = sum(j.num_prompt_tokens + j.num_output_tokens for j in self.active)
+            self.run_step_s = self.step_time.step_s(0, len(self.active), num_context_tokens)
             self.run_num_steps_to_finish = min(job.num_tokens_left for job in self.active)
             if self.device is None:
                 self._plan_run_end()

@@ -1,0 +1,45 @@
+"""The step-time model every emulated engine uses, and the sim profiles it is read from."""
+
+import json
+
+import pytest
+
+from tandem.routing.errors import ConfigError
+from tandem.routing.rates import RateProfile
+from tandem.routing.step_time import StepTimeModel, load_sim_profile, shipped_profiles, sim_profile_from_dict
+
+
+def test_a_step_costs_its_prefill_its_batch_decode_and_its_context():
+    model = StepTimeModel(RateProfile(1000.0, 100.0, {1: 100.0, 4: 200.0}), decode_s_per_context_token=1e-6)
+    assert model.step_s(500, 0) == pytest.approx(0.5)
+    assert model.step_s(0, 4, 2000) == pytest.approx(4 / 200 + 2000e-6)
+    assert model.step_s(0, 2) == pytest.approx(2 / (100 + (200 - 100) / 3))  # interpolated, as the router reads it
+    assert model.step_s(100, 1, 1000) == pytest.approx(0.1 + 0.01 + 0.001)
+    assert model.step_s(0, 0, 0) == 0.0
+
+
+def test_the_design_profile_times_its_worked_example_as_the_router_scores_it():
+    """The M2 Metal profile's router rates are the design's isolated ones; its CPU's too."""
+    cpu = load_sim_profile("m2-cpu-qwen2.5-0.5b")
+    assert (cpu.prefill_tok_s, cpu.decode_tok_s) == (73.0, 45.0)
+    assert cpu.step_time().step_s(20, 0) + 128 * cpu.step_time().step_s(0, 1) == pytest.approx(3.118, abs=1e-3)
+
+
+def test_every_shipped_profile_loads():
+    assert {"h200-qwen2.5-0.5b", "m2-cpu-qwen2.5-0.5b", "m2-metal-qwen2.5-0.5b"} <= set(shipped_profiles())
+    for name in shipped_profiles():
+        profile = load_sim_profile(name)
+        assert profile.description and profile.step_time().step_s(1, 1) > 0
+
+
+def test_a_profile_file_loads_and_a_bad_one_is_named(tmp_path):
+    good = tmp_path / "dev.json"
+    good.write_text(json.dumps({"prefill_tok_s": 10.0, "decode_tok_s": 2.0, "max_active": 8, "num_kv_tokens": 4096}))
+    profile = load_sim_profile(str(good))
+    assert (profile.max_active, profile.num_kv_tokens, profile.rate_fields()["decode_tok_s"]) == (8, 4096, 2.0)
+    with pytest.raises(ConfigError, match="neither a shipped profile"):
+        load_sim_profile(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="prefill_tok_s"):
+        sim_profile_from_dict({"prefill_tok_s": -1, "decode_tok_s": 2.0})
+    with pytest.raises(ConfigError, match="decode_tok_s_by_batch"):
+        sim_profile_from_dict({"prefill_tok_s": 1, "decode_tok_s": 2.0, "decode_tok_s_by_batch": {"0": 1.0}})
