@@ -183,6 +183,8 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
                              "faster per decode row on AVX2 CPUs; or ggml-graph (int8, int4 or float32), each decode "
                              "step run as one ggml graph; the profile step measures their rates")
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
+    parser.add_argument("--sim-profile", metavar="NAME|FILE",
+                        help="the device sim backends emulate (tandem serve --sim-profile; default its default)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
     parser.add_argument("--temperature", type=float,
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
                           args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile,
-                          cpu_kernels=args.cpu_kernels)
+                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms, warmup_tokens=args.warmup_tokens,
                     reuse_cluster=args.bench_command == "sweep" and not args.fresh_clusters,
@@ -267,7 +269,7 @@ def _run_tenants(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
                           _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
-                          cpu_kernels=args.cpu_kernels)
+                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
                     warmup_tokens=args.warmup_tokens, reuse_cluster=True)

@@ -110,7 +110,7 @@ def init_ray(log_to_driver: bool = False) -> None:
 
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
                    num_kv_blocks: int | None = None, cpu_compile: bool = False,
-                   cpu_kernels: str = "auto") -> Layout:
+                   cpu_kernels: str = "auto", sim_profile: str | None = None) -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
     device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default). Every
     backend that resolved to the cpu, `auto` included, gets `cpu_dtype`, `cpu_compile` and
@@ -123,7 +123,7 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     from tandem.cluster.plan import plan_backends
 
     config = TandemConfig.validated({"model": model, "backends": parse_backends(backends_spec),
-                                     "cpu_threads": cpu_threads})
+                                     "cpu_threads": cpu_threads, **({"sim_profile": sim_profile} if sim_profile else {})})
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), mps)
     auto = [p for p in plans if p.requested == "auto"] or [p for p in plans if p.device != "cpu"] or plans[-1:]
@@ -131,7 +131,8 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
                  "dtype": cpu_dtype if p.device == "cpu" else "auto",
                  **({"cpu_compile": True} if cpu_compile and p.device == "cpu" else {}),
                  **({"cpu_kernels": cpu_kernels} if cpu_kernels != "auto" and p.device == "cpu" else {}),
-                 **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})} for p in plans]
+                 **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
+                 **({"profile": config.sim_profile} if p.device == "sim" else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
     return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads,
@@ -148,7 +149,7 @@ def device_names(plans: list[Any]) -> dict[str, str]:
         if p.device == "cuda":
             names[p.backend_id] = f"cuda:{num_cuda // p.engines_per_gpu}"
             num_cuda += 1
-        elif p.device != "cpu":
+        elif p.device not in ("cpu", "sim"):  # a sim backend emulates a device of its own
             names[p.backend_id] = p.device
     return names
 
@@ -387,12 +388,13 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
             time_budget_s: float | None, verbose: bool, command: str,
             num_kv_blocks: int | None = None, cpu_compile: bool = False,
-            cpu_kernels: str = "auto") -> BenchContext:
+            cpu_kernels: str = "auto", sim_profile: str | None = None) -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
-    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile, cpu_kernels)
+    layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile, cpu_kernels,
+                            sim_profile)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0
