@@ -1,4 +1,4 @@
-"""`tandem bench {seed,sweep,tenants,soak,report}`: the end-to-end benchmarks through the HTTP endpoint.
+"""`tandem bench {seed,sweep,tenants,soak,fidelity,report}`: the end-to-end benchmarks.
 
     tandem bench seed  --out out/seed  [--num-requests 8,48] [--runs 3] [--report docs/benchmarks/x.md]
     tandem bench sweep --out out/sweep [--accel-max-active 1,2,4,8,16,32] [--cache-hit 0,0.5,0.96] ...
@@ -6,6 +6,7 @@
     tandem bench tenants --out out/tenants --backends cpu,cuda*2 [--tenants 4,16] [--prefix-tokens 1024]
                        [--arrival-rates 10,40,100] [--num-kv-blocks N] [--report docs/benchmarks/tenants-x.md]
     tandem bench soak --out out/soak --model tiny-llama-random --flags='--backends cpu*2' [--duration-s 600]
+    tandem bench fidelity --out out/fid --model smollm2-135m --device cpu --scale 0.1   # a real engine vs its sim
     tandem bench report out/sweep --report seed-x.md --sweep-report sweep-x.md   # re-render from the JSON
 
 `seed` and `sweep` write OUT/meta.json first, one JSON per run under OUT/runs/ as it finishes,
@@ -61,7 +62,7 @@ def _arms(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,soak,report}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,soak,fidelity,report}", required=True)
     seed = sub.add_parser("seed", help="the design's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
     _seed_arguments(seed, "--num-requests")
@@ -78,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     soak.add_arguments(sub.add_parser("soak", help="one `tandem serve` under mixed traffic for a long time: "
                                       "lost requests, memory growth, latency drift"))
+    from bench import fidelity
+
+    fidelity.add_arguments(sub.add_parser("fidelity", help="a real engine against its sim (the sim device) on "
+                                          "the same workloads: TTFT, throughput, hit rate"))
     report = sub.add_parser("report", help="render the reports from a finished bench's JSON")
     report.add_argument("out", help="the bench's output folder (meta.json and runs/)")
     report.add_argument("--report", help="seed report (markdown) to write")
@@ -232,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
         from bench import soak
 
         return soak.run(args)
+    if args.bench_command == "fidelity":
+        from bench import fidelity
+
+        return fidelity.run(args)
     from tqdm import tqdm
 
     from bench import harness, runner
