@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=64, help="closed: concurrent clients (default 64)")
     parser.add_argument("--tenants", type=int, default=64, help="tenants: number of tenants (default 64)")
     parser.add_argument("--prefix-tokens", type=int, default=4096, help="tenants: shared prefix tokens (default 4096)")
-    parser.add_argument("--rate", type=float, default=20.0, help="tenants: Poisson arrivals per second (default 20)")
+    parser.add_argument("--rate", type=float, default=40.0, help="tenants: Poisson arrivals per second (default 40)")
+    parser.add_argument("--requests-per-tenant", type=int, default=10,
+                        help="tenants: requests per tenant on average (default 10)")
     parser.add_argument("--tenants-kv-share", type=float, default=0.5,
                         help="tenants: KV cache sized to this share of all prefixes (default 0.5)")
     parser.add_argument("--profile", help="a sim profile to use instead of profiling the real engine first")
@@ -117,7 +119,7 @@ def build_workload(name: str, args: argparse.Namespace, vocab: int) -> tuple[lis
         from bench.tenants import TenantsCell
 
         num_tenants, prefix = max(2, int(args.tenants * scale)), max(64, int(args.prefix_tokens * scale))
-        cell = TenantsCell(num_tenants, prefix, args.rate * scale, max(16, int(20 * num_tenants * scale)),
+        cell = TenantsCell(num_tenants, prefix, args.rate * scale, max(16, args.requests_per_tenant * num_tenants),
                            suffix_tokens=64, max_tokens=max(8, int(64 * scale)))
         prefixes = [tokens(prefix) for _ in range(num_tenants)]
         reqs = [Req(arrival_s, prefixes[tenant] + tokens(cell.suffix_tokens), cell.max_tokens)

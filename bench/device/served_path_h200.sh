@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the served path's HTTP / in-process ratios on this tree and on a "before"
-# tree (default c4ffef4, the typed data path as first measured), back to back, median of 3;
-# then `tandem profile` of the cuda backend (the rates a sim device replays).
+# tree (default c4ffef4, the typed data path as first measured), back to back, median of 3.
 # Usage, on the device after `source .device-ray/activate.sh`:
 #   bench/device/served_path_h200.sh [BEFORE_DIR]
 # BEFORE_DIR holds `git archive <commit> actors bench cluster engine routing tandem pyproject.toml`
@@ -17,5 +16,3 @@ if [ -n "$before" ] && [ -d "$before" ]; then
     2>&1 | tee "$out/served-before.log" | grep -v '^\s*$' | tail -20
 fi
 python3 -m bench.served_path "${args[@]}" --out "$out/served-after.json" 2>&1 | tee "$out/served-after.log" | tail -20
-python3 -m tandem.cluster.cli profile --model qwen2.5-0.5b-random --backends cuda --output "$out/rates-h200.json" 2>&1 | tail -5
-cat "$out/rates-h200.json"
