@@ -124,7 +124,8 @@ def build_workload(name: str, args: argparse.Namespace, vocab: int) -> tuple[lis
         prefixes = [tokens(prefix) for _ in range(num_tenants)]
         reqs = [Req(arrival_s, prefixes[tenant] + tokens(cell.suffix_tokens), cell.max_tokens)
                 for arrival_s, tenant in cell.arrivals(args.seed)]
-        num_kv_blocks = int(args.tenants_kv_share * num_tenants * prefix / 16) + 1
+        per_request = -(-(prefix + cell.suffix_tokens + cell.max_tokens) // 16)
+        num_kv_blocks = max(int(args.tenants_kv_share * num_tenants * prefix / 16), 4 * per_request) + 1
         return reqs, num_kv_blocks
     raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
