@@ -46,6 +46,7 @@ class BackendActor:
         self.threads = threads
         self.requested_device = requested_device
         self.rates: dict[str, Any] | None = None
+        self.emulated_kind = (engine_kwargs.get("sim_profile") or {}).get("device_kind", "")
         self.core = CoreClient(backend_id, {**engine_kwargs, "num_threads": threads})
         ready = self.core.ready
         logger.warning(  # warning: shown under Python's default log level, and said once per start
@@ -72,7 +73,7 @@ class BackendActor:
             block_size=e.block_size, model_name=e.model_name, max_model_len=e.max_model_len, node_id=wire.node_id(),
             rates=self.rates, reconstructed=reconstructed, num_kv_tokens=e.num_kv_tokens,
             cpu_kernels=e.cpu_kernels if e.device_kind == "cpu" else "", shared_device=physical_device(e.device_kind),
-            max_priority_wait_s=e.max_priority_wait_s)
+            max_priority_wait_s=e.max_priority_wait_s, emulated_kind=self.emulated_kind)
 
     async def info(self) -> BackendInfo:
         return self._info()

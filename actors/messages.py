@@ -362,6 +362,12 @@ class BackendInfo:
     # same one share its compute. `device` cannot tell (each actor sees its GPU as cuda:0). "": cpu.
     shared_device: str = ""
     max_priority_wait_s: float | None = None  # the scheduler's starvation bound; None: unknown
+    emulated_kind: str = ""  # a sim backend: the kind of device it emulates (cpu, cuda, mps); "": real
+
+    @property
+    def routing_kind(self) -> str:
+        """The kind the router treats it as: a sim backend is the device it emulates."""
+        return self.emulated_kind or self.device_kind
 
 
 @dataclass

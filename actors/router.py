@@ -138,7 +138,7 @@ class RouterActor:
             self._drop(info.backend_id, reason="re-registered")
         profile = RateProfile(**rates)
         self._rates_logged.discard(info.backend_id)
-        self.router.add_backend(BackendSpec(info.backend_id, info.device_kind, profile, info.max_active,
+        self.router.add_backend(BackendSpec(info.backend_id, info.routing_kind, profile, info.max_active,
                                             info.shared_device or None, info.max_priority_wait_s))
         self.backends[info.backend_id] = _Backend(info, handle, profile,
                                                   CacheMirror(info.block_size, cached_hashes))

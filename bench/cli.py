@@ -190,6 +190,8 @@ def _cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-max-active", type=int, default=4, help="cpu backends' max_active (default 4)")
     parser.add_argument("--sim-profile", metavar="NAME|FILE",
                         help="the device sim backends emulate (tandem serve --sim-profile; default its default)")
+    parser.add_argument("--sim-time-scale", type=float, default=1.0, metavar="K",
+                        help="sim steps last K times their profile's (tandem serve --sim-time-scale; default 1)")
     parser.add_argument("--rates", help="rates file for every cluster (default: run tandem profile first)")
     parser.add_argument("--temperature", type=float,
                         help="sampling temperature (default 0, or 1.0 seeded per request for *-random presets)")
@@ -251,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
                           args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile,
-                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile)
+                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile,
+                          sim_time_scale=args.sim_time_scale)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench=args.bench_command, settings=settings, arms=args.arms, warmup_tokens=args.warmup_tokens,
                     reuse_cluster=args.bench_command == "sweep" and not args.fresh_clusters,
@@ -278,7 +281,8 @@ def _run_tenants(args: argparse.Namespace) -> int:
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
                           _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
-                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile)
+                          cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile,
+                          sim_time_scale=args.sim_time_scale)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
                     warmup_tokens=args.warmup_tokens, reuse_cluster=True)

@@ -72,6 +72,8 @@ class Layout:
     has_accelerator: bool
     cpu_threads: int | None
     devices: dict[str, str] = field(default_factory=dict)  # accelerator backend id -> its device, "cuda:0"
+    sim_kinds: dict[str, str] = field(default_factory=dict)  # sim backend id -> the kind it emulates
+    sim_time_scale: float = 1.0  # sim steps last this many times their profile's (TandemConfig's)
 
     def arm_backends(self, arm: str, accel_max_active: int, cpu_max_active: int) -> list[dict[str, Any]]:
         """Every accelerator backend (and the `auto` slot, a cpu backend on a machine without
@@ -83,7 +85,7 @@ class Layout:
         return backends
 
     def is_accelerator(self, backend: dict[str, Any]) -> bool:
-        return backend["id"] == self.accel_id or backend["device"] != "cpu"
+        return backend["id"] == self.accel_id or self.sim_kinds.get(backend["id"], backend["device"]) != "cpu"
 
     def arm_policy(self, arm: str) -> str:
         if arm == ACCELERATOR_ONLY and not self.has_accelerator:
@@ -110,7 +112,8 @@ def init_ray(log_to_driver: bool = False) -> None:
 
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
                    num_kv_blocks: int | None = None, cpu_compile: bool = False,
-                   cpu_kernels: str = "auto", sim_profile: str | None = None) -> Layout:
+                   cpu_kernels: str = "auto", sim_profile: str | None = None,
+                   sim_time_scale: float = 1.0) -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
     device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default). Every
     backend that resolved to the cpu, `auto` included, gets `cpu_dtype`, `cpu_compile` and
@@ -123,20 +126,23 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
     from tandem.cluster.plan import plan_backends
 
     config = TandemConfig.validated({"model": model, "backends": parse_backends(backends_spec),
-                                     "cpu_threads": cpu_threads, **({"sim_profile": sim_profile} if sim_profile else {})})
+                                     "cpu_threads": cpu_threads, "sim_time_scale": sim_time_scale,
+                                     **({"sim_profile": sim_profile} if sim_profile else {})})
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), mps)
-    auto = [p for p in plans if p.requested == "auto"] or [p for p in plans if p.device != "cpu"] or plans[-1:]
+    sim_kinds = {p.backend_id: p.sim_profile["device_kind"] for p in plans if p.sim_profile is not None}
+    accelerators = [p for p in plans if sim_kinds.get(p.backend_id, p.device) != "cpu"]
+    auto = [p for p in plans if p.requested == "auto"] or accelerators or plans[-1:]
     backends = [{"id": p.backend_id, "device": p.device, "threads": p.threads,
                  "dtype": cpu_dtype if p.device == "cpu" else "auto",
                  **({"cpu_compile": True} if cpu_compile and p.device == "cpu" else {}),
                  **({"cpu_kernels": cpu_kernels} if cpu_kernels != "auto" and p.device == "cpu" else {}),
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
-                 **({"profile": config.sim_profile} if p.device == "sim" else {})} for p in plans]
+                 **({"profile": p.sim_profile_name} if p.device == "sim" else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
-    return Layout(model, backends, auto[0].backend_id, any(p.device != "cpu" for p in plans), cpu_threads,
-                  device_names(plans))
+    return Layout(model, backends, auto[0].backend_id, bool(accelerators), cpu_threads, device_names(plans),
+                  sim_kinds, sim_time_scale)
 
 
 def device_names(plans: list[Any]) -> dict[str, str]:
@@ -160,6 +166,7 @@ def profile_rates(layout: Layout, accel_max_active: int, cpu_max_active: int, ou
 
     config_path, rates_path = out_dir / "profile-config.yaml", out_dir / "rates.json"
     config = {"model": layout.model, "rates_cache": str(out_dir / "rates-cache.json"),
+              "sim_time_scale": layout.sim_time_scale,
               "backends": layout.arm_backends("cost", accel_max_active, cpu_max_active)}
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [sys.executable, "-m", "tandem.cluster.cli", "profile", "--config", str(config_path), "--output", str(rates_path)]
@@ -203,6 +210,7 @@ class BenchCluster:
             "rates": str(self.rates_path), "profile": "never", "port": self.port,
             "routing_log": str(self.routing_log), "namespace": namespace,
             "max_pending_requests": self.max_pending_requests, "warmup_tokens": self.warmup_tokens,
+            "sim_time_scale": self.layout.sim_time_scale,
             # Ray is already up (init_ray, its own metrics port): no metrics page to bind, so no port
             # check either; a test holding the default 8080 had stopped a bench half way.
             "metrics_port": 0},
@@ -388,13 +396,13 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
             cpu_max_active: int, max_accel_max_active: int, rates: str | None, temperature: float | None,
             time_budget_s: float | None, verbose: bool, command: str,
             num_kv_blocks: int | None = None, cpu_compile: bool = False,
-            cpu_kernels: str = "auto", sim_profile: str | None = None) -> BenchContext:
+            cpu_kernels: str = "auto", sim_profile: str | None = None, sim_time_scale: float = 1.0) -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
     layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile, cpu_kernels,
-                            sim_profile)
+                            sim_profile, sim_time_scale)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0

@@ -138,6 +138,9 @@ class TandemConfig(BaseModel):
     cpu_compile: bool | None = None
     seed: int = 0
     sim_profile: str = DEFAULT_SIM_PROFILE  # what a sim backend without its own `profile` emulates
+    # Every sim step lasts this many times its profile's (routing/step_time.py's `dilated`): many
+    # emulated engines of a fast device on a small host; read durations back divided by it.
+    sim_time_scale: float = Field(default=1.0, gt=0)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -213,17 +216,21 @@ class TandemConfig(BaseModel):
 
 def parse_backends(spec: str) -> list[dict[str, Any]]:
     """`--backends cpu,auto` -> [{"device": "cpu"}, {"device": "auto"}]; `id=device` names one;
-    `device*N` is N alike (`cuda*2`) and `cuda*all` / `auto*all` one per free GPU."""
+    `device*N` is N alike (`cuda*2`) and `cuda*all` / `auto*all` one per free GPU; `sim:PROFILE`
+    is a sim backend emulating that profile (`sim:m2-cpu-qwen2.5-0.5b*2`)."""
     backends = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
         backend_id, _, device = item.rpartition("=")
         device, star, count = device.partition("*")
+        device, colon, profile = device.partition(":")
+        if colon and device != "sim":
+            raise ConfigError(f"--backends: {item!r}: only a sim backend takes a profile (sim:NAME)")
         if device not in DEVICES:
             raise ConfigError(f"--backends: unknown device {device!r} in {item!r}; use {', '.join(DEVICES)}, "
                               "optionally with *N or *all (cuda*2, auto*all)")
-        backend: dict[str, Any] = {"device": device}
+        backend: dict[str, Any] = {"device": device, **({"profile": profile} if profile else {})}
         if star:
             backend["count"] = _parse_count(item, device, count)
             if backend_id:

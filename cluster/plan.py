@@ -65,6 +65,7 @@ class BackendPlan:
     gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
     max_num_batched_tokens: int | None = None  # None: the cluster's (a sim backend: its profile's)
     sim_profile: dict | None = None  # sim: the profiled device it emulates (routing/step_time.py's SimProfile)
+    sim_profile_name: str | None = None  # sim: that profile as configured (a shipped name or a file)
 
     @property
     def num_gpus(self) -> float:
@@ -131,17 +132,18 @@ def sim_settings(plan: BackendPlan, config: TandemConfig, backend: BackendConfig
     max_active, KV cache and batched-token budget are the profiled engine's."""
     name = backend.profile or config.sim_profile
     try:
-        profile = load_sim_profile(name)
+        profile = load_sim_profile(name).dilated(config.sim_time_scale)
     except ConfigError as exc:
         raise ConfigError(f"backend {plan.backend_id}: {exc}") from None
     num_kv_blocks = plan.num_kv_blocks
     if num_kv_blocks is None and plan.kv_cache_memory_gb is None and profile.num_kv_tokens:
         num_kv_blocks = math.ceil(profile.num_kv_tokens / config.block_size) + 1  # + the null block
-    return replace(plan, reason=f"{plan.reason}, emulating {name}",
+    scaled = f", {config.sim_time_scale:g}x slower" if config.sim_time_scale != 1 else ""
+    return replace(plan, reason=f"{plan.reason}, emulating {name}{scaled}",
                    max_active=backend.max_active or config.max_active or profile.max_active,
                    num_kv_blocks=num_kv_blocks, dtype="auto",
                    max_num_batched_tokens=config.max_num_batched_tokens or profile.max_num_batched_tokens,
-                   sim_profile=profile.model_dump())
+                   sim_profile=profile.model_dump(), sim_profile_name=name)
 
 
 def cpu_settings(config: TandemConfig, backend: BackendConfig, backend_id: str) -> dict:

@@ -91,7 +91,8 @@ def _sim_extras(engine, plan, args: argparse.Namespace) -> dict:
     description = (f"tandem profile of {engine.model_name} on {engine.config.device} ({plan.reason}), dtype "
                    f"{engine.config.dtype}, {plan.threads} thread{'s' if plan.threads != 1 else ''}, "
                    f"{platform.node() or 'this machine'}")
-    return {"description": description, "decode_s_per_context_token": context_cost, **engine_shape(engine)}
+    return {"description": description, "device_kind": engine.device_kind, "decode_s_per_context_token": context_cost,
+            **engine_shape(engine)}
 
 
 def _write_sim_profiles(directory: str, found: dict) -> None:

@@ -116,6 +116,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     advanced.add_argument("--sim-profile", metavar="NAME|FILE",
                           help="the device sim backends emulate: a shipped profile (default "
                                f"{DEFAULT_SIM_PROFILE}) or a `tandem profile` file")
+    advanced.add_argument("--sim-time-scale", type=float, metavar="K",
+                          help="sim steps last K times their profile's (many fast engines on a small host)")
     return advanced
 
 
@@ -123,7 +125,8 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
     overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads,
                      gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
-                     sim_profile=getattr(args, "sim_profile", None), **extra)
+                     sim_profile=getattr(args, "sim_profile", None),
+                     sim_time_scale=getattr(args, "sim_time_scale", None), **extra)
     if args.backends:
         overrides["backends"] = parse_backends(args.backends)
     cpu_settings = {"cpu_dtype": getattr(args, "cpu_dtype", None), "cpu_compile": getattr(args, "cpu_compile", None),

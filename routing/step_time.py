@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -61,6 +61,9 @@ class SimProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     description: str = ""  # what was measured, where, how
+    # The kind of device measured: the router treats a sim backend as one of this kind (a CPU's
+    # spill guard, accelerator-only routing, replication among devices of one kind).
+    device_kind: Literal["cpu", "cuda", "mps"] = "cuda"
     prefill_tok_s: float = Field(gt=0)
     decode_tok_s: float = Field(gt=0)
     decode_tok_s_by_batch: dict[int, float] | None = None
@@ -69,6 +72,21 @@ class SimProfile(BaseModel):
     max_active: int = Field(default=256, ge=1)
     num_kv_tokens: int | None = Field(default=None, ge=1)  # None: the engine's own default
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+
+    def dilated(self, time_scale: float) -> SimProfile:
+        """The same device run `time_scale` times slower: every step lasts `time_scale` times
+        as long. A host too small to keep many emulated engines at a fast device's pace (each
+        step costs the host the same whatever its length) can run them dilated and read every
+        duration back divided by `time_scale`; the router gets the dilated rates too, so its
+        scores stay those of the device it sees."""
+        if time_scale == 1.0:
+            return self
+        table = self.decode_tok_s_by_batch
+        return self.model_copy(update={
+            "prefill_tok_s": self.prefill_tok_s / time_scale, "decode_tok_s": self.decode_tok_s / time_scale,
+            "decode_tok_s_by_batch": None if table is None else {b: r / time_scale for b, r in table.items()},
+            "decode_s_per_context_token": self.decode_s_per_context_token * time_scale,
+            "description": f"{self.description} [dilated {time_scale:g}x]"})
 
     def rates(self) -> RateProfile:
         return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch)
