@@ -10,6 +10,8 @@ and a request is checked once, by the edge that builds its engine request.
 - The contract is checked at the edges only: `validate` where a Python caller builds its own
   request (the driver, `tandem generate`), `validate_relations` where the HTTP schema already
   held each field to its bound, and neither in the engine.
+- Each error class is defined once, so one name has one meaning (the HTTP edge maps each class
+  to a status once: tests/cluster/test_protocol.py).
 """
 
 from __future__ import annotations
@@ -337,3 +339,48 @@ def test_the_driver_refuses_a_bad_request_before_routing_it():
     tandem = Tandem(router=None, backends={}, config=TandemConfig())  # no router: routing would fail
     with pytest.raises(InvalidRequestError, match="temperature"):
         asyncio.run(tandem.agenerate([1, 2, 3], SamplingParams(temperature=2.5)).__anext__())
+
+
+# -- one class per error meaning -------------------------------------------------------------------
+BUILTIN_ERRORS = {"Exception", "RuntimeError", "ValueError", "TypeError", "KeyError", "OSError"}
+
+
+def error_classes(root: Path = ROOT) -> dict[str, list[str]]:
+    """Exception class name -> the product files that define a class of that name."""
+    bases: dict[tuple[str, str], set[str]] = {}
+    for layer in ("engine", "routing", "actors", "cluster"):
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    names = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                             if isinstance(b, (ast.Name, ast.Attribute))}
+                    bases[(node.name, path.relative_to(root).as_posix())] = names
+    errors = set(BUILTIN_ERRORS)
+    while True:  # a class is an error if a base is
+        more = {name for (name, _), names in bases.items() if names & errors} - errors
+        if not more:
+            break
+        errors |= more
+    found: dict[str, list[str]] = {}
+    for name, relative in sorted(bases):
+        if name in errors - BUILTIN_ERRORS:
+            found.setdefault(name, []).append(relative)
+    return found
+
+
+def test_each_error_class_is_defined_once():
+    """One meaning, one class: routing's refusal of a deadline is not engine/errors.py's
+    `DeadlineUnmetError` (the 429 a caller sees), so it has its own name."""
+    found = error_classes()
+    assert {"DeadlineUnmetError", "DeadlineRefusedError", "InvalidRequestError"} <= set(found)
+    assert {name: files for name, files in found.items() if len(files) > 1} == {}
+
+
+def test_a_second_class_of_one_name_is_seen(tmp_path):
+    for layer, text in (("engine", "class TandemError(Exception):\n    pass\n"
+                                   "class DeadlineUnmetError(TandemError):\n    pass\n"),
+                        ("routing", "class DeadlineUnmetError(RuntimeError):\n    pass\n")):
+        (tmp_path / layer).mkdir()
+        (tmp_path / layer / "errors.py").write_text(text)
+    assert error_classes(tmp_path) == {"DeadlineUnmetError": ["engine/errors.py", "routing/errors.py"],
+                                       "TandemError": ["engine/errors.py"]}
