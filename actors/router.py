@@ -25,12 +25,12 @@ the reply.
 
 Deadlines and priorities. A placement may carry the request's priority class and TTFT deadline
 (routing/deadline.py); a request whose deadline no backend can meet is refused (routing's
-`DeadlineUnmetError`: the best projection, when to retry), placed nowhere, and logged as a
+`DeadlineRefusedError`: the best projection, when to retry), placed nowhere, and logged as a
 decision with `placed` false. The caller hears engine/errors.py's `DeadlineUnmetError` (an
 overload: retry later), or an `InvalidRequestError` when even an idle backend would miss the
-deadline. Every placement answers with the projected TTFT it was placed with, and the router
-compares it with the TTFT it observes (decision to the first report that shows a token):
-`tandem_router_ttft_late_seconds` / `_early_seconds`.
+deadline (`deadline_error`, the one translation). Every placement answers with the projected
+TTFT it was placed with, and the router compares it with the TTFT it observes (decision to the
+first report that shows a token): `tandem_router_ttft_late_seconds` / `_early_seconds`.
 
 Every decision is appended to the routing log as one JSON line (routing's `DecisionRecord`
 plus a timestamp, the per-backend cache answers, and the request's lengths and prompt block
@@ -74,7 +74,7 @@ class _Backend:
 
 
 def deadline_error(exc: Any) -> Exception:
-    """routing's `DeadlineUnmetError` as the caller's error: an overload (a 429, retry after the
+    """routing's `DeadlineRefusedError` as the caller's error: an overload (a 429, retry after the
     drain) while backends are busy, the request's own fault (a 400) when even an idle backend
     would miss the deadline (its prefill alone is too long)."""
     if exc.retry_after_s is None:
@@ -250,7 +250,7 @@ class RouterActor:
             record = self.router.route(request)
         except routing.NoBackendError as exc:
             raise BackendUnavailableError(str(exc)) from None
-        except routing.DeadlineUnmetError as exc:
+        except routing.DeadlineRefusedError as exc:
             self._refused(exc, request, attempt)
             raise deadline_error(exc) from None
         chosen = record.chosen

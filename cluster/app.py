@@ -66,6 +66,7 @@ from tandem.engine.errors import (BackendUnavailableError, DeadlineUnmetError, I
 from tandem.cluster.tools import OutputPlan, ToolCallStream, delta_tool_calls, plan_output
 from tandem.actors.metrics import INGRESS_METRICS, Recorder
 from tandem.cluster.protocol import (
+    DEFAULTS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -83,6 +84,7 @@ from tandem.cluster.protocol import (
     error_body,
     parse_json_object,
 )
+from tandem.engine.sampling_params import BOUNDS, SamplingParams
 from tandem.engine.tokenizer import encode_chat, encode_prompt
 
 logger = logging.getLogger("tandem.app")
@@ -93,7 +95,6 @@ BACKEND_HEADER = "x-tandem-backend"
 DEADLINE_HEADER = "x-tandem-ttft-deadline-ms"
 PROJECTED_TTFT_HEADER = "x-tandem-projected-ttft-ms"
 REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Retry-After: a full admission queue drains within about a request's time; a failed backend's
 # requests fail over at once, and a restarted backend rejoins in seconds (docs/cluster.md).
 OVERLOADED_RETRY_AFTER_S = 1
@@ -367,12 +368,13 @@ def ttft_deadline_s(request: Request, body: Any) -> float | None:
     value = request.headers.get(DEADLINE_HEADER)
     if value is None:
         return None
+    bound = BOUNDS["ttft_deadline_ms"]
     try:
         deadline_ms = float(value)
     except ValueError:
         deadline_ms = math.nan
-    if not 0 < deadline_ms <= 86_400_000:
-        raise InvalidRequestError(f"{DEADLINE_HEADER} must be a number of milliseconds > 0, got {_echo(value)}",
+    if not bound.admits(deadline_ms):
+        raise InvalidRequestError(f"{DEADLINE_HEADER} must be milliseconds, {bound}, got {_echo(value)}",
                                   param=DEADLINE_HEADER)
     return deadline_ms / 1000
 
@@ -583,8 +585,6 @@ class TandemIngress:
                                code="invalid_api_key")
 
     def _prepare(self, body: Any, chat: bool) -> tuple[list[int], Any, OutputPlan]:
-        from tandem.engine.sampling_params import SamplingParams
-
         plan = plan_output(body, getattr(self.tokenizer, "chat_template", None) if chat else None)
         prompt_token_ids = self._tokenize(body, chat, plan.template_tools)
         max_model_len = self.settings.max_model_len
@@ -594,7 +594,8 @@ class TandemIngress:
                                       code="context_length_exceeded")
         max_tokens = body.max_tokens
         if max_tokens is None:
-            max_tokens = max_model_len - len(prompt_token_ids) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+            # A chat may fill the context; a completion takes SamplingParams' default (OpenAI's too).
+            max_tokens = max_model_len - len(prompt_token_ids) if chat else DEFAULTS.max_tokens
         if len(prompt_token_ids) + max_tokens > max_model_len:
             raise InvalidRequestError(f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
                                       f"is over this model's context of {max_model_len} tokens", param="max_tokens",
@@ -607,7 +608,7 @@ class TandemIngress:
                                 repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias_ids(),
                                 logprobs=body.num_logprobs, structured_output=plan.structured_output,
                                 priority=body.priority)
-        params.validate()  # the edge's check; its InvalidRequestError is a 400 as it is
+        params.validate_relations()  # the body held each field to its bound as it parsed
         return prompt_token_ids, params, plan
 
     def _tokenize(self, body: Any, chat: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:

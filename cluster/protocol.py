@@ -5,7 +5,11 @@ names the field (OpenAI's error shape) before it costs a tokenizer call or a rou
 Numeric fields are strict about types (`"max_tokens": "5"` is an error, as at OpenAI) but
 accept an int where a float is expected, and every one has a range: nothing a client sends
 reaches the engine's tensors or `torch.Generator.manual_seed` (which takes [0, 2**64 - 1])
-as a value they cannot hold.
+as a value they cannot hold. The ranges and the defaults are not stated here: each field's
+bound is its entry in engine/sampling_params.py's `BOUNDS` and its default SamplingParams' own,
+so the HTTP edge and a Python caller are held to the same contract. Parsing a body checks each
+field against its bound, once; the ingress then checks only the rules between fields
+(`SamplingParams.validate_relations`), and the engine only what it alone knows.
 
 Nothing a client sends is silently ignored. Every top-level field is one of: implemented (a
 declared field below); accepted and harmless (`HARMLESS_FIELDS`: labels such as `user` or
@@ -36,10 +40,10 @@ import time
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from tandem.engine.sampling_params import BOUNDS, SamplingParams
 from tandem.cluster.tools import (
     MAX_TOOLS,
     DeltaToolCall,
@@ -50,11 +54,9 @@ from tandem.cluster.tools import (
     template_message,
 )
 
-MAX_STOP_SEQUENCES = 16
 MAX_JSON_DEPTH = 32  # the deepest valid request is 4 (body, messages, message, content part)
 MAX_NUMBER_DIGITS = 64  # 2**64 - 1 is 20 digits
-MAX_INT32 = 2**31 - 1  # token counts and ids: they end up in int32/int64 tensors
-MAX_SEED = 2**64 - 1
+MAX_SEED = BOUNDS["seed"].high
 
 # JSON strings, matched whole (the unrolled loop: linear in the input whatever it holds), so
 # what is left is the document's structure and numbers.
@@ -139,8 +141,24 @@ def _check_strings(data: Any) -> None:
                                           f"(lone surrogate at character {exc.start})") from None
 
 
-TokenCount = Annotated[int, Field(strict=True, ge=1, le=MAX_INT32)]
-TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_INT32)]
+def bounded(name: str) -> dict[str, Any]:
+    """pydantic's arguments for request field `name` (for a list or dict field, for each of its
+    values): strict (no "5" for 5, no true for 1) and within its bound in `BOUNDS`, so a value out
+    of range is a 400 naming the field, and the API's schema (/openapi.json) shows the range."""
+    bound = BOUNDS[name]
+    limits: dict[str, Any] = {"strict": True}
+    if bound.low is not None:
+        limits["gt" if bound.low_open else "ge"] = bound.low
+    if bound.high is not None:
+        limits["lt" if bound.high_open else "le"] = bound.high
+    return limits
+
+
+# SamplingParams' defaults are the request's: a field left out (or null) is the default there.
+DEFAULTS = SamplingParams()
+
+TokenCount = Annotated[int, Field(**bounded("max_tokens"))]
+TokenId = Annotated[int, Field(**bounded("prompt_token_ids"))]
 
 
 class ErrorDetail(BaseModel):
@@ -159,10 +177,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-Probability = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, strict=True)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]
-NumLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+NumLogprobs = Annotated[int, Field(**bounded("logprobs"))]
 
 
 def _never(value: Any, body: dict[str, Any]) -> bool:
@@ -249,25 +264,28 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
-    max_tokens: TokenCount | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: TokenCount | None = None  # None: the ingress's default, which depends on the endpoint
+    temperature: float = Field(default=DEFAULTS.temperature, **bounded("temperature"))
+    top_p: float = Field(default=DEFAULTS.top_p, **bounded("top_p"))
+    n: int = Field(default=DEFAULTS.n, **bounded("n"))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)] | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: dict[StrictStr, Bias] | None = None
+    stop: StrictStr | list[StrictStr] | None = None  # held to BOUNDS["stop"] by `_check`
+    seed: int | None = Field(default=DEFAULTS.seed, **bounded("seed"))
+    presence_penalty: float = Field(default=DEFAULTS.presence_penalty, **bounded("presence_penalty"))
+    frequency_penalty: float = Field(default=DEFAULTS.frequency_penalty, **bounded("frequency_penalty"))
+    # Token ids (JSON's keys are strings, read by `logit_bias_ids`) -> biases.
+    logit_bias: dict[StrictStr, Annotated[float, Field(**bounded("logit_bias"))]] | None = Field(
+        default=None, max_length=BOUNDS["logit_bias"].max_items)
     user: StrictStr | None = None
     # Tandem extras (vLLM spells them the same way).
-    top_k: StrictInt = Field(default=0, ge=-1, le=MAX_INT32)
-    min_p: Probability = 0.0
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, strict=True)
-    min_tokens: StrictInt = Field(default=0, ge=0, le=MAX_INT32)
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    top_k: int = Field(default=DEFAULTS.top_k, **bounded("top_k"))
+    min_p: float = Field(default=DEFAULTS.min_p, **bounded("min_p"))
+    repetition_penalty: float = Field(default=DEFAULTS.repetition_penalty, **bounded("repetition_penalty"))
+    min_tokens: int = Field(default=DEFAULTS.min_tokens, **bounded("min_tokens"))
+    ignore_eos: StrictBool = DEFAULTS.ignore_eos
+    stop_token_ids: list[Annotated[int, Field(**bounded("stop_token_ids"))]] | None = Field(
+        default=None, max_length=BOUNDS["stop_token_ids"].max_items)
     # Structured outputs (OpenAI's response_format, vLLM's guided_*), read by cluster/tools.py.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
@@ -276,8 +294,8 @@ class _SamplingRequest(BaseModel):
     # Scheduling (docs/routing.md, "Deadlines and priorities"): vLLM's priority (lower is more
     # urgent, classes compared by value) and Tandem's TTFT deadline (the header
     # x-tandem-ttft-deadline-ms says the same; the body wins where both are given).
-    priority: StrictInt = Field(default=0, ge=-MAX_INT32, le=MAX_INT32)
-    ttft_deadline_ms: float | None = Field(default=None, gt=0.0, le=86_400_000.0)
+    priority: int = Field(default=DEFAULTS.priority, **bounded("priority"))
+    ttft_deadline_ms: float | None = Field(default=None, **bounded("ttft_deadline_ms"))
 
     @model_validator(mode="before")
     @classmethod
@@ -286,9 +304,9 @@ class _SamplingRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingRequest:
-        stops = self.stop_list
-        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-            raise ValueError(f"stop must be at most {MAX_STOP_SEQUENCES} non-empty strings")
+        problem = BOUNDS["stop"].problem(self.stop_list)
+        if problem is not None:
+            raise ValueError(f"stop {problem}")
         if self.logit_bias is not None:
             self.logit_bias_ids()  # keys checked here, so a bad one is a 400 at the edge
         return self
@@ -297,12 +315,13 @@ class _SamplingRequest(BaseModel):
         """`logit_bias` with its keys (token ids as JSON strings) as ints."""
         if not self.logit_bias:
             return {}
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+        token_id = BOUNDS["logit_bias"].keys
         bias = {}
         for key, value in self.logit_bias.items():
-            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_INT32):
-                raise ValueError(f"logit_bias keys must be token ids, got {_short(key)!r}")
+            # Decimal digits, no more than the largest id has (int() of 5,000 digits is slow).
+            if not (key.isascii() and key.isdigit() and len(key) <= len(str(token_id.high))
+                    and token_id.admits(int(key))):
+                raise ValueError(f"logit_bias keys must be token ids ({token_id}), got {_short(key)!r}")
             bias[int(key)] = value
         return bias
 

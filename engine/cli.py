@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 def generate(prompt: str, params: SamplingParams, config: EngineConfig, chat: bool = False) -> dict:
     from tandem.engine.llm_engine import LLMEngine
 
+    params.validate()  # an edge: the engine checks only what only it knows (engine/sampling_params.py)
     engine = LLMEngine(config)
     prompt_ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     engine.add_request("generate-0", prompt_ids, params)

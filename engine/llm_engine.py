@@ -4,10 +4,12 @@
 state, turn new tokens into text and outputs. With asynchronous scheduling (the default on
 cuda) a step call schedules and launches step N+1 first and only then waits for step N's
 sampled ids and turns them into outputs, so the host's per-request Python runs while the GPU
-computes; each call still returns the outputs of one forward, one call later. Everything a caller may get wrong (empty prompt,
-a prompt over the context, a request larger than the whole cache, bad sampling settings) is
+computes; each call still returns the outputs of one forward, one call later. What only the
+engine can check about a request (an empty prompt, token ids outside its vocabulary, a prompt
+over its context, a request larger than its whole cache, a grammar that does not compile) is
 rejected in `add_request` with an `InvalidRequestError` naming the problem, so nothing bad
-ever reaches the step loop.
+ever reaches the step loop. The sampling settings are the request contract's, checked once by
+the edge that built the request (engine/sampling_params.py says where), not again here.
 
 Should one request still fault while stepping (its grammar, its logits processing or
 sampling, its detokenizer or stop handling), that request alone ends: its last output is
@@ -263,7 +265,6 @@ class LLMEngine:
         return request
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -286,9 +287,6 @@ class LLMEngine:
         """The request's grammar matcher; compile errors are the request's fault (a 400)."""
         if params.structured_output is None:
             return None
-        if params.min_tokens:
-            raise InvalidRequestError("min_tokens cannot be combined with structured output (the grammar "
-                                      "decides where the output ends)")
         return self.grammar_compiler.make_grammar(params.structured_output)
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:

@@ -8,7 +8,7 @@ The Ray actor that hosts the `Router` lives in `actors/`; see docs/routing.md.
 
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.decision import BackendScore, DecisionRecord
-from tandem.routing.errors import ConfigError, DeadlineUnmetError, NoBackendError
+from tandem.routing.errors import ConfigError, DeadlineRefusedError, NoBackendError
 from tandem.routing.ledger import Ledger, LedgerEntry
 from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
@@ -22,7 +22,7 @@ __all__ = [
     "BackendSpec",
     "CalibrationConfig",
     "ConfigError",
-    "DeadlineUnmetError",
+    "DeadlineRefusedError",
     "DecisionRecord",
     "EVENT_KINDS",
     "Ledger",

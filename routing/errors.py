@@ -3,9 +3,12 @@
 `ConfigError` is raised at the file edge (rate profiles, scenarios) and always names the
 offending field, e.g. ``backends.0.rates.prefill_tok_s: must be > 0 (got -1)``, so a typo in a
 YAML file is a one-line fix. `NoBackendError` is raised when a policy has nowhere to send a
-request (no backends, or `cpu-only` without a CPU backend). `DeadlineUnmetError` is raised
-when a request's TTFT deadline cannot be met on any routable backend; it carries the best
-projection and when to retry, and pickles with them (it crosses the router actor's boundary).
+request (no backends, or `cpu-only` without a CPU backend). `DeadlineRefusedError` is the
+router's refusal of a request whose TTFT deadline no routable backend meets, whether they are
+busy or even an idle one would miss it; it carries the best projection and when to retry, and
+pickles with them. It never reaches a client: the router actor translates it, once, into the
+caller's error (actors/router.py `deadline_error`: retry later, or never), which the HTTP edge
+maps to a status.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ def format_validation_errors(source: str, errors: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class DeadlineUnmetError(RuntimeError):
-    """No routable backend projects a time to first token within the request's deadline.
+class DeadlineRefusedError(RuntimeError):
+    """The router refused the request: no routable backend projects a time to first token
+    within its deadline.
 
     `backend_id` is the backend with the best projection, `projected_ttft_s` that projection,
     `retry_after_s` the seconds until its work ahead drains enough to meet the deadline, or

@@ -15,7 +15,7 @@ investment rather than a recompute.
 A request may carry a priority class and a TTFT deadline (routing/deadline.py): every score
 carries the request's projected time to first token on that backend, and a request with a
 deadline goes, by the policy, only to a backend whose projection meets it; if none does,
-`route` raises `DeadlineUnmetError` with the best projection and when to retry, and places
+`route` raises `DeadlineRefusedError` with the best projection and when to retry, and places
 nothing. Without a deadline the decision is exactly what it was.
 
 Decisions cost O(number of backends), independent of how many requests are pending
@@ -34,7 +34,7 @@ from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backe
 from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
 from tandem.routing.device_share import device_shares
-from tandem.routing.errors import DeadlineUnmetError, NoBackendError
+from tandem.routing.errors import DeadlineRefusedError, NoBackendError
 from tandem.routing.inflight import InflightPrefixes
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
 from tandem.routing.messages import ProgressEvent, RouteRequest
@@ -237,7 +237,7 @@ class Router:
 
     def route(self, request: RouteRequest) -> DecisionRecord:
         """Choose a backend for `request` and record it there as queued. Raises
-        `DeadlineUnmetError` (placing nothing) when its TTFT deadline cannot be met."""
+        `DeadlineRefusedError` (placing nothing) when its TTFT deadline cannot be met."""
         if request.req_id in self._req_to_backend:
             raise ValueError(
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
@@ -273,7 +273,7 @@ class Router:
     def _choose_by_deadline(self, request: RouteRequest, routable: list[BackendScore],
                             scores: dict[str, BackendScore]) -> str:
         """The policy's choice among the routable backends that meet the request's deadline;
-        raises DeadlineUnmetError if there is none (routing/deadline.py)."""
+        raises DeadlineRefusedError if there is none (routing/deadline.py)."""
         if not routable:
             raise NoBackendError(f"policy {self.policy!r} has no routable backend")
         split = split_by_deadline(routable, request.ttft_deadline_s, request.num_prompt_tokens)
@@ -285,7 +285,7 @@ class Router:
                     raise  # the policy takes none of the backends, deadline or not
         record = DecisionRecord(request.req_id, self.policy, split.best.backend_id, scores, request.priority,
                                 request.ttft_deadline_s, placed=False, retry_after_s=split.retry_after_s)
-        raise DeadlineUnmetError(request.req_id, split.best.backend_id, request.ttft_deadline_s,
+        raise DeadlineRefusedError(request.req_id, split.best.backend_id, request.ttft_deadline_s,
                                  split.best.projected_ttft_s, split.retry_after_s, record)
 
     # --- progress ---------------------------------------------------------------------------

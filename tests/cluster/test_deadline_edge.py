@@ -13,7 +13,7 @@ import tandem.cluster.app as app
 from tandem.actors.router import deadline_error
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest, TandemInfo
 from tandem.engine.errors import DeadlineUnmetError, InvalidRequestError
-from tandem.routing import DeadlineUnmetError as RoutingDeadlineUnmet
+from tandem.routing import DeadlineRefusedError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -48,7 +48,7 @@ def test_the_body_wins_over_the_header_and_the_header_is_checked():
 
 
 def test_a_refusal_while_busy_is_a_429_with_retry_after_from_the_projection():
-    exc = deadline_error(RoutingDeadlineUnmet("r1", "gpu0", 0.2, 1.7345, 1.5345))
+    exc = deadline_error(DeadlineRefusedError("r1", "gpu0", 0.2, 1.7345, 1.5345))
     assert isinstance(exc, DeadlineUnmetError)
     response = app.error_response(exc, "req-1")
     assert response.status_code == 429
@@ -61,12 +61,12 @@ def test_a_refusal_while_busy_is_a_429_with_retry_after_from_the_projection():
 
 
 def test_a_short_retry_is_at_least_one_second():
-    response = app.error_response(deadline_error(RoutingDeadlineUnmet("r1", "g", 0.2, 0.2001, 0.0001)), "req-1")
+    response = app.error_response(deadline_error(DeadlineRefusedError("r1", "g", 0.2, 0.2001, 0.0001)), "req-1")
     assert response.headers["retry-after"] == "1"
 
 
 def test_a_deadline_no_idle_backend_meets_is_a_400():
-    exc = deadline_error(RoutingDeadlineUnmet("r1", "cpu0", 0.001, 0.05, None))
+    exc = deadline_error(DeadlineRefusedError("r1", "cpu0", 0.001, 0.05, None))
     assert isinstance(exc, InvalidRequestError) and exc.code == "deadline_unmeetable"
     response = app.error_response(exc, "req-1")
     assert response.status_code == 400 and "retry-after" not in response.headers

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from tandem.routing import (BackendSpec, DeadlineUnmetError, ProgressEvent, RateProfile, RouteRequest,
+from tandem.routing import (BackendSpec, DeadlineRefusedError, ProgressEvent, RateProfile, RouteRequest,
                             Router)
 
 
@@ -66,7 +66,7 @@ def test_deadline_unmet_refuses_with_the_best_projection_and_retry_after():
     router = Router([g_spec()])
     router.route(req(1))
     router.route(req(2))
-    with pytest.raises(DeadlineUnmetError) as info:
+    with pytest.raises(DeadlineRefusedError) as info:
         router.route(req(3, ttft_deadline_s=2.0))
     err = info.value
     assert (err.backend_id, err.ttft_deadline_s) == ("g", 2.0)
@@ -81,7 +81,7 @@ def test_deadline_unmet_refuses_with_the_best_projection_and_retry_after():
 
 def test_deadline_shorter_than_the_own_prefill_has_no_retry_time():
     router = Router([g_spec()])
-    with pytest.raises(DeadlineUnmetError) as info:
+    with pytest.raises(DeadlineRefusedError) as info:
         router.route(req(1, prompt=1000, ttft_deadline_s=0.5))
     assert info.value.retry_after_s is None and info.value.projected_ttft_s == pytest.approx(1.0)
     assert "even on an idle backend" in str(info.value)
@@ -102,7 +102,7 @@ def test_cordoned_backends_are_neither_candidates_nor_the_best():
     router = Router([g_spec("a"), g_spec("b")])
     router.set_cordoned("b", True)
     router.route(req(1))
-    with pytest.raises(DeadlineUnmetError) as info:
+    with pytest.raises(DeadlineRefusedError) as info:
         router.route(req(2, ttft_deadline_s=0.8))
     assert info.value.backend_id == "a" and info.value.retry_after_s == pytest.approx(0.2)
 
@@ -232,7 +232,7 @@ def test_aged_work_is_already_ahead_of_its_own_class():
 
 def test_a_refusal_behind_an_aged_turn_waits_for_it():
     router = aging_router()
-    with pytest.raises(DeadlineUnmetError) as info:
+    with pytest.raises(DeadlineRefusedError) as info:
         router.route(req(3, prompt=100, arrival_s=6.0, ttft_deadline_s=0.5))
     assert info.value.retry_after_s == pytest.approx(2.6 - 0.5)
 
