@@ -1,6 +1,7 @@
 """Progress bars written to a file or a pipe (a backend actor's stderr, `tandem serve > log`)
 come out as plain lines: no carriage returns, no escape codes (engine/progress.py); Ray's
-coloured worker prefix is off when the console is not a terminal (cluster/cli.py)."""
+coloured worker prefix is off when the console is not a terminal, for `tandem` and the Python
+driver alike (cluster/launcher.py's `ray_env_defaults`)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_a_gguf_conversion_shows_its_bars_as_lines(monkeypatch, tmp_path):
 
 
 def test_rays_coloured_prefix_is_off_unless_the_console_is_a_terminal(monkeypatch):
-    from tandem.cluster.cli import plain_worker_log_prefix
+    from tandem.cluster.launcher import plain_worker_log_prefix
 
     monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
     plain_worker_log_prefix((Terminal(), Terminal()))
