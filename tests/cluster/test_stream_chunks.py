@@ -18,6 +18,8 @@ from openai.types.chat import ChatCompletionChunk
 
 from tests.cluster.conftest import MODEL
 
+pytestmark = pytest.mark.slow  # starts Ray (CI runs the slow tests too)
+
 CHUNK_KEYS = {"id", "object", "created", "model", "choices", "tandem"}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 CHAT_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
