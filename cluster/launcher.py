@@ -307,7 +307,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
-        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads, "
+        threads = f"{plan.threads} thread{'' if plan.threads == 1 else 's'}"
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {threads}, "
             f"max_active {plan.max_active}{_gpu_notes(plan)}{_cpu_notes(plan)}")
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,

@@ -1,7 +1,8 @@
 """The Python driver ends cleanly: `Tandem.shutdown()` cancels the tasks left on the driver's
 event loop (each backend channel's reader, the router wire's reader) and lets them close their
 sockets, so the interpreter's exit prints no "Task was destroyed but it is pending!"; and what
-it prints to a file or pipe carries no colour codes (Ray's worker prefix is plain there)."""
+it prints to a file or pipe carries no colour codes (Ray's worker prefix is plain there), and
+one thread is "1 thread"."""
 
 from __future__ import annotations
 
@@ -84,4 +85,5 @@ def test_the_readme_driver_exits_without_pending_tasks_or_colour_codes(tmp_path)
     assert json.loads(lines[0].removeprefix("RESULT ")) == {"tokens": 4}
     assert "(BackendActor pid=" in output  # the backends' own lines reached this console...
     assert "\x1b[" not in output, output[-4000:]  # ...with a plain prefix
+    assert "backend cpu0: cpu (configured cpu), 1 thread, max_active 1" in output and "1 threads" not in output
     assert "Task was destroyed" not in output and "Task exception was never retrieved" not in output, output[-4000:]
