@@ -1,7 +1,8 @@
 """`tandem serve` as a user runs it: a subprocess that profiles on first start, prints its
 URLs and nothing alarming, answers HTTP, and stops cleanly on Ctrl-C (SIGINT); and a port
 already in use, answered before Ray starts with one line naming the flag; and its --help, one
-screen that points to docs/config.md, where every setting is described."""
+screen that points to docs/config.md, where every setting is described, with the README naming
+each flag under the help that shows it."""
 
 from __future__ import annotations
 
@@ -109,6 +110,29 @@ def test_serve_help_fits_one_screen(monkeypatch, capsys):
     assert "docs/config.md" in " ".join(lines[-2:]) and "--help-all" in lines[-1]
     assert "--spill-margin" not in helps["--help"] and "--spill-margin F " in helps["--help-all"]
     assert "--cpu-kernels KIND " in helps["--help-all"]
+
+
+def test_the_readme_names_each_flag_where_the_help_shows_it(capsys):
+    """The README's flags for `tandem serve --help` are all on that screen, and the ones it says
+    `--help-all` adds are there and not on the short one."""
+    import re
+    from pathlib import Path
+
+    from tandem.cluster.cli import main
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    common = readme.split("- `tandem serve --help` lists the common flags:", 1)[1]
+    common, advanced = common.split("`tandem serve --help-all` adds the advanced ones", 1)
+    advanced = advanced.split("\n- ", 1)[0]
+    helps = {}
+    for flag in ("--help", "--help-all"):
+        with pytest.raises(SystemExit):
+            main(["serve", flag])
+        helps[flag] = set(re.findall(r"(?m)^  (--[a-z-]+)", capsys.readouterr().out))
+    named = {kind: set(re.findall(r"`(--[a-z-]+)", text)) for kind, text in (("common", common), ("advanced", advanced))}
+    assert len(named["common"]) >= 10 and len(named["advanced"]) >= 4, named
+    assert named["common"] - helps["--help"] == set()
+    assert named["advanced"] - helps["--help-all"] == set() and named["advanced"] & helps["--help"] == set()
 
 
 def test_advanced_flags_work_without_being_listed():
