@@ -334,8 +334,9 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
     if serve_http:
         tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0], plans)
-        log(f"HTTP: {http_replicas(config)} ingress replica(s), up to {pending_limit(config, plans)} pending "
-            "requests before 429 (max_pending_requests in the config)")
+        replicas = http_replicas(config)
+        log(f"HTTP: {replicas} ingress replica{'' if replicas == 1 else 's'}, up to {pending_limit(config, plans)} "
+            "pending requests before 429 (max_pending_requests in the config)")
     return tandem
 
 

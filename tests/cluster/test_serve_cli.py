@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -53,6 +54,10 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
         assert f"routing log {tmp_path / 'routing.jsonl'}" in output
         assert f"cache       {tmp_path / 'cache' / 'tandem'}" in output
         assert [line for line in seen if any(word in line for word in ALARMING)] == []
+        # Counted nouns agree with their numbers, and a pipe gets no colour codes.
+        assert "cpu0: cpu (configured cpu), 1 thread, max_active 4" in output and "1 threads" not in output
+        assert re.search(r"HTTP: (1 ingress replica|[2-9] ingress replicas), ", output), output
+        assert "\x1b[" not in output
         body = {"model": "tiny-llama-random", "prompt": "hello", "max_tokens": 4}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -115,7 +120,6 @@ def test_serve_help_fits_one_screen(monkeypatch, capsys):
 def test_the_readme_names_each_flag_where_the_help_shows_it(capsys):
     """The README's flags for `tandem serve --help` are all on that screen, and the ones it says
     `--help-all` adds are there and not on the short one."""
-    import re
     from pathlib import Path
 
     from tandem.cluster.cli import main
