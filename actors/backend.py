@@ -50,11 +50,12 @@ class BackendActor:
         self.core = CoreClient(backend_id, {**engine_kwargs, "num_threads": threads})
         ready = self.core.ready
         logger.warning(  # warning: shown under Python's default log level, and said once per start
-            "backend %s: device %s (%s), dtype %s, %s kernels, %d torch threads, max_active %d, KV cache %d tokens, "
+            "backend %s: device %s (%s), dtype %s, %s kernels, %d torch thread%s, max_active %d, KV cache %d tokens, "
             "model %s loaded in %.1f s (engine core pid %d)",
             backend_id, ready.device, device_reason or f"requested {requested_device}", ready.dtype,
-            ready.cpu_kernels if ready.device_kind == "cpu" else ready.device_kind, threads,
-            ready.max_active, ready.num_kv_tokens, ready.model_name, ready.load_s, ready.pid)
+            ready.cpu_kernels if ready.device_kind == "cpu" else ready.device_kind,
+            threads, "" if threads == 1 else "s", ready.max_active, ready.num_kv_tokens, ready.model_name,
+            ready.load_s, ready.pid)
         self.max_active = ready.max_active
         self.reporter = ProgressReporter(backend_id, self.instance_id, _router_handle(router), report_interval_s)
         self.relays: dict[str, Relay] = {}  # remote callers' channels, by channel id

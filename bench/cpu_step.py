@@ -242,11 +242,12 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"cpu_step_{args.dtype}_t{args.threads}_b{args.batch}{'_plain' if args.no_pack else ''}{args.tag}"
+    threads = f"{args.threads} thread{'' if args.threads == 1 else 's'}"
     if args.requests:
         report["throughput"] = engine_throughput(engine, args.requests, args.max_tokens, seed=7)
         (out / f"{name}_throughput.json").write_text(json.dumps(report, indent=1))
         t = report["throughput"]
-        print(f"{args.tag} {args.dtype} {args.threads} threads, {t['requests']} x ({PROMPT_LEN} -> {t['max_tokens']}) at "
+        print(f"{args.tag} {args.dtype} {threads}, {t['requests']} x ({PROMPT_LEN} -> {t['max_tokens']}) at "
               f"max_active {args.batch}: {t['wall_s']:.2f} s, {t['tok_s']:.1f} output tok/s; prefill of one prompt "
               f"{prefill['ttft_ms']:.0f} ms (ONEDNN_MAX_CPU_ISA={report['onednn_max_cpu_isa']})")
         return
@@ -254,7 +255,7 @@ def main(argv=None) -> None:
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
     r = report
     rest = r["forward_ms"] - r["linears_ms"] - r["logits_ms"] - r["attention_ms"]
-    print(f"{args.tag} {args.dtype} {args.threads} threads B={args.batch} packed={r['packed_linears']}: "
+    print(f"{args.tag} {args.dtype} {threads} B={args.batch} packed={r['packed_linears']}: "
           f"step {r['step_ms']:.2f} ms = forward {r['forward_ms']:.2f} + engine {r['step_ms'] - r['forward_ms']:.2f}; "
           f"forward = linears {r['linears_ms']:.2f} + logits {r['logits_ms']:.2f} + attention {r['attention_ms']:.2f} "
           f"+ other ops {rest:.2f}; weight read floor {r['read_floor_ms']:.2f} ms; "
@@ -262,7 +263,8 @@ def main(argv=None) -> None:
     for row in r["op_profile"][:12]:
         print(f"   {row['op']:<48} {row['self_ms']:8.3f} ms  x{row['calls']}")
     for row in r["linears_by_kind"]:
-        print(f"   {row['kind']:<22} {row['threads']:>2} threads: {row['us_per_call']:8.1f} us/call x{row['calls']}"
+        unit = "thread" if row["threads"] == 1 else "threads"
+        print(f"   {row['kind']:<22} {row['threads']:>2} {unit}: {row['us_per_call']:8.1f} us/call x{row['calls']}"
               f" = {row['total_ms']:6.2f} ms, {row['weight_mb']:7.1f} MB at {row['gb_s']:5.1f} GB/s")
 
 

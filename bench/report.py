@@ -110,7 +110,8 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> l
     for b in resolved_backends(meta, runs):
         role = ("the accelerator slot (`auto`)" if b["backend_id"] == meta.get("accel_id")
                 else "another accelerator backend" if b["device"] != "cpu" else "the CPU backend")
-        lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {b['threads']} torch threads "
+        threads = f"{b['threads']} torch thread{'' if b['threads'] == 1 else 's'}"
+        lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {threads} "
                      f"— {role}")
     lines += [f"- {note}" for note in meta.get("notes", [])]
     router = next((r["cluster"].get("router") for r in runs if r["cluster"].get("router")), None)

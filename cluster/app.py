@@ -306,6 +306,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 @dataclass
 class _ChunkMaker:
+    """A stream's chunks as OpenAI shapes them: `make` a choice's chunk, with no `usage` key
+    (OpenAI sends usage only in the chunk `usage` makes, the last, when the request's
+    stream_options.include_usage asks for it); a chat delta carries only its fields (DeltaMessage)."""
+
     stream: RoutedRequest
     model: str
     created: int
@@ -321,7 +325,7 @@ class _ChunkMaker:
             choice = CompletionChoice(index=index, text=delta, finish_reason=finish_reason, logprobs=logprobs)
             chunk = CompletionResponse(id=self.stream.req_id, created=self.created, model=self.model,
                                        choices=[choice], tandem=self.info(self.stream))
-        return chunk.model_dump()
+        return chunk.model_dump(exclude={"usage"})
 
     def usage(self, usage: UsageInfo) -> dict[str, Any]:
         if self.chat:
@@ -697,7 +701,10 @@ class TandemIngress:
         templates: dict[int, ChunkTemplate] = {}
 
         def text_event(index: int, text: str, reason: str | None) -> str:
-            """A chunk of text only, from this choice's template (the same bytes as `chunk.make`)."""
+            """A chunk of text only, from this choice's template (the same bytes as `chunk.make`);
+            a chat choice's last chunk with no text left has an empty delta, as OpenAI's."""
+            if chat and not text:
+                return _sse(chunk.make(DeltaMessage(), reason, index))
             template = templates.get(index)
             if template is None:
                 template = templates[index] = ChunkTemplate(lambda t, r: chunk.make(_delta(t, chat), r, index))

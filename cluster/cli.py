@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -57,23 +56,6 @@ def _ray_env_defaults() -> None:
     from tandem.cluster.launcher import ray_env_defaults
 
     ray_env_defaults()
-    plain_worker_log_prefix()
-
-
-def plain_worker_log_prefix(streams: tuple = ()) -> None:
-    """Ray prints each line a backend or the router logs behind a coloured "(BackendActor pid=N)":
-    escape codes that a log file or pipe keeps verbatim. Off unless stdout and stderr are both
-    terminals, and unless the user set RAY_COLOR_PREFIX."""
-    streams = streams or (sys.stdout, sys.stderr)
-    if not all(_is_terminal(stream) for stream in streams):
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

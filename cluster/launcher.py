@@ -20,12 +20,11 @@ joining an existing cluster backends are spread over its nodes.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import os
 import socket
-import threading
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.cluster.config import ConfigError, TandemConfig
+from tandem.cluster.driver_loop import DriverLoop
 from tandem.cluster.plan import BackendPlan, plan_backends
 from tandem.engine.config import GGML_KERNELS
 
@@ -46,10 +46,28 @@ SERVE_APP_NAME = "tandem"
 def ray_env_defaults() -> None:
     """Tandem's own Ray environment, so users need not export it: no usage-stats reporting (a
     server should not phone home) and Ray's own traffic on loopback (without the second, Ray 2.60
-    binds the machine's external address). Explicit settings win. The CLI calls this before
-    Ray is imported; `start` and `connect` call it too."""
+    binds the machine's external address), and plain worker prefixes where the console is no
+    terminal. Explicit settings win. The CLI calls this before Ray is imported; `start` and
+    `connect` call it too (Ray reads these when it starts and as it prints)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    plain_worker_log_prefix()
+
+
+def plain_worker_log_prefix(streams: tuple = ()) -> None:
+    """Ray prints each line a backend or the router logs behind a coloured "(BackendActor pid=N)":
+    escape codes that a log file or pipe keeps verbatim. Off unless stdout and stderr are both
+    terminals, and unless the user set RAY_COLOR_PREFIX."""
+    streams = streams or (sys.stdout, sys.stderr)
+    if not all(_is_terminal(stream) for stream in streams):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
 
 
 def check_ports(config: TandemConfig, serve_http: bool = True) -> None:
@@ -100,7 +118,7 @@ class Tandem:
     owns_ray: bool = False
     owns_actors: bool = False
     plans: list[BackendPlan] = field(default_factory=list)
-    _loop: asyncio.AbstractEventLoop | None = None
+    _driver: DriverLoop | None = None  # runs `generate`'s streams (cluster/driver_loop.py)
     _tokenizer: Any = None
     # The handles the actors were created with. Ray kills a (non-detached) actor once its
     # creator holds no handle to it, so these stay referenced for as long as this object lives.
@@ -115,17 +133,17 @@ class Tandem:
 
     def generate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> Iterator[Any]:
         """Route one request and yield its `RequestOutput`s (token and text deltas) as they come."""
-        loop = self._event_loop()
+        driver = self._driver_loop()
         agen = self.agenerate(prompt, params, chat)
         try:
             while True:
-                future = asyncio.run_coroutine_threadsafe(agen.__anext__(), loop)
                 try:
-                    yield future.result()
+                    yield driver.run(agen.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result()
+            if not driver.closed:  # else `shutdown` cancelled the stream already
+                driver.run(agen.aclose())
 
     async def agenerate(self, prompt: str | list[int], params: Any = None, chat: bool = False) -> AsyncIterator[Any]:
         """The async form of `generate`, for drivers that run their own event loop."""
@@ -160,19 +178,18 @@ class Tandem:
             return encode_chat(self._tokenizer, [{"role": "user", "content": prompt}])
         return encode_prompt(self._tokenizer, prompt)
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="tandem-driver", daemon=True).start()
-        return self._loop
+    def _driver_loop(self) -> DriverLoop:
+        if self._driver is None:
+            self._driver = DriverLoop()
+        return self._driver
 
     def shutdown(self) -> None:
         """Stop what `start` started: Ray itself if we started it, else our app and actors only."""
         import ray
 
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+        if self._driver is not None:  # first, while the backends and the router still answer
+            self._driver.close()
+            self._driver = None
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
@@ -290,7 +307,8 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
 
     plans = plan_backends(config, int(ray.cluster_resources().get("GPU", 0)), _mps_available(config))
     for plan in plans:
-        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {plan.threads} threads, "
+        threads = f"{plan.threads} thread{'' if plan.threads == 1 else 's'}"
+        log(f"backend {plan.backend_id}: {plan.device} ({plan.reason}), {threads}, "
             f"max_active {plan.max_active}{_gpu_notes(plan)}{_cpu_notes(plan)}")
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=config.namespace, num_cpus=0, max_concurrency=10_000,
@@ -316,8 +334,9 @@ def _start_on_ray(config: TandemConfig, serve_http: bool, log: Any, owns_ray: bo
         tandem.dashboard_url = f"http://127.0.0.1:{config.dashboard_port}"
     if serve_http:
         tandem.url = _start_serve(config, router, backends[plans[0].backend_id], infos[0], plans)
-        log(f"HTTP: {http_replicas(config)} ingress replica(s), up to {pending_limit(config, plans)} pending "
-            "requests before 429 (max_pending_requests in the config)")
+        replicas = http_replicas(config)
+        log(f"HTTP: {replicas} ingress replica{'' if replicas == 1 else 's'}, up to {pending_limit(config, plans)} "
+            "pending requests before 429 (max_pending_requests in the config)")
     return tandem
 
 

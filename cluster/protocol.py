@@ -40,7 +40,8 @@ import time
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_serializer,
+                      model_validator)
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.sampling_params import BOUNDS, SamplingParams
@@ -497,9 +498,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What one stream chunk adds to a choice's message. Only the fields it carries are sent,
+    as OpenAI sends them: the role in a choice's first chunk, content as it comes, the tool
+    calls at the end, and `{}` for a last chunk with nothing left to add; a client that reads
+    `"role": null` or `"tool_calls": null` in every delta may take them for values."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _carried_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -10,7 +10,8 @@ encodes just the two values into the gaps: the same bytes as the reference path 
 it), at the cost of two `json.dumps` of short values.
 
 Chunks that carry more than text (logprobs, tool calls, the role of a chat's first chunk,
-usage) keep the reference path.
+usage) keep the reference path, and so does a chat's last chunk with no text left, whose delta
+is empty rather than an empty string's.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ of overwritten statuses and escape codes.
 `plain_progress()` is the fix, wrapped around the code that shows such bars: when `sys.stderr`
 is not a terminal, it stands in for it with `PlainLines`, which writes each bar's status as a
 line of its own, at most one every `interval_s` (the first and the last always), with no
-carriage returns and no escape sequences. On a terminal it changes nothing.
+carriage returns, no escape sequences and no bar drawing (`|█████▌    |`, which says nothing
+the percentage does not): `Loading weights: 100% 272/272 [00:00<00:00, 21757.43it/s]`. On a
+terminal it changes nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from typing import TextIO
 # A CSI escape sequence (cursor movement, colours, erase): ESC [ parameters intermediates final.
 _CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 _BREAKS = re.compile(r"(\r|\n)")
+# tqdm's bar between the percentage and the counts: `|`, blocks (unicode, or ascii's digits and
+# `#`) and spaces, `|`.
+_BAR = re.compile(r"(\d%)\|[ #0-9\u2588-\u258f]*\|")
 DEFAULT_INTERVAL_S = 5.0
 
 
@@ -88,7 +93,7 @@ class PlainLines(io.TextIOBase):
             self._stream.flush()
 
     def _status(self, text: str, final: bool) -> None:
-        text = text.rstrip()
+        text = _BAR.sub(r"\1", text).rstrip()
         if not text:  # a bar cleared itself, or a blank line
             self._write_kept()
             return

@@ -227,6 +227,7 @@ def test_report_renders_tables_and_plots(tmp_path):
     text = (tmp_path / "seed.md").read_text()
     assert "### 8 requests" in text and "| hybrid (cost) |" in text and "11.47 → 10.35" in text
     assert "Backend `cpu0`: cpu, dtype float32, 14 torch threads" in text
+    assert "Backend `cuda0`: cuda:0, dtype bfloat16, 1 torch thread —" in text and "1 torch threads" not in text
     assert {p.name for p in written} >= {"seed.md", "seed-timeline.png", "seed-cdf-n8.png", "seed.json"}
     assert all(p.stat().st_size > 0 for p in written)
     assert len(json.loads((tmp_path / "seed.json").read_text())["runs"]) == 2

@@ -1,13 +1,15 @@
 """`tandem serve` as a user runs it: a subprocess that profiles on first start, prints its
 URLs and nothing alarming, answers HTTP, and stops cleanly on Ctrl-C (SIGINT); and a port
 already in use, answered before Ray starts with one line naming the flag; and its --help, one
-screen that points to docs/config.md, where every setting is described."""
+screen that points to docs/config.md, where every setting is described, with the README naming
+each flag under the help that shows it."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +54,10 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
         assert f"routing log {tmp_path / 'routing.jsonl'}" in output
         assert f"cache       {tmp_path / 'cache' / 'tandem'}" in output
         assert [line for line in seen if any(word in line for word in ALARMING)] == []
+        # Counted nouns agree with their numbers, and a pipe gets no colour codes.
+        assert "cpu0: cpu (configured cpu), 1 thread, max_active 4" in output and "1 threads" not in output
+        assert re.search(r"HTTP: (1 ingress replica|[2-9] ingress replicas), ", output), output
+        assert "\x1b[" not in output
         body = {"model": "tiny-llama-random", "prompt": "hello", "max_tokens": 4}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT_S)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -109,6 +115,28 @@ def test_serve_help_fits_one_screen(monkeypatch, capsys):
     assert "docs/config.md" in " ".join(lines[-2:]) and "--help-all" in lines[-1]
     assert "--spill-margin" not in helps["--help"] and "--spill-margin F " in helps["--help-all"]
     assert "--cpu-kernels KIND " in helps["--help-all"]
+
+
+def test_the_readme_names_each_flag_where_the_help_shows_it(capsys):
+    """The README's flags for `tandem serve --help` are all on that screen, and the ones it says
+    `--help-all` adds are there and not on the short one."""
+    from pathlib import Path
+
+    from tandem.cluster.cli import main
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    common = readme.split("- `tandem serve --help` lists the common flags:", 1)[1]
+    common, advanced = common.split("`tandem serve --help-all` adds the advanced ones", 1)
+    advanced = advanced.split("\n- ", 1)[0]
+    helps = {}
+    for flag in ("--help", "--help-all"):
+        with pytest.raises(SystemExit):
+            main(["serve", flag])
+        helps[flag] = set(re.findall(r"(?m)^  (--[a-z-]+)", capsys.readouterr().out))
+    named = {kind: set(re.findall(r"`(--[a-z-]+)", text)) for kind, text in (("common", common), ("advanced", advanced))}
+    assert len(named["common"]) >= 10 and len(named["advanced"]) >= 4, named
+    assert named["common"] - helps["--help"] == set()
+    assert named["advanced"] - helps["--help-all"] == set() and named["advanced"] & helps["--help"] == set()
 
 
 def test_advanced_flags_work_without_being_listed():

@@ -24,8 +24,9 @@ def completion_maker(index: int):
     info = TandemInfo(backend="cuda0", estimated_s=0.012345)
 
     def make(text, reason):
-        return CompletionResponse(id="cmpl-1", created=1700000000, model="m", tandem=info,
-                                  choices=[CompletionChoice(index=index, text=text, finish_reason=reason)]).model_dump()
+        chunk = CompletionResponse(id="cmpl-1", created=1700000000, model="m", tandem=info,
+                                   choices=[CompletionChoice(index=index, text=text, finish_reason=reason)])
+        return chunk.model_dump(exclude={"usage"})  # as the app's chunks: usage only in the last
     return make
 
 
@@ -35,7 +36,7 @@ def chat_maker(index: int):
     def make(text, reason):
         return ChatCompletionChunk(id="chatcmpl-1", created=1700000000, model="m", tandem=info,
                                    choices=[ChatChunkChoice(index=index, delta=DeltaMessage(content=text),
-                                                            finish_reason=reason)]).model_dump()
+                                                            finish_reason=reason)]).model_dump(exclude={"usage"})
     return make
 
 

@@ -1,6 +1,7 @@
 """Progress bars written to a file or a pipe (a backend actor's stderr, `tandem serve > log`)
-come out as plain lines: no carriage returns, no escape codes (engine/progress.py); Ray's
-coloured worker prefix is off when the console is not a terminal (cluster/cli.py)."""
+come out as plain lines: no carriage returns, no escape codes, no bar drawing
+(engine/progress.py); Ray's coloured worker prefix is off when the console is not a terminal,
+for `tandem` and the Python driver alike (cluster/launcher.py's `ray_env_defaults`)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,26 @@ def test_a_bar_written_to_a_file_is_plain_lines(monkeypatch):
     text = log.getvalue()
     assert "\x1b[" not in text and "\r" not in text
     lines = text.splitlines()
-    assert lines[0].startswith("Converting:   0%") and any(line.startswith("Converting: 100%") for line in lines)
+    assert lines[0].startswith("Converting:   0% 0/50 [") and any(line.startswith("Converting: 100% 50/50 [")
+                                                                for line in lines)
+    assert not any(char in text for char in "|█▏▌"), text  # no bar drawing: the percentage says it
     assert any(line.startswith("Loading weights: 100%") for line in lines)  # a bar that clears itself
     assert any(line.startswith("inner: 100%") for line in lines) and lines[-1] == "a log line"
     assert all(line.strip() for line in lines)
     assert sys.stderr is log  # restored
+
+
+def test_an_ascii_bar_and_a_bar_with_no_total_are_plain_too():
+    out = io.StringIO()
+    plain = PlainLines(out, interval_s=0.0)
+    for _ in tqdm(range(20), desc="ascii", ascii=True, file=plain, mininterval=0):
+        pass
+    for _ in tqdm(iter(range(3)), desc="no total", file=plain, mininterval=0):
+        pass
+    plain.finish()
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("ascii:  50% 10/20 [") for line in lines), lines
+    assert lines[-1].startswith("no total: 3it [") and not any("|" in line or "#" in line for line in lines), lines
 
 
 def test_redraws_are_thinned_to_one_line_per_interval_and_the_last():
@@ -92,12 +108,12 @@ def test_a_gguf_conversion_shows_its_bars_as_lines(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stderr", log)
     monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
     loader._ensure_converted(tmp_path / "model.gguf", tmp_path / "converted")
-    assert "Converting and de-quantizing GGUF tensors...: 100%" in log.getvalue()
+    assert "Converting and de-quantizing GGUF tensors...: 100% 10/10 [" in log.getvalue()
     assert "\r" not in log.getvalue() and "\x1b[" not in log.getvalue()
 
 
 def test_rays_coloured_prefix_is_off_unless_the_console_is_a_terminal(monkeypatch):
-    from tandem.cluster.cli import plain_worker_log_prefix
+    from tandem.cluster.launcher import plain_worker_log_prefix
 
     monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
     plain_worker_log_prefix((Terminal(), Terminal()))
