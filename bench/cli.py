@@ -20,6 +20,7 @@ run against one `tandem serve` (lost requests, memory growth, latency drift).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -291,7 +292,12 @@ def _run_tenants(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
         records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar,
                                        args.drain_timeout_s)
-    harness.write_json(out_dir / "summary.json", {"meta": ctx.meta, "cells": tenants.summarize(records)})
+    cells_summary = tenants.summarize(records)
+    for cell in cells_summary:
+        scenario = out_dir / "scenarios" / f"{cell['cell']}.yaml"
+        if scenario.is_file():
+            cell["route_sim"] = tenants.route_sim_predictions(scenario, args.arms)
+    harness.write_json(out_dir / "summary.json", {"meta": ctx.meta, "cells": cells_summary})
     print(f"wrote {out_dir / 'summary.json'} ({len(records)} runs)")
     if args.report:
         _render_tenants(out_dir, Path(args.report))
@@ -303,7 +309,11 @@ def _render_tenants(out_dir: Path, path: Path) -> None:
     from bench.tenants_report import render_tenants_report
 
     meta, runs = load_bench(out_dir)
-    written = render_tenants_report(meta, [r for r in runs if r.get("bench") == "tenants"], path)
+    summary_path = out_dir / "summary.json"
+    cells = json.loads(summary_path.read_text())["cells"] if summary_path.is_file() else []
+    predictions = {c["cell"]: c["route_sim"] for c in cells if c.get("route_sim")}
+    written = render_tenants_report(meta, [r for r in runs if r.get("bench") == "tenants"], path,
+                                    predictions=predictions)
     print("wrote " + ", ".join(str(p) for p in written))
 
 

@@ -42,7 +42,7 @@ from bench.workload import Workload, WorkloadRequest, random_tokens
 ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin", "random")
 HYBRID_ARM = "cost"
 # metric -> True if higher is better; the verdict judges cost on the first three
-METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p95_s": False, "output_tok_s": True,
+METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p90_s": False, "ttft_p95_s": False, "output_tok_s": True,
                             "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True}
 VERDICT_METRICS = ("ttft_p50_s", "ttft_p95_s", "output_tok_s")
 HIT_RATE_BAND = 0.05  # cost's hit rate within 5 points of prefix-affinity's
@@ -223,7 +223,8 @@ def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence
     nan = math.nan
     return {"num_requests": len(requests), "num_ok": len(ok), "num_cut": len(cut), "makespan_s": makespan,
             "output_tok_s": num_tokens / makespan if makespan and makespan > 0 else nan,
-            "ttft_p50_s": percentile(ttfts, 50) if ttfts else nan, "ttft_p95_s": percentile(ttfts, 95) if ttfts else nan,
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else nan, "ttft_p90_s": percentile(ttfts, 90) if ttfts else nan,
+            "ttft_p95_s": percentile(ttfts, 95) if ttfts else nan,
             "e2e_p50_s": percentile(e2es, 50) if e2es else nan, "e2e_p95_s": percentile(e2es, 95) if e2es else nan,
             "hit_rate": sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else nan,
             "num_output_tokens": num_tokens, "requests_by_backend": counts}
@@ -251,8 +252,25 @@ def summarize_cell(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, float]]:
+    """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm: what the
+    simulator says beside what the live cluster did."""
+    from tandem.routing.scenario import load_scenario
+    from tandem.routing.sim_report import summarize as summarize_sim
+    from tandem.routing.simulator import simulate
+
+    scenario = load_scenario(scenario_path)
+    backend_ids = [b.spec.backend_id for b in scenario.backends]
+    out = {}
+    for arm in arms:
+        summary = summarize_sim(arm, simulate(scenario, arm).outcomes, backend_ids)
+        out[arm] = {"ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
+                    "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}
+    return out
+
+
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {name: spread([r[name] for r in runs]) for name in METRICS}
+    out: dict[str, Any] = {name: spread([r.get(name, math.nan) for r in runs]) for name in METRICS}
     backends = sorted({b for r in runs for b in r["requests_by_backend"]})
     out["requests_by_backend"] = {b: [r["requests_by_backend"].get(b, 0) for r in runs] for b in backends}
     out["num_runs"] = len(runs)

@@ -21,10 +21,14 @@ METRIC_LABELS = {"ttft_p50_s": "TTFT p50", "ttft_p95_s": "TTFT p95", "output_tok
 
 
 def render_tenants_report(meta: dict[str, Any], runs: Sequence[dict[str, Any]], path: Path,
-                          title: str | None = None) -> list[Path]:
+                          title: str | None = None, predictions: dict[str, Any] | None = None) -> list[Path]:
+    """`predictions`: cell -> arm -> route-sim's figures for it (bench/tenants.py), shown beside the live ones."""
     from bench.report import _plot
 
     cells = summarize(runs)
+    for cell in cells:
+        if predictions and cell["cell"] in predictions:
+            cell["route_sim"] = predictions[cell["cell"]]
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title or default_title(meta)}", ""]
     notes = path.with_name(path.stem + ".notes.md")
@@ -108,9 +112,11 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
              "arms' sds (2+ runs each); the hit rate's mark is the 5-point band around prefix-affinity's. Requests "
              "cut off at the drain deadline count in TTFT and E2E with their time so far (lower bounds) and not in "
              "the hit rate or output tokens.", "",
-             "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p95 ms | E2E p95 ms | out tok/s | "
-             "requests per backend (mean) | cut off / failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "route-sim: the simulator's prediction of the cell under the arm (run 1's arrivals, the served rates), "
+             "TTFT p50 ms / hit rate %.", "",
+             "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p90 ms | TTFT p95 ms | E2E p95 ms | "
+             "out tok/s | requests per backend (mean) | cut off / failed | route-sim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in sorted(cells, key=_cell_order):
         spec = cell["spec"]
         for arm, agg in _arms_in_order(cell, meta):
@@ -119,11 +125,18 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
             lines.append(
                 f"| {spec['num_tenants']} | {spec['prefix_tokens']} | {spec['rate_per_s']:g} | {name} | "
                 f"{fmt(agg['hit_rate'], 100)}{_mark(cell, arm, 'hit_rate')} | "
-                f"{fmt(agg['ttft_p50_s'], 1000)}{_mark(cell, arm, 'ttft_p50_s')} | "
+                f"{fmt(agg['ttft_p50_s'], 1000)}{_mark(cell, arm, 'ttft_p50_s')} | {fmt(agg.get('ttft_p90_s'), 1000)} | "
                 f"{fmt(agg['ttft_p95_s'], 1000)}{_mark(cell, arm, 'ttft_p95_s')} | {fmt(agg['e2e_p95_s'], 1000)} | "
                 f"{fmt(agg['output_tok_s'], 1, 0)}{_mark(cell, arm, 'output_tok_s')} | {shares} | "
-                f"{agg['num_cut_requests']} / {agg['num_failed_requests']} |")
+                f"{agg['num_cut_requests']} / {agg['num_failed_requests']} | {_predicted(cell, arm)} |")
     return lines
+
+
+def _predicted(cell: dict[str, Any], arm: str) -> str:
+    predicted = (cell.get("route_sim") or {}).get(arm)
+    if not predicted:
+        return ""
+    return f"{1000 * predicted['ttft_p50_s']:.1f} / {100 * predicted['hit_rate']:.1f}"
 
 
 def verdict_lines(cells: Sequence[dict[str, Any]]) -> list[str]:
