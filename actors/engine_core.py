@@ -141,16 +141,16 @@ class EngineCore:
         busy = self.engine.has_unfinished_requests()
         self.take_commands(block=not busy)
         if not self.engine.has_unfinished_requests():
-            self.post_step([], None)  # answers, and the progress and cache changes of the last step
+            self.post_step([], None, idle=True)  # answers, and the progress and cache changes of the last step
             return
-        start = time.perf_counter()
+        num_tokens_before = self.num_tokens_done()
         outputs = self.engine.step()
-        self.post_step(outputs, time.perf_counter() - start)
+        self.post_step(outputs, self.step_timing(num_tokens_before, len(outputs)))
         if not self.engine.has_unfinished_requests():
             # Idle now: the finished requests' progress goes out at once, and the idle message
             # makes the front report it at once, so the router does not count them as load
             # when the caller's next request comes (a sequential client would see it spill).
-            self.post_step([], None, force=True)
+            self.post_step([], None, idle=True, force=True)
 
     def take_commands(self, block: bool) -> None:
         inbox = self.io.inbox
@@ -197,29 +197,41 @@ class EngineCore:
         else:
             self.added.append((request.req_id, num_prompt_tokens, time.time()))
 
-    def post_step(self, outputs: list, elapsed: float | None, force: bool = False) -> None:
+    def num_tokens_done(self) -> int:
+        st = self.engine.get_stats()
+        return st.num_prompt_tokens_total + st.num_generation_tokens_total
+
+    def step_timing(self, num_tokens_before: int, num_outputs: int) -> StepTiming | None:
+        """The step that finished in this `engine.step()` call, as the engine timed it; None when
+        none did. With asynchronous scheduling a call can launch a step and finish none (the
+        first after an idle spell), and a call's wall time is not its step's: the engine's own
+        measure is (its share of the wall from launch, or from the previous step's end), and
+        the router's calibration must see only finished steps, each with its own time."""
+        if self.num_tokens_done() == num_tokens_before:
+            return None
+        st = self.engine.get_stats()
+        # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
+        return StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or num_outputs,
+                          st.step_time_s)
+
+    def post_step(self, outputs: list, step: StepTiming | None, idle: bool = False, force: bool = False) -> None:
         """Hand the I/O thread the step's outputs, the adds' fates and the control message
-        (`elapsed` None: an idle message, which also carries any held progress); nothing when
-        there is nothing to say, unless `force`."""
-        control = self.control_message(len(outputs), elapsed, force)
+        (`step`: the step that finished, if one did; `idle`: the engine has nothing to run, and
+        the message also carries any held progress); nothing when there is nothing to say,
+        unless `force`."""
+        control = self.control_message(step, idle, force)
         if not (outputs or self.added or self.refused or control):
             return
         added, self.added = self.added, []
         refused, self.refused = self.refused, []
         self.io.post(StepNews(outputs, added, refused, control))
 
-    def control_message(self, num_outputs: int, elapsed: float | None, force: bool) -> EngineCoreOutputs | None:
+    def control_message(self, step: StepTiming | None, idle: bool, force: bool) -> EngineCoreOutputs | None:
         """The actor's share of a step: timing, progress, cache changes, stats, call replies."""
         engine = self.engine
-        step = None
-        if elapsed is not None:
-            st = engine.get_stats()
-            # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
-            step = StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or num_outputs,
-                              elapsed)
         now = time.monotonic()
         progress = []
-        if elapsed is None or now - self.last_progress >= PROGRESS_INTERVAL_S:
+        if idle or now - self.last_progress >= PROGRESS_INTERVAL_S:
             self.last_progress = now
             progress = engine.drain_progress()
         cache_changes = engine.drain_cache_changes()

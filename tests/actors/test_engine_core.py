@@ -354,3 +354,28 @@ def test_a_failed_step_fails_its_channel_requests_and_the_core_serves_on():
     items = read_items(lambda items: items and getattr(items[-1], "finished", False))
     assert isinstance(items[0], Admitted) and items[-1].finish_reason == "length"
     core.close()
+
+
+def test_step_timing_is_the_finished_steps_own_time_and_none_when_no_step_finished():
+    """With asynchronous scheduling the first call after an idle spell launches a step and
+    finishes none: no timing for calibration then (a stale step's tokens over a launch's few
+    microseconds read as a device many times faster); afterwards each finished step's own time."""
+    from tandem.actors.engine_core import EngineCore
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    core = EngineCore.__new__(EngineCore)
+    core.engine = LLMEngine(EngineConfig(model="tiny-llama-random", device="sim", max_active=4, num_kv_blocks=64),
+                            step_time=lambda p, d, c: 0.02)
+    assert core.engine.async_scheduling
+    core.engine.add_request("a", list(range(3, 35)), SamplingParams(max_tokens=3, ignore_eos=True))
+    timings = []
+    while core.engine.has_unfinished_requests():
+        before = core.num_tokens_done()
+        outputs = core.engine.step()
+        timings.append(core.step_timing(before, len(outputs)))
+    assert timings[0] is None  # launched the prefill, finished nothing
+    finished = [t for t in timings if t is not None]
+    assert [(t.prefill_tokens, t.decode_tokens) for t in finished] == [(32, 0), (0, 1), (0, 1)]
+    assert all(t.elapsed_s >= 0.01 for t in finished)  # about its 20 ms step, never a launch's microseconds
