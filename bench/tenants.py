@@ -252,20 +252,27 @@ def summarize_cell(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, float]]:
-    """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm: what the
-    simulator says beside what the live cluster did."""
+ROUTE_SIM_MODELS = ("route-sim", "engine")  # route-sim's own backends; the engine's scheduler in virtual time
+
+
+def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm, with each
+    backend model (`ROUTE_SIM_MODELS`): what the simulator says beside what the live cluster did."""
+    from tandem.cluster.engine_sim_backend import engine_backend_factory
     from tandem.routing.scenario import load_scenario
     from tandem.routing.sim_report import summarize as summarize_sim
     from tandem.routing.simulator import simulate
 
     scenario = load_scenario(scenario_path)
     backend_ids = [b.spec.backend_id for b in scenario.backends]
-    out = {}
+    factories = {"route-sim": None, "engine": engine_backend_factory()}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for arm in arms:
-        summary = summarize_sim(arm, simulate(scenario, arm).outcomes, backend_ids)
-        out[arm] = {"ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
-                    "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}
+        for model, factory in factories.items():
+            summary = summarize_sim(arm, simulate(scenario, arm, factory).outcomes, backend_ids)
+            out.setdefault(arm, {})[model] = {
+                "ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
+                "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}
     return out
 
 

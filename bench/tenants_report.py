@@ -113,7 +113,8 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
              "cut off at the drain deadline count in TTFT and E2E with their time so far (lower bounds) and not in "
              "the hit rate or output tokens.", "",
              "route-sim: the simulator's prediction of the cell under the arm (run 1's arrivals, the served rates), "
-             "TTFT p50 ms / hit rate %.", "",
+             "TTFT p50 ms / hit rate %, on its own backends and on the engine's scheduler "
+             "(`tandem route-sim --engine-scheduler`).", "",
              "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p90 ms | TTFT p95 ms | E2E p95 ms | "
              "out tok/s | requests per backend (mean) | cut off / failed | route-sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -136,7 +137,8 @@ def _predicted(cell: dict[str, Any], arm: str) -> str:
     predicted = (cell.get("route_sim") or {}).get(arm)
     if not predicted:
         return ""
-    return f"{1000 * predicted['ttft_p50_s']:.1f} / {100 * predicted['hit_rate']:.1f}"
+    return "; ".join(f"{model}: {1000 * p['ttft_p50_s']:.1f} / {100 * p['hit_rate']:.1f}"
+                     for model, p in predicted.items())
 
 
 def verdict_lines(cells: Sequence[dict[str, Any]]) -> list[str]:

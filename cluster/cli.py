@@ -16,7 +16,7 @@ from pathlib import Path
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tandem.engine.cli", "run one request in-process and print the completion"),
-    "route-sim": ("tandem.routing.sim_cli", "replay a routing scenario through the what-if simulator"),
+    "route-sim": ("tandem.cluster.route_sim_cli", "replay a routing scenario through the what-if simulator"),
     "serve": ("tandem.cluster.serve_cli", "start the cluster and its OpenAI-compatible HTTP API"),
     "profile": ("tandem.cluster.profile_cli", "measure each backend's rates alone and write the router's rates file"),
     "bench": ("bench.cli", "end-to-end benchmarks through the HTTP endpoint: seed experiment, sweep, tenants, soak, report"),

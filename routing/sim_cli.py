@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-out", type=Path, default=None, help="also write a JSON report here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, backend_factory: Any = None) -> int:
+    """`backend_factory`: how each backend is simulated (routing/simulator.py's BackendFactory;
+    None: routing/sim_backend.py's model); the oracle always uses the latter."""
     replay = None
     try:
         if (args.scenario is None) == (args.replay is None):
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"route-sim: {exc}", file=sys.stderr)
         return 2
-    results = [simulate(scenario, policy) for policy in policies]
+    results = [simulate(scenario, policy, backend_factory) for policy in policies]
     report, summaries = _report(scenario, results, args, replay is not None)
     if replay is not None:
         report["replay"] = _regret(replay, summaries)

@@ -19,6 +19,7 @@ together by one `SimDevice`, which advancing any of them advances.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tandem.routing.decision import DecisionRecord
 from tandem.routing.inflight import num_cached_prefix_tokens
@@ -122,14 +123,24 @@ def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporte
                       device)
 
 
+class BackendFactory(Protocol):
+    """Builds one simulated backend (`make_backend`'s signature); another model of a backend, such
+    as the engine's own scheduler (cluster/engine_sim_backend.py), plugs in here."""
+
+    def __call__(self, scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None,
+                 device: SimDevice | None) -> Any: ...
+
+
 def make_backends(scenario: Scenario, reporter: Reporter | None = None,
-                  sim_specs: list[SimBackendSpec] | None = None) -> dict[str, SimBackend]:
+                  sim_specs: list[SimBackendSpec] | None = None,
+                  backend_factory: BackendFactory | None = None) -> dict[str, Any]:
     """Every backend of `sim_specs` (default: the scenario's), those naming one device on one
     `SimDevice`; a device named by a single backend is that backend's alone."""
     sim_specs = scenario.backends if sim_specs is None else sim_specs
     shared = scenario.shared_devices
     devices = {name: SimDevice(name) for name in shared}
-    return {b.spec.backend_id: make_backend(scenario, b, reporter, devices.get(b.device)) for b in sim_specs}
+    make = backend_factory or make_backend
+    return {b.spec.backend_id: make(scenario, b, reporter, devices.get(b.device)) for b in sim_specs}
 
 
 def route_request(request: SimRequest, scenario: Scenario, reporter: _RouterReporter) -> RouteRequest:
@@ -141,14 +152,16 @@ def route_request(request: SimRequest, scenario: Scenario, reporter: _RouterRepo
                         request.block_hashes, scenario.block_size)
 
 
-def simulate(scenario: Scenario, policy: str | None = None) -> SimResult:
-    """Run the scenario under `policy` (default: the scenario's)."""
+def simulate(scenario: Scenario, policy: str | None = None,
+             backend_factory: BackendFactory | None = None) -> SimResult:
+    """Run the scenario under `policy` (default: the scenario's), on `backend_factory`'s
+    backends (default: routing/sim_backend.py's)."""
     router = Router(scenario.backend_specs, policy or scenario.policy, scenario.new_token_ratio,
                     scenario.calibration, scenario.spill_guard, scenario.prefix_affinity,
                     scenario.recompute_weight, scenario.inflight_prefixes, scenario.replication,
                     scenario.queue_weight, scenario.device_shares)
     reporter = _RouterReporter(router, [b.spec.backend_id for b in scenario.backends])
-    backends = make_backends(scenario, reporter)
+    backends = make_backends(scenario, reporter, backend_factory=backend_factory)
     decisions = []
     for index, request in enumerate(scenario.requests):
         for backend_id, backend in backends.items():

@@ -1,0 +1,190 @@
+"""route-sim's backend on the engine's own scheduler and KV cache, in virtual time.
+
+route-sim's first backend model (routing/sim_backend.py) is a small scheduler of its own:
+prefill first, no chunking, a prefix cache of prompts' full blocks. The engine does otherwise: it
+runs mixed steps (new prompts, in chunks up to `max_num_batched_tokens`, beside the running
+decodes), caches generated blocks too, and evicts by its block pool's LRU. Under cache pressure
+and load those differences decide TTFT, so a prediction is only as good as the scheduler it runs.
+This backend runs the engine's `Scheduler` and `KVCacheManager` themselves, timed by the same
+step-time model as the `sim` device (routing/step_time.py, the step's shape from
+engine/sim_runner.py): the sim device is this, in real time, behind the real server.
+
+It speaks route-sim's backend protocol (`next_boundary`, `process_boundary`, `enqueue`,
+`advance_to`, `progress_events_at`, `finished`), so `routing.simulator.simulate` takes it through
+its `backend_factory` and the router sees the same reports: admitted, prefill, generated and
+finished events at each step's end, the step's timing for calibration, and the cache's published
+and evicted blocks. Every step is its own boundary (no planned runs), which costs speed, not
+accuracy.
+
+Token ids. A route-sim request carries its prompt's block hashes, not tokens; the engine hashes
+tokens. Each prompt block gets token ids drawn from its route-sim hash (equal hashes, equal
+tokens, so the engine's prefix cache shares exactly what route-sim's hashes share), the tail of
+the prompt ids of its own; the engine's hash of each block is mapped back to the route-sim hash
+in the reports, since the router's mirror speaks route-sim's hashes. Generated blocks have no
+route-sim hash and are not reported (the router never asks for them).
+
+It lives in the cluster layer because it needs both the engine and routing, which may not
+import each other.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.sim_runner import step_shape
+from tandem.routing import messages
+from tandem.routing.messages import ProgressEvent
+from tandem.routing.scenario import Scenario, SimBackendSpec
+from tandem.routing.sim_backend import Reporter, SimJob
+from tandem.routing.step_time import StepTimeModel
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # the engine's on cuda
+DEFAULT_NUM_KV_BLOCKS = 1 << 20  # a scenario without a cache size: room for everything
+_TOKEN = 1  # every generated token (its id does not matter to the schedule)
+
+
+class EngineSimBackend:
+    def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
+                 block_size: int, reporter: Reporter | None = None,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
+        self.backend_id = backend_id
+        self.step_time = step_time
+        self.block_size = block_size
+        self.reporter = reporter
+        self._changes: dict[int, bool] = {}
+        self._engine_to_route_hash: dict[int, int] = {}
+        kv = KVCacheManager(num_kv_blocks, block_size, on_evict=lambda h: self._changed(h, False),
+                            on_publish=lambda h: self._changed(h, True))
+        self.scheduler = Scheduler(SchedulerConfig(max_active, max_num_batched_tokens, block_size, num_kv_blocks),
+                                   kv, clock=lambda: self.now)
+        self.pending: deque[SimJob] = deque()  # enqueued, arriving later (the oracle enqueues ahead)
+        self.jobs: dict[str, SimJob] = {}
+        self._waiting: set[str] = set()  # added, never scheduled yet
+        self.finished: list[SimJob] = []
+        self.now = -math.inf
+        self.step_end_s = math.inf
+        self._step = None  # the SchedulerOutput running now
+
+    # -- route-sim's backend protocol --------------------------------------------------------
+    def next_boundary(self) -> float:
+        if self._step is not None:
+            return self.step_end_s
+        if self.scheduler.has_unfinished_requests():
+            return self.now
+        if self.pending:
+            return max(self.now, self.pending[0].arrival_s)
+        return math.inf
+
+    def enqueue(self, job: SimJob) -> None:
+        self.pending.append(job)
+
+    def advance_to(self, t: float) -> None:
+        while self.next_boundary() < t:
+            self.process_boundary()
+
+    def run_to_completion(self) -> None:
+        self.advance_to(math.inf)
+
+    def progress_events_at(self, t: float) -> list[ProgressEvent]:
+        return []  # every step is a boundary: the router has seen everything up to the last one
+
+    def process_boundary(self) -> None:
+        """End the running step (its tokens, events, timing, cache changes), admit arrivals,
+        start the next step."""
+        t = self.next_boundary()
+        events: list[ProgressEvent] = []
+        if self._step is not None:
+            self._end_step(t, events)
+        self.now = t
+        while self.pending and self.pending[0].arrival_s <= t:
+            self._add(self.pending.popleft(), events)
+        self._start_step(t, events)
+        if self.reporter is not None and events:
+            self.reporter.on_events(self.backend_id, events)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _start_step(self, t: float, events: list[ProgressEvent]) -> None:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self._step, self.step_end_s = None, math.inf
+            return
+        for s in sched.scheduled:
+            request = s.request
+            if request.req_id in self._waiting:  # scheduled for the first time: its prefix hit is known
+                self._waiting.discard(request.req_id)
+                self.jobs[request.req_id].num_prefill_tokens = request.num_prompt_tokens - request.num_cached_tokens
+                events.append(ProgressEvent(request.req_id, messages.ADMITTED))
+        self._step = sched
+        self._shape = step_shape(sched)
+        self.step_end_s = t + self.step_time.step_s(*self._shape)
+
+    def _end_step(self, t: float, events: list[ProgressEvent]) -> None:
+        sched, self._step = self._step, None
+        sampled = {s.request.req_id: _TOKEN for s in sched.scheduled if s.completes_prefill}
+        self.scheduler.update_from_output(sched, sampled)
+        for s in sched.scheduled:
+            request = s.request
+            job = self.jobs[request.req_id]
+            if request.req_id not in sampled:
+                events.append(ProgressEvent(request.req_id, messages.PREFILL, request.num_computed_tokens))
+                continue
+            if job.first_token_s is None:
+                job.first_token_s = t
+                events.append(ProgressEvent(request.req_id, messages.PREFILL, request.num_prompt_tokens))
+            job.num_output_tokens = request.num_output_tokens
+            events.append(ProgressEvent(request.req_id, messages.GENERATED, job.num_output_tokens))
+            if request.is_finished:
+                job.finish_s = t
+                self.finished.append(self.jobs.pop(request.req_id))
+                events.append(ProgressEvent(request.req_id, messages.FINISHED))
+        if self.reporter is not None:
+            num_prefill, num_decode, _ = self._shape
+            self.reporter.on_step(self.backend_id, num_prefill, num_decode, num_decode or len(sampled), t - self.now)
+            if self._changes:
+                changes, self._changes = self._changes, {}
+                self.reporter.on_cache_changes(self.backend_id, changes)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _add(self, job: SimJob, events: list[ProgressEvent]) -> None:
+        params = SamplingParams(max_tokens=job.num_output_tokens_target, ignore_eos=True)
+        request = Request(job.req_id, self._prompt_ids(job), params, arrival_time=job.arrival_s)
+        for engine_hash, route_hash in zip(request.block_hashes(self.block_size), job.block_hashes):
+            self._engine_to_route_hash[engine_hash] = route_hash
+        self.jobs[job.req_id] = job
+        self._waiting.add(job.req_id)
+        self.scheduler.add_request(request)
+
+    def _prompt_ids(self, job: SimJob) -> list[int]:
+        """Tokens whose engine hashes share exactly what the job's route-sim hashes share."""
+        ids: list[int] = []
+        for route_hash in job.block_hashes:
+            rng = random.Random(route_hash)
+            ids.extend(rng.randrange(3, 1 << 30) for _ in range(self.block_size))
+        rng = random.Random(job.req_id)
+        ids.extend(rng.randrange(3, 1 << 30) for _ in range(job.num_prompt_tokens - len(ids)))
+        return ids
+
+    def _changed(self, engine_hash: int, cached: bool) -> None:
+        route_hash = self._engine_to_route_hash.get(engine_hash)
+        if route_hash is not None:
+            self._changes[route_hash] = cached
+
+
+def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+    """`routing.simulator.simulate`'s `backend_factory` for backends on the engine's scheduler."""
+
+    def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None, device) -> EngineSimBackend:
+        if device is not None:
+            raise ValueError(f"backend {sim_spec.spec.backend_id}: engines sharing a device are not modelled on "
+                             "the engine's scheduler; drop `device`, or use route-sim's own backends")
+        return EngineSimBackend(sim_spec.spec.backend_id, StepTimeModel(sim_spec.actual_rates), sim_spec.spec.max_active,
+                                (sim_spec.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS) + 1, scenario.block_size, reporter,
+                                max_num_batched_tokens)
+
+    return make
