@@ -71,10 +71,16 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
 def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: int = 16, seed: int = 1,
                          repeats: int = 3) -> float:
     """Seconds a decode step gains per context token of its batch: decode steps of the largest
-    profiled batch at `context_len` tokens against the same at 16, the difference spread over
-    the batch's extra context (median of `repeats`; 0 when longer contexts measured no slower).
-    The rates leave this out (their prompts are short); an emulated device adds it back
-    (routing/step_time.py)."""
+    batch the cache holds twice over at `context_len` tokens against the same at 16, the
+    difference spread over the batch's extra context (median of `repeats`; 0 when longer contexts
+    measured no slower). The rates leave this out (their prompts are short); an emulated device
+    adds it back (routing/step_time.py).
+
+    Each batch's prompts are prefilled once first, so the measured run finds them cached and
+    prefills only their last blocks, in one step: its decode steps are then all at the full
+    batch. (Prefilled in the measured run, the first prompts decode beside the others' prefill
+    in mixed steps, which do not count, and finish before the pure decode steps that do, so
+    those run at a smaller batch than the one the time is divided by.)"""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
     context_len = max(32, min(context_len, engine.max_model_len - decode_tokens - 2))
@@ -83,8 +89,9 @@ def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: in
 
     def step_s(prompt_len: int) -> float:
         prompts = [[rng.randrange(3, num_tokens) for _ in range(prompt_len)] for _ in range(batch)]
+        _run(engine, prompts, max_tokens=1)  # into the prefix cache
         _, (decode_tok, decode_s) = _run(engine, prompts, max_tokens=decode_tokens)
-        return decode_s / max(1, decode_tok / batch)
+        return decode_s / decode_tok * batch  # every decode step at the full batch
 
     step_s(context_len)  # warm-up: this batch's shapes at a long context
     costs = [(step_s(context_len) - step_s(16)) / (batch * (context_len - 16)) for _ in range(max(1, repeats))]

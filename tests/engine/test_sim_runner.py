@@ -113,3 +113,18 @@ def test_a_sim_device_refuses_what_it_cannot_emulate_and_needs_its_timing():
         LLMEngine(EngineConfig(model="tiny-llama-random", device="sim"))
     with pytest.raises(ValueError, match="step_time"):
         LLMEngine(EngineConfig(model="tiny-llama-random", device="cpu"), step_time=lambda p, d, c: 0.0)
+
+
+def test_the_context_cost_measured_on_a_sim_engine_is_the_one_it_runs_with():
+    """The profiler's context cost, measured where prompts are prefilled a chunk per step (so a
+    measured run's first requests would decode beside the others' prefill), comes back as the
+    sim's own coefficient: its decode steps are all at the full batch. The coefficient makes a
+    step 10 ms longer, far above the host's own time per step."""
+    from tandem.engine.profiler import measure_context_cost
+
+    cost = 5e-6  # seconds per context token per step
+    engine = LLMEngine(EngineConfig(model="tiny-llama-random", device="sim", max_active=8, num_kv_blocks=2048,
+                                    max_num_batched_tokens=512),
+                       step_time=lambda p, d, c: 0.001 * d + cost * c)
+    measured = measure_context_cost(engine, context_len=512, decode_tokens=8, repeats=1)
+    assert measured == pytest.approx(cost, rel=0.15)
