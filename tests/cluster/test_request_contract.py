@@ -215,7 +215,7 @@ CONSTRAINT_KEYWORDS = {"ge", "gt", "le", "lt", "max_length", "min_length"}
 COMMON = {-1, 0, 1}
 # The modules that must be scanned (each parses, builds or checks a request).
 REQUEST_PATH = {"cluster/protocol.py", "cluster/app.py", "cluster/launcher.py", "engine/llm_engine.py",
-                "engine/cli.py", TABLE}
+                "engine/admission.py", "engine/cli.py", TABLE}
 
 
 def bound_values() -> set[float]:
