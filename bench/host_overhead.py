@@ -20,7 +20,7 @@ engine's own methods, so the timed loop is `LLMEngine.step()` itself:
   forward       the model forward and logits (CPU compute here; device time on a GPU)
   sample        Sampler.__call__ (argmax and reading the ids back)
   update        Scheduler.update_from_output (append tokens, token-level stops)
-  outputs       LLMEngine._process_outputs (detokenize, stop strings, RequestOutput objects)
+  outputs       OutputProcessor.process_outputs (detokenize, stop strings, RequestOutput objects)
   other         the rest of step()
   host          step minus forward and sample: the Python a faster GPU does not shrink (on the
                 CPU `sample` is mostly the argmax over 48 x 49152 logits, a kernel on a GPU)
@@ -99,7 +99,7 @@ class PhaseTimer:
         runner = engine.model_runner
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.scheduler, "update_from_output", "update")
-        self.wrap(engine, "_process_outputs", "outputs")
+        self.wrap(engine.output_processor, "process_outputs", "outputs")
         self.wrap(runner, "prepare_inputs", "inputs")
         self.wrap(runner.model, "forward", "forward")
         self.wrap(runner.model, "compute_logits", "forward")

@@ -73,8 +73,9 @@ def engine_request(engine: Any, planned: Planned, rng: random.Random) -> tuple[l
 
 def per_request_maps(engine: Any) -> dict[str, int]:
     scheduler, kv = engine.scheduler, engine.kv_cache_manager
-    return {"tracked": len(engine._tracked), "changed": len(engine._changed), "groups": len(engine._groups),
-            "child_of": len(engine._child_of), "scheduler": len(scheduler.requests),
+    groups = engine.request_groups
+    return {"tracked": len(engine.output_processor.tracked), "changed": len(engine.reporter.changed),
+            "groups": len(groups.groups), "child_of": len(groups.child_of), "scheduler": len(scheduler.requests),
             "kv_req_to_blocks": len(kv.req_to_blocks), "kv_req_to_cached": len(kv.req_to_num_cached_blocks),
             "cached_blocks": len(kv.block_pool.cached_blocks)}
 

@@ -8,10 +8,11 @@ Two parts, both at each batch size (default 4 and 64):
   least 30 objects that no request can finish within --max-tokens, so both runs take the same
   number of steps with the same batch. Reported per decode step: wall time, and inside it the
   time the sampler spent filling and applying the grammar masks (`apply_grammars`) and the
-  engine spent advancing the matchers (`_advance_grammars`); decode tok/s. On cuda the engine
-  schedules asynchronously, and a step with grammar rows cannot (its mask needs the previous
-  step's token), so the unconstrained run is also done synchronously: the difference between
-  the two unconstrained rows is the price of the lost overlap, the rest is the grammar's own.
+  engine spent advancing the matchers (`OutputProcessor.advance_grammars`); decode tok/s. On
+  cuda the engine schedules asynchronously, and a step with grammar rows cannot (its mask needs
+  the previous step's token), so the unconstrained run is also done synchronously: the
+  difference between the two unconstrained rows is the price of the lost overlap, the rest is
+  the grammar's own.
 * mask: the grammar libraries alone (xgrammar, which Tandem uses, and llguidance when it is
   installed), on the engine's tokenizer or --tokenizer DIR: B matchers walk a fixed valid
   document of `MASK_SCHEMA` token by token, and each step's bitmask fill for all B rows is
@@ -94,9 +95,10 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
     for i, prompt in enumerate(_prompts(engine, batch)):
         engine.add_request(f"r{i}", prompt, params)
     mask, accept = _Timer(), _Timer()
-    original_apply, original_advance = structured_output.apply_grammars, engine._advance_grammars
+    processor = engine.output_processor
+    original_apply, original_advance = structured_output.apply_grammars, processor.advance_grammars
     structured_output.apply_grammars = mask.wrap(original_apply)
-    engine._advance_grammars = accept.wrap(original_advance)
+    processor.advance_grammars = accept.wrap(original_advance)
     decode_steps, decode_s, num_tokens, reasons = 0, 0.0, 0, set()
     start = time.perf_counter()
     try:
@@ -111,7 +113,7 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
             reasons.update(o.finish_reason for o in outputs if o.finished)
     finally:
         structured_output.apply_grammars = original_apply
-        del engine._advance_grammars
+        del processor.advance_grammars
     wall = time.perf_counter() - start
     if num_tokens != batch * max_tokens or reasons != {"length"}:
         raise RuntimeError(f"expected {batch} x {max_tokens} tokens ending by length, got {num_tokens} ({reasons})")

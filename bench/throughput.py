@@ -146,7 +146,7 @@ def kernel_kind(name: str) -> str | None:
 # -- host breakdown -------------------------------------------------------------------------
 PHASES = (  # (owner path on the engine, method): wrapped when the engine has it
     ("scheduler", "schedule"), ("scheduler", "advance"), ("scheduler", "update_from_output"),
-    ("", "_launch"), ("", "_finish"), ("", "_process_outputs"),
+    ("", "_launch"), ("", "_finish"), ("output_processor", "process_outputs"),
     ("model_runner", "prepare_inputs"), ("model_runner", "launch"), ("model_runner", "execute"),
     ("model_runner", "_execute_eager"), ("model_runner", "_execute_decode_graph"),
     ("model_runner", "_execute_mixed_graph"),

@@ -3,7 +3,7 @@
 Every layer raises these (the engine when it refuses a request, the backend actors when they
 fail under one, the dispatch and the ingress), so a request's failure keeps its meaning from
 where it happened to the client: the ingress maps each class to an HTTP status once
-(cluster/app.py `HTTP_ERRORS`). They live at the bottom layer so that every layer can import
+(cluster/errors.py `HTTP_ERRORS`). They live at the bottom layer so that every layer can import
 them without importing another. `message` is for the client and never holds internals (a
 traceback's last line, a pid, an actor id); `detail`, when set, is for the server log only.
 """

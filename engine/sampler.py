@@ -35,7 +35,7 @@ request ends), so rows without penalties cost nothing.
 once per step, asynchronously); calling the sampler reads the ids back with one `.tolist()`.
 
 One request's fault fails that request, not the batch (the engine ends it with an error output,
-engine/llm_engine.py). A grammar whose bitmask cannot be filled leaves its row unmasked and is
+engine/output_processor.py). A grammar whose bitmask cannot be filled leaves its row unmasked and is
 recorded; a batch whose pipeline raises is sampled again one row at a time, and the rows that
 raise alone are recorded while the others keep their tokens (greedy rows the same ids, seeded
 rows the same draws: a row's draw is kept for the retry). Recorded rows are in `failures`, as

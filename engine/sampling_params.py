@@ -7,7 +7,7 @@ schema (each field within its bound, so a 400 names the field before any tokeniz
 checks only the rules between fields (`validate_relations`); a Python caller that builds its
 own SamplingParams (the driver, cluster/launcher.py, and `tandem generate`, engine/cli.py)
 calls `validate`, which checks both. The engine checks only what only it knows: the
-vocabulary, the context length and the KV cache's capacity (engine/llm_engine.py). Building a
+vocabulary, the context length and the KV cache's capacity (engine/admission.py). Building a
 SamplingParams checks nothing, so the serving path's codec (actors/messages.py) rebuilds one in
 each process it crosses without checking it again on the way.
 

@@ -9,9 +9,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-import tandem.cluster.app as app
 from tandem.actors.router import deadline_error
+from tandem.cluster.errors import error_response
+from tandem.cluster.headers import DEADLINE_HEADER, PROJECTED_TTFT_HEADER
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest, TandemInfo
+from tandem.cluster.request_edge import ttft_deadline_s
 from tandem.engine.errors import DeadlineUnmetError, InvalidRequestError
 from tandem.routing import DeadlineRefusedError
 
@@ -37,23 +39,23 @@ def test_priority_and_deadline_fields(cls, body):
 
 def test_the_body_wins_over_the_header_and_the_header_is_checked():
     body = CompletionRequest.model_validate({**COMPLETION, "ttft_deadline_ms": 300})
-    assert app.ttft_deadline_s(FakeRequest({app.DEADLINE_HEADER: "900"}), body) == 0.3
+    assert ttft_deadline_s(FakeRequest({DEADLINE_HEADER: "900"}), body) == 0.3
     plain = CompletionRequest.model_validate(COMPLETION)
-    assert app.ttft_deadline_s(FakeRequest({app.DEADLINE_HEADER: "900"}), plain) == 0.9
-    assert app.ttft_deadline_s(FakeRequest({}), plain) is None
+    assert ttft_deadline_s(FakeRequest({DEADLINE_HEADER: "900"}), plain) == 0.9
+    assert ttft_deadline_s(FakeRequest({}), plain) is None
     for bad in ("soon", "0", "-1", "nan", "inf"):
         with pytest.raises(InvalidRequestError) as info:
-            app.ttft_deadline_s(FakeRequest({app.DEADLINE_HEADER: bad}), plain)
-        assert info.value.param == app.DEADLINE_HEADER
+            ttft_deadline_s(FakeRequest({DEADLINE_HEADER: bad}), plain)
+        assert info.value.param == DEADLINE_HEADER
 
 
 def test_a_refusal_while_busy_is_a_429_with_retry_after_from_the_projection():
     exc = deadline_error(DeadlineRefusedError("r1", "gpu0", 0.2, 1.7345, 1.5345))
     assert isinstance(exc, DeadlineUnmetError)
-    response = app.error_response(exc, "req-1")
+    response = error_response(exc, "req-1")
     assert response.status_code == 429
     assert response.headers["retry-after"] == "2"  # 1.53 s rounded up
-    assert response.headers[app.PROJECTED_TTFT_HEADER] == "1734.5"
+    assert response.headers[PROJECTED_TTFT_HEADER] == "1734.5"
     error = json.loads(response.body)["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "deadline_unmet"
     assert error["param"] == "ttft_deadline_ms"
@@ -61,14 +63,14 @@ def test_a_refusal_while_busy_is_a_429_with_retry_after_from_the_projection():
 
 
 def test_a_short_retry_is_at_least_one_second():
-    response = app.error_response(deadline_error(DeadlineRefusedError("r1", "g", 0.2, 0.2001, 0.0001)), "req-1")
+    response = error_response(deadline_error(DeadlineRefusedError("r1", "g", 0.2, 0.2001, 0.0001)), "req-1")
     assert response.headers["retry-after"] == "1"
 
 
 def test_a_deadline_no_idle_backend_meets_is_a_400():
     exc = deadline_error(DeadlineRefusedError("r1", "cpu0", 0.001, 0.05, None))
     assert isinstance(exc, InvalidRequestError) and exc.code == "deadline_unmeetable"
-    response = app.error_response(exc, "req-1")
+    response = error_response(exc, "req-1")
     assert response.status_code == 400 and "retry-after" not in response.headers
 
 

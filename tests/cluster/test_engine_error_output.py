@@ -1,7 +1,8 @@
 """A request the engine failed on its own (its last output finished with reason "error",
-engine/llm_engine.py) reaches the client as an error: the error event of a stream that already
-started (then [DONE]), or a 500 for a response not streamed. The ingress's response code runs
-here without Ray: a stand-in stream hands it the engine's outputs."""
+engine/output_processor.py) reaches the client as an error: the error event of a stream that
+already started (then [DONE]), or a 500 for a response not streamed. The ingress's response code
+(cluster/streaming.py, cluster/responses.py) runs here without Ray: a stand-in stream hands it
+the engine's outputs."""
 
 import asyncio
 import json
@@ -9,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.cluster.app import TandemIngress, error_response
+from tandem.cluster.errors import error_response
+from tandem.cluster.responses import full_response
+from tandem.cluster.streaming import sse_events
 from tandem.engine.errors import TandemError
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.cluster.tools import plan_output
@@ -38,29 +41,20 @@ def output(text, reason=None, index=0, finished=None):
     return RequestOutput(REQ_ID, [65] if text else [], text, finished, reason, Usage(3, 1, 0), index=index)
 
 
-@pytest.fixture
-def ingress():
-    # The class as written (Serve's wrapper, first in the MRO, adds the replica's ASGI state).
-    obj = object.__new__(TandemIngress.func_or_class.__mro__[1])
-    obj.settings = SimpleNamespace(served_model_name="m")
-    obj.logprobs = None
-    return obj
-
-
-def events(ingress, outputs, body, chat):
+def events(outputs, body, chat):
     async def collect():
-        return [chunk async for chunk in ingress._sse(FakeStream(outputs), body, chat, plan_output(body, None))]
+        return [chunk async for chunk in sse_events(FakeStream(outputs), body, chat, plan_output(body, None), None)]
     return [line.removeprefix("data: ").strip() for line in asyncio.run(collect())]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_a_stream_ends_with_an_error_event(ingress, chat):
+def test_a_stream_ends_with_an_error_event(chat):
     if chat:
         body = ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     else:
         body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream": True})
-    sent = events(ingress, [output("A"), output("", "error")], body, chat)
+    sent = events([output("A"), output("", "error")], body, chat)
     assert sent[-1] == "[DONE]"
     error = json.loads(sent[-2])["error"]
     assert error["type"] == "internal_error" and error["request_id"] == REQ_ID
@@ -69,24 +63,24 @@ def test_a_stream_ends_with_an_error_event(ingress, chat):
     assert all(c["choices"][0].get("finish_reason") is None for c in chunks)  # no chunk says it ended well
 
 
-def test_a_choice_that_failed_fails_the_request_with_several_choices(ingress):
+def test_a_choice_that_failed_fails_the_request_with_several_choices():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream": True, "n": 2})
-    sent = events(ingress, [output("A", index=0), output("B", index=1), output("", "error", index=1,
-                                                                               finished=False)], body, False)
+    sent = events([output("A", index=0), output("B", index=1), output("", "error", index=1, finished=False)],
+                  body, False)
     assert sent[-1] == "[DONE]" and json.loads(sent[-2])["error"]["type"] == "internal_error"
 
 
-def test_a_response_not_streamed_is_a_500(ingress):
+def test_a_response_not_streamed_is_a_500():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi"})
     with pytest.raises(TandemError) as failed:
-        asyncio.run(ingress._full_response(FakeStream([output("A"), output("", "error")]), body, False,
-                                           plan_output(body, None)))
+        asyncio.run(full_response(FakeStream([output("A"), output("", "error")]), body, False,
+                                  plan_output(body, None), None))
     response = error_response(failed.value, REQ_ID)
     assert response.status_code == 500
     assert json.loads(response.body)["error"]["type"] == "internal_error"
 
 
-def test_other_finish_reasons_pass(ingress):
+def test_other_finish_reasons_pass():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream": True})
-    sent = events(ingress, [output("A"), output("B", "length")], body, False)
+    sent = events([output("A"), output("B", "length")], body, False)
     assert sent[-1] == "[DONE]" and all("error" not in json.loads(e) for e in sent[:-1])

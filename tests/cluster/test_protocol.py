@@ -122,20 +122,21 @@ def test_each_error_class_is_translated_once_with_no_internals():
     the log never reaches the body, the request id always does."""
     import json
 
-    from tandem.cluster import app
-    from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, TandemError
+    from tandem.cluster import errors
+    from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, OverloadedError, TandemError
 
-    expected = {InvalidRequestError: 400, app.Unauthorized: 401, app.RouteNotFound: 404, app.ModelNotFound: 404,
-                app.MethodNotAllowed: 405, app.PayloadTooLarge: 413, app.UnsupportedMediaType: 415,
-                app.OverloadedError: 429, DeadlineUnmetError: 429, BackendUnavailableError: 503, TandemError: 500}
-    assert set(expected) == set(app.HTTP_ERRORS)
+    expected = {InvalidRequestError: 400, errors.Unauthorized: 401, errors.RouteNotFound: 404,
+                errors.ModelNotFound: 404, errors.MethodNotAllowed: 405, errors.PayloadTooLarge: 413,
+                errors.UnsupportedMediaType: 415, OverloadedError: 429, DeadlineUnmetError: 429,
+                BackendUnavailableError: 503, TandemError: 500}
+    assert set(expected) == set(errors.HTTP_ERRORS)
     for cls, status in expected.items():
         if cls is DeadlineUnmetError:  # carries the router's projection and retry time
             exc = DeadlineUnmetError("what went wrong", projected_ttft_s=1.0, retry_after_s=0.5)
             exc.detail = "Traceback: pid=123 actor_id=abc"
         else:
             exc = cls("what went wrong", detail="Traceback: pid=123 actor_id=abc")
-        response = app.error_response(exc, "req-1")
+        response = errors.error_response(exc, "req-1")
         body = json.loads(response.body)
         assert response.status_code == status and body["error"]["message"] == "what went wrong"
         assert body["error"]["request_id"] == response.headers["x-tandem-request-id"] == "req-1"

@@ -163,16 +163,17 @@ def test_the_http_edge_and_the_driver_agree_at_each_end(field):
 
 
 def test_the_deadline_header_takes_the_bodys_bound():
-    import tandem.cluster.app as app
+    from tandem.cluster.headers import DEADLINE_HEADER
+    from tandem.cluster.request_edge import ttft_deadline_s
 
     class Request:
         def __init__(self, value: float) -> None:
-            self.headers = {app.DEADLINE_HEADER: repr(value)}
+            self.headers = {DEADLINE_HEADER: repr(value)}
 
     body = CompletionRequest.model_validate(COMPLETION)
     for value, admitted in ends(BOUNDS["ttft_deadline_ms"]):
         try:
-            app.ttft_deadline_s(Request(value), body)
+            ttft_deadline_s(Request(value), body)
         except InvalidRequestError:
             assert not admitted, value
         else:
@@ -214,8 +215,8 @@ CONSTRAINT_KEYWORDS = {"ge", "gt", "le", "lt", "max_length", "min_length"}
 # Too common to be read as a bound's: a literal 0, 1 or -1 is a bound's only by context.
 COMMON = {-1, 0, 1}
 # The modules that must be scanned (each parses, builds or checks a request).
-REQUEST_PATH = {"cluster/protocol.py", "cluster/app.py", "cluster/launcher.py", "engine/llm_engine.py",
-                "engine/cli.py", TABLE}
+REQUEST_PATH = {"cluster/protocol.py", "cluster/app.py", "cluster/request_edge.py", "cluster/launcher.py",
+                "engine/llm_engine.py", "engine/admission.py", "engine/cli.py", TABLE}
 
 
 def bound_values() -> set[float]:
@@ -327,7 +328,7 @@ def test_the_contract_is_checked_at_the_edges_only():
     assert check_calls() == {
         ("cluster/launcher.py", "validate"),  # the Python driver builds its own request
         ("engine/cli.py", "validate"),  # so does `tandem generate`
-        ("cluster/app.py", "validate_relations"),  # the HTTP schema held each field to its bound
+        ("cluster/request_edge.py", "validate_relations"),  # the HTTP schema held each field to its bound
         (TABLE, "validate_relations"),  # `validate` ends with the relations
     }
 

@@ -121,8 +121,9 @@ def test_mixed_traffic_leaves_no_per_request_state(async_scheduling):
     assert len(finished) + refused == num_requests and refused > 0 and aborted > 0
     engine.drain_progress()
     scheduler, kv = engine.scheduler, engine.kv_cache_manager
-    assert not engine._tracked and not engine._changed and not engine._groups and not engine._child_of
-    assert not engine._pending_outputs and not engine._failed_outputs and engine._in_flight is None
+    assert not engine.output_processor.tracked and not engine.reporter.changed
+    assert not engine.request_groups.groups and not engine.request_groups.child_of
+    assert not engine._pending_outputs and not engine.output_processor.failed_outputs and engine._in_flight is None
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     assert not kv.req_to_blocks and not kv.req_to_block_ids and not kv.req_to_num_cached_blocks
     assert kv.block_pool.get_num_free_blocks() == kv.num_usable_blocks

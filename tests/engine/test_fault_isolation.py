@@ -92,7 +92,8 @@ def run(engine, reqs):
 def assert_clean(engine, free_at_start):
     pool = engine.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == free_at_start == pool.num_usable_blocks
-    assert not engine._tracked and not engine.scheduler.requests and not engine._failed_outputs
+    assert not engine.output_processor.tracked and not engine.scheduler.requests
+    assert not engine.output_processor.failed_outputs
     assert not engine.model_runner.sampler.failures
 
 
@@ -190,7 +191,7 @@ def test_a_failed_choice_ends_alone_and_its_siblings_finish(engines):
     assert_clean(engine, free_at_start)
     progress = {p.req_id: p for p in engine.drain_progress()}  # the router hears it finished
     assert progress["g"].status == "finished"
-    assert not engine._groups and not engine._child_of
+    assert not engine.request_groups.groups and not engine.request_groups.child_of
 
 
 def test_no_injector_costs_no_calls(engines):

@@ -92,7 +92,7 @@ def test_progress_reports_the_group_as_one_request_with_n_budgets():
     assert {p.req_id for p in reports} == {"p"}
     assert all(p.max_tokens == 20 and p.num_prompt_tokens == 40 for p in reports)
     assert reports[-1].status == "finished" and reports[-1].num_output_tokens == 20
-    assert not engine._child_of and not engine._groups
+    assert not engine.request_groups.child_of and not engine.request_groups.groups
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -105,7 +105,7 @@ def test_abort_of_the_request_aborts_every_choice(async_scheduling):
     pool = engine.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
     engine.drain_progress()
-    assert not engine._groups and not engine._child_of
+    assert not engine.request_groups.groups and not engine.request_groups.child_of
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

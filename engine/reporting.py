@@ -1,0 +1,121 @@
+"""What an engine reports between steps: its stats, its requests' progress, its prefix cache's changes.
+
+The backend reads all three after each step (actors/engine_core.py) for the router, which
+keeps a ledger of each backend's requests, a cost model of its steps and a mirror of its
+prefix-cache index. So each is cheap to read and says only what changed: a step's size and
+time and running totals (`get_stats`); the state of each request that changed since the last
+call, as absolute counts, so a late or repeated report is harmless (`drain_progress`); and the
+block hashes published or evicted since the last call (`drain_cache_changes`).
+
+Which requests changed is one dict, `changed`, that every part of the engine marks as it moves
+a request (admission, a launch, output processing, the groups) and only `drain_progress`
+empties. The KV cache's publish and evict callbacks land in `CacheChanges`, made before the
+cache that calls them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.outputs import EngineStats, RequestProgress
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request_groups import RequestGroup, RequestGroups
+from tandem.engine.scheduler import Scheduler
+
+
+class CacheChanges:
+    """Block hashes published (True) or evicted (False), latest state per hash, and whether
+    anything was evicted since the last progress report."""
+
+    def __init__(self) -> None:
+        self.changes: dict[int, bool] = {}
+        self.evicted = False
+
+    def on_evict(self, block_hash: int) -> None:
+        self.evicted = True
+        self.changes[block_hash] = False
+
+    def on_publish(self, block_hash: int) -> None:
+        self.changes[block_hash] = True
+
+    def drain(self) -> dict[int, bool]:
+        changes, self.changes = self.changes, {}
+        return changes
+
+
+class EngineReporter:
+    def __init__(self, scheduler: Scheduler, kv_cache_manager: KVCacheManager, groups: RequestGroups,
+                 cache_changes: CacheChanges, changed: dict[str, Request]) -> None:
+        self.scheduler = scheduler
+        self.kv_cache_manager = kv_cache_manager
+        self.groups = groups
+        self.cache_changes = cache_changes
+        self.changed = changed
+        self.stats = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
+        self._last_finish = 0.0
+
+    def record_step(self, num_prefill: int, num_decode: int, start: float) -> None:
+        """A step whose sampled ids just landed; `start` is perf_counter() when its launch began."""
+        now = time.perf_counter()
+        # The step's share of the wall: from its launch, or from the previous step's end when
+        # it was launched while that one ran.
+        elapsed = now - max(start, self._last_finish)
+        self._last_finish = now
+        st = self.stats
+        st.step_time_s = elapsed
+        st.step_prefill_tokens = num_prefill
+        st.step_decode_tokens = num_decode
+        if num_prefill:
+            st.prefill_time_s += elapsed
+        else:
+            st.decode_time_s += elapsed
+        st.num_prompt_tokens_total += num_prefill
+        st.num_generation_tokens_total += num_decode
+
+    def get_stats(self) -> EngineStats:
+        st, kv = self.stats, self.kv_cache_manager
+        st.num_running = len(self.scheduler.running)
+        st.num_waiting = len(self.scheduler.waiting)
+        st.num_free_blocks = kv.block_pool.get_num_free_blocks()
+        st.num_total_blocks = kv.num_usable_blocks
+        st.kv_cache_usage = kv.usage
+        st.prefix_cache_queries = kv.prefix_cache_queries
+        st.prefix_cache_hits = kv.prefix_cache_hits
+        st.num_preemptions = self.scheduler.num_preemptions
+        return st
+
+    def drain_progress(self) -> list[RequestProgress]:
+        """State of every request that changed since the last call. After a cache eviction,
+        waiting requests are re-reported with their current prefix hit in `num_cached_tokens`."""
+        changed = self.changed
+        if self.cache_changes.evicted:
+            self.cache_changes.evicted = False
+            for request in self.scheduler.waiting:
+                changed[request.req_id] = request
+        progress: list[RequestProgress] = []
+        groups: dict[str, RequestGroup] = {}
+        child_of = self.groups.child_of
+        for req_id, request in changed.items():
+            entry = child_of.get(req_id) if child_of else None
+            if entry is None:
+                progress.append(self.progress(request))
+            else:
+                groups[entry[0].req_id] = entry[0]
+        changed.clear()
+        progress.extend(self.groups.progress(group, self.progress) for group in groups.values())
+        return progress
+
+    def progress(self, request: Request) -> RequestProgress:
+        if request.is_finished and not request.num_pending_tokens:
+            status = "finished"
+        elif request.is_finished:
+            status = "running"  # its last token is still on the device
+        else:
+            status = request.status.value
+        cached = request.num_cached_tokens
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            cached = self.kv_cache_manager.num_cached_tokens(request.all_token_ids)
+        return RequestProgress(request.req_id, status, request.num_prompt_tokens, cached,
+                               request.num_computed_prompt_tokens, request.num_resolved_output_tokens,
+                               request.max_tokens)
