@@ -120,6 +120,7 @@ class RouterActor:
         self._misses: dict[str, int] = {}  # backend -> health checks timed out in a row
         self._silent: dict[str, _Backend] = {}  # dropped for timeouts, still pinged (see the module doc)
         self._pending_export: asyncio.TimerHandle | None = None
+        self._latest_scores: dict[str, Any] = {}  # the last decision's score per backend, for its gauge
         self._wire: wire.WireServer | None = None
         self._rates_logged: set[str] = set()  # backends whose rates the routing log has since they (re)joined
 
@@ -303,14 +304,15 @@ class RouterActor:
         self.metrics.inc("tandem_router_decisions", tags={"backend": record.backend_id, "policy": self.policy})
         self.metrics.observe("tandem_router_estimated_completion_seconds", record.chosen.score_s,
                              tags={"backend": record.backend_id})
-        for backend_id, score in record.per_backend.items():
-            self.metrics.set("tandem_router_estimated_cost_seconds", score.score_s, tags={"backend": backend_id})
+        self._latest_scores = record.per_backend  # exported with the pending gauges, not per decision
         self._export_pending()
 
     def _export_pending(self) -> None:
-        """Bring the pending gauges up to the ledger within `PENDING_EXPORT_S`: one update for
-        all the decisions and reports of that time, not one per request on the decision path
-        (a scrape every few seconds sees only the latest value anyway)."""
+        """Bring the pending gauges (and the last decision's estimated cost per backend) up to
+        date within `PENDING_EXPORT_S`: one update for all the decisions and reports of that time,
+        not one per request on the decision path (a scrape every few seconds sees only the latest
+        value anyway; per decision, a gauge per backend cost 0.35 ms of the router's 1.1 ms at 64
+        backends)."""
         if self._pending_export is not None:
             return
         try:
@@ -322,6 +324,8 @@ class RouterActor:
 
     def _set_pending_gauges(self) -> None:
         self._pending_export = None
+        for backend_id, score in self._latest_scores.items():
+            self.metrics.set("tandem_router_estimated_cost_seconds", score.score_s, tags={"backend": backend_id})
         for backend_id, summary in self.router.pending_summary().items():
             self.metrics.set("tandem_router_pending_seconds", summary.pending_s, tags={"backend": backend_id})
             self.metrics.set("tandem_router_pending_requests", summary.num_active + summary.num_queued,
