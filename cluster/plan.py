@@ -104,7 +104,8 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
     num_cores = num_cores or os.cpu_count() or 1
     resolved = _resolve_devices(config.backends, num_gpus, mps_available)
     num_cpu = sum(device == "cpu" for _, device, _ in resolved)
-    num_reserved = 1 + (len(resolved) - num_cpu)  # serving, and each accelerator's step loop
+    # serving, and each accelerator's step loop (a sim's mostly sleeps: it reserves no core)
+    num_reserved = 1 + sum(device not in ("cpu", "sim") for _, device, _ in resolved)
     default_cpu_threads = config.cpu_threads or max(1, (num_cores - num_reserved) // max(1, num_cpu))
     used_ids = {b.id for b, _, _ in resolved if b.id}
     per_gpu = engines_per_gpu(sum(device == "cuda" for _, device, _ in resolved), num_gpus)

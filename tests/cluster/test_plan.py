@@ -141,3 +141,26 @@ def test_yaml_count_is_validated_like_the_flag(tmp_path):
     path.write_text("backends:\n  - device: cuda\n    count: 2\n    id: gpu\n")
     with pytest.raises(ConfigError, match="an id names one backend"):
         TandemConfig.from_yaml(path)
+
+
+def test_sim_backends_take_their_profile_s_engine_and_reserve_no_core():
+    config = TandemConfig.validated({"backends": [{"device": "cpu"}, {"device": "sim", "count": 2,
+                                                                       "profile": "m2-metal-qwen2.5-0.5b"}],
+                                     "sim_time_scale": 2.0})
+    cpu, sim0, sim1 = plan_backends(config, num_gpus=0, mps_available=False, num_cores=4)
+    assert cpu.threads == 3  # 4 cores less one for serving: the sims reserve none
+    assert (sim0.backend_id, sim1.backend_id) == ("sim0", "sim1")
+    assert (sim0.max_active, sim0.num_kv_blocks, sim0.num_gpus) == (4, 65536 // 16 + 1, 0.0)
+    assert sim0.sim_profile["prefill_tok_s"] == 2551.0 / 2  # dilated twice: the router's rates too
+    assert sim0.sim_profile_name == "m2-metal-qwen2.5-0.5b" and "2x slower" in sim0.reason
+
+
+def test_a_sim_profile_is_for_sim_backends_and_parse_backends_reads_sim_colon_profile():
+    assert parse_backends("sim:m2-cpu-qwen2.5-0.5b*2,cuda") == [
+        {"device": "sim", "profile": "m2-cpu-qwen2.5-0.5b", "count": 2}, {"device": "cuda"}]
+    with pytest.raises(ConfigError, match="only a sim backend"):
+        parse_backends("cpu:x")
+    with pytest.raises(ConfigError, match="profile"):
+        TandemConfig.validated({"backends": [{"device": "cpu", "profile": "m2-cpu-qwen2.5-0.5b"}]})
+    with pytest.raises(ConfigError, match="neither a shipped profile"):
+        plan_backends(TandemConfig.validated({"backends": [{"device": "sim", "profile": "nope"}]}), 0, False)
