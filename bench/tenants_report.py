@@ -38,10 +38,15 @@ def render_tenants_report(meta: dict[str, Any], runs: Sequence[dict[str, Any]], 
     lines += result_lines(cells, meta)
     lines += verdict_lines(cells)
     lines += why_lines(cells, runs)
-    png = path.with_name(path.stem + "-ttft-p95.png")
-    written = _plot(plot_ttft_p95, cells, png, meta.get("arms", []))
-    if written:
-        lines += ["", "TTFT p95 against arrival rate, per arm (mean over runs, bars: ± sd):", "", f"![TTFT p95]({png.name})"]
+    written = []
+    for suffix, plot, caption in (("ttft-p95", plot_ttft_p95, "TTFT p95"), ("hit-rate", plot_hit_rate, "hit rate"),
+                                  ("busiest-share", plot_busiest_share, "the busiest backend's share of requests")):
+        png = path.with_name(f"{path.stem}-{suffix}.png")
+        drawn = _plot(plot, cells, png, meta.get("arms", []))
+        written += drawn
+        if drawn:
+            lines += ["", f"{caption[0].upper()}{caption[1:]} against arrival rate, per arm (mean over runs, bars: ± sd):",
+                      "", f"![{caption}]({png.name})"]
     path.write_text("\n".join(lines) + "\n")
     json_path = path.with_suffix(".json")
     json_path.write_text(json.dumps({"meta": meta, "cells": cells,
@@ -137,6 +142,8 @@ def _predicted(cell: dict[str, Any], arm: str) -> str:
     predicted = (cell.get("route_sim") or {}).get(arm)
     if not predicted:
         return ""
+    if "ttft_p50_s" in predicted:  # a summary from before the engine model: route-sim's own alone
+        predicted = {"route-sim": predicted}
     return "; ".join(f"{model}: {1000 * p['ttft_p50_s']:.1f} / {100 * p['hit_rate']:.1f}"
                      for model, p in predicted.items())
 
@@ -222,6 +229,32 @@ def _arms_in_order(cell: dict[str, Any], meta: dict[str, Any]) -> list[tuple[str
 
 
 def plot_ttft_p95(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str]) -> Any:
+    return plot_by_rate(plt, cells, arms, lambda agg: agg["ttft_p95_s"], "TTFT p95, ms", 1000, log_y=True)
+
+
+def plot_hit_rate(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str]) -> Any:
+    return plot_by_rate(plt, cells, arms, lambda agg: agg["hit_rate"], "prefix-cache hit rate, %", 100)
+
+
+def plot_busiest_share(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str]) -> Any:
+    return plot_by_rate(plt, cells, arms, busiest_share, "busiest backend's share of requests, %", 100)
+
+
+def busiest_share(agg: dict[str, Any]) -> dict[str, Any]:
+    """The largest backend's share of the requests (mean over runs; 1/N is an even spread)."""
+    counts = agg["requests_by_backend"]
+    runs = list(zip(*counts.values())) if counts else []
+    shares = [max(run) / sum(run) for run in runs if sum(run)]
+    if not shares:
+        return {"mean": math.nan, "sd": 0.0, "n": 0}
+    mean = sum(shares) / len(shares)
+    sd = (sum((x - mean) ** 2 for x in shares) / (len(shares) - 1)) ** 0.5 if len(shares) > 1 else 0.0
+    return {"mean": mean, "sd": sd, "n": len(shares)}
+
+
+def plot_by_rate(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str], metric: Any, label: str,
+                 scale: float, log_y: bool = False) -> Any:
+    """One panel per (tenants, prefix), `metric(arm's aggregate)` against the arrival rate per arm."""
     panels: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for cell in cells:
         panels.setdefault((cell["spec"]["num_tenants"], cell["spec"]["prefix_tokens"]), []).append(cell)
@@ -233,12 +266,12 @@ def plot_ttft_p95(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str]
     for ax, key in zip(axes[0], keys):
         group = sorted(panels[key], key=lambda c: c["spec"]["rate_per_s"])
         for i, arm in enumerate(arms):
-            points = [(c["spec"]["rate_per_s"], c["arms"][arm]["ttft_p95_s"]) for c in group if arm in c["arms"]]
+            points = [(c["spec"]["rate_per_s"], metric(c["arms"][arm])) for c in group if arm in c["arms"]]
             points = [(x, s) for x, s in points if s["n"]]
             if not points:
                 continue
-            ax.errorbar([x for x, _ in points], [1000 * s["mean"] for _, s in points],
-                        yerr=[1000 * s["sd"] for _, s in points], marker="o", capsize=3, label=arm,
+            ax.errorbar([x for x, _ in points], [scale * s["mean"] for _, s in points],
+                        yerr=[scale * s["sd"] for _, s in points], marker="o", capsize=3, label=arm,
                         linewidth=2.2 if arm == HYBRID_ARM else 1.2, color=f"C{i}")
         rates = [c["spec"]["rate_per_s"] for c in group]
         ax.set_xscale("log")
@@ -247,8 +280,9 @@ def plot_ttft_p95(plt: Any, cells: Sequence[dict[str, Any]], arms: Sequence[str]
         ax.minorticks_off()
         ax.set_title(f"{key[0]} tenants, {key[1]}-token prefixes", fontsize=9)
         ax.set_xlabel("arrival rate, requests/s")
-        ax.set_ylabel("TTFT p95, ms")
-        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        if log_y:
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
