@@ -85,14 +85,15 @@ def _sim_extras(engine, plan, args: argparse.Namespace) -> dict:
     """What a sim profile holds beyond the rates: the context cost and the engine's shape."""
     import platform
 
-    from tandem.engine.profiler import engine_shape, measure_context_cost
+    from tandem.engine.profiler import engine_shape, measure_context_cost, measure_prefill_table
 
     context_cost = measure_context_cost(engine, args.context_len, args.decode_tokens, repeats=args.repeats)
+    prefill_table = measure_prefill_table(engine, repeats=args.repeats)
     description = (f"tandem profile of {engine.model_name} on {engine.config.device} ({plan.reason}), dtype "
                    f"{engine.config.dtype}, {plan.threads} thread{'s' if plan.threads != 1 else ''}, "
                    f"{platform.node() or 'this machine'}")
     return {"description": description, "device_kind": engine.device_kind, "decode_s_per_context_token": context_cost,
-            **engine_shape(engine)}
+            "prefill_tok_s_by_tokens": prefill_table, **engine_shape(engine)}
 
 
 def _write_sim_profiles(directory: str, found: dict) -> None:

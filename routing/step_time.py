@@ -8,15 +8,16 @@ Two things emulate a device from its profile, and both time a step with `StepTim
 A step that prefills `num_prefill_tokens` and decodes one token for each of `num_decode_seqs`
 sequences whose KV spans `num_context_tokens` lasts
 
-    num_prefill_tokens / prefill_tok_s + num_decode_seqs / decode_rate(num_decode_seqs)
+    num_prefill_tokens / prefill_rate(num_prefill_tokens) + num_decode_seqs / decode_rate(num_decode_seqs)
         + num_context_tokens * decode_s_per_context_token
 
-The first two terms are the cost model's own reading of a profile (routing/rates.py: aggregate
-prefill and batch-aware decode rates), so the router ranks work with the same numbers the
-emulator spends. The third is what a profile measured at short contexts leaves out: attention
-reads every cached token of every decoding sequence each step, which on a GPU at 4k-token
-contexts and large batches costs as much as the weights. A profile without it (0) times every
-decode as if its context were short.
+The terms are the cost model's own reading of a profile (routing/rates.py: aggregate prefill
+and batch-aware decode rates), so the router ranks work with the same numbers the emulator
+spends, and two things a profile of short prompts leaves out, where the profile has them: the
+prefill rate by the step's size (a GPU prefills a step of 8k tokens at several times the rate of
+one 512-token prompt) and the context cost (attention reads every cached token of every
+decoding sequence each step). Without them, every prefill runs at the rates' one prefill rate and
+every decode as if its context were short.
 
 A *sim profile* is one device's measurement, written by `tandem profile` from a real device: the
 rates plus the engine shape the device was run with (max_active, KV tokens, batched-token
@@ -29,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,16 +44,38 @@ PROFILES_DIR = Path(__file__).resolve().parent / "sim_profiles"
 class StepTimeModel:
     rates: RateProfile
     decode_s_per_context_token: float = 0.0
+    # Aggregate prefill tok/s by the step's prefill tokens (interpolated, clamped to the ends);
+    # None: `rates.prefill_tok_s` at every size. A GPU prefills a step of thousands of tokens
+    # at several times the rate of one 512-token prompt, which is what the rates measure.
+    prefill_tok_s_by_tokens: dict[int, float] | None = None
+
+    def prefill_rate(self, num_tokens: int) -> float:
+        table = self.prefill_tok_s_by_tokens
+        if not table:
+            return self.rates.prefill_tok_s
+        return interpolate(table, num_tokens)
 
     def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int = 0) -> float:
         """Seconds the step takes alone on its device (module docstring)."""
         seconds = 0.0
         if num_prefill_tokens:
-            seconds += num_prefill_tokens / self.rates.prefill_tok_s
+            seconds += num_prefill_tokens / self.prefill_rate(num_prefill_tokens)
         if num_decode_seqs:
             seconds += self.rates.decode_step_s(num_decode_seqs)
             seconds += num_context_tokens * self.decode_s_per_context_token
         return seconds
+
+
+def interpolate(table: dict[int, float], x: int) -> float:
+    """`table` at `x`: linear between its keys, its end values outside them."""
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    if x >= keys[-1]:
+        return table[keys[-1]]
+    hi = next(i for i, k in enumerate(keys) if k >= x)
+    lo_key, hi_key = keys[hi - 1], keys[hi]
+    return table[lo_key] + (x - lo_key) / (hi_key - lo_key) * (table[hi_key] - table[lo_key])
 
 
 class SimProfile(BaseModel):
@@ -68,6 +91,7 @@ class SimProfile(BaseModel):
     decode_tok_s: float = Field(gt=0)
     decode_tok_s_by_batch: dict[int, float] | None = None
     decode_s_per_context_token: float = Field(default=0.0, ge=0)
+    prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None  # StepTimeModel's
     # The engine the device ran, which an emulated engine takes as its defaults.
     max_active: int = Field(default=256, ge=1)
     num_kv_tokens: int | None = Field(default=None, ge=1)  # None: the engine's own default
@@ -81,10 +105,11 @@ class SimProfile(BaseModel):
         scores stay those of the device it sees."""
         if time_scale == 1.0:
             return self
-        table = self.decode_tok_s_by_batch
+        table, prefill = self.decode_tok_s_by_batch, self.prefill_tok_s_by_tokens
         return self.model_copy(update={
             "prefill_tok_s": self.prefill_tok_s / time_scale, "decode_tok_s": self.decode_tok_s / time_scale,
             "decode_tok_s_by_batch": None if table is None else {b: r / time_scale for b, r in table.items()},
+            "prefill_tok_s_by_tokens": None if prefill is None else {n: r / time_scale for n, r in prefill.items()},
             "decode_s_per_context_token": self.decode_s_per_context_token * time_scale,
             "description": f"{self.description} [dilated {time_scale:g}x]"})
 
@@ -92,7 +117,7 @@ class SimProfile(BaseModel):
         return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch)
 
     def step_time(self) -> StepTimeModel:
-        return StepTimeModel(self.rates(), self.decode_s_per_context_token)
+        return StepTimeModel(self.rates(), self.decode_s_per_context_token, self.prefill_tok_s_by_tokens)
 
     def rate_fields(self) -> dict[str, Any]:
         """What the router's rates file holds for this device."""

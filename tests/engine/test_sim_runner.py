@@ -128,3 +128,16 @@ def test_the_context_cost_measured_on_a_sim_engine_is_the_one_it_runs_with():
                        step_time=lambda p, d, c: 0.001 * d + cost * c)
     measured = measure_context_cost(engine, context_len=512, decode_tokens=8, repeats=1)
     assert measured == pytest.approx(cost, rel=0.15)
+
+
+def test_the_prefill_table_measured_on_a_sim_engine_is_the_one_it_runs_with():
+    """A step of several prompts is timed by its size: a sim prefilling 4x faster per token in
+    steps over 512 tokens measures as such."""
+    from tandem.engine.profiler import measure_prefill_table
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama-random", device="sim", max_active=16, num_kv_blocks=4096,
+                                    max_num_batched_tokens=8192),
+                       step_time=lambda p, d, c: p / (10000 if p <= 512 else 40000))
+    table = measure_prefill_table(engine, repeats=1)
+    assert sorted(table) == [512, 2048, 8192]
+    assert table[512] == pytest.approx(10000, rel=0.15) and table[2048] == pytest.approx(40000, rel=0.15)

@@ -43,3 +43,14 @@ def test_a_profile_file_loads_and_a_bad_one_is_named(tmp_path):
         sim_profile_from_dict({"prefill_tok_s": -1, "decode_tok_s": 2.0})
     with pytest.raises(ConfigError, match="decode_tok_s_by_batch"):
         sim_profile_from_dict({"prefill_tok_s": 1, "decode_tok_s": 2.0, "decode_tok_s_by_batch": {"0": 1.0}})
+
+
+def test_a_prefill_table_times_a_step_by_its_size_and_dilates_with_the_rest():
+    model = StepTimeModel(RateProfile(1000.0, 100.0), prefill_tok_s_by_tokens={512: 1000.0, 2048: 4000.0})
+    assert model.step_s(256, 0) == pytest.approx(256 / 1000)  # clamped below the table
+    assert model.step_s(1280, 0) == pytest.approx(1280 / 2500)  # halfway between 512 and 2048
+    assert model.step_s(8192, 0) == pytest.approx(8192 / 4000)  # clamped above
+    profile = sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0,
+                                     "prefill_tok_s_by_tokens": {"512": 1000.0, "2048": 4000.0}})
+    slow = profile.dilated(4.0).step_time()
+    assert slow.step_s(2048, 0) == pytest.approx(4 * profile.step_time().step_s(2048, 0))
