@@ -1,19 +1,26 @@
-"""What machine a benchmark ran on, recorded next to its numbers.
+"""What machine a benchmark ran on and how it was run, recorded next to its numbers.
 
-A throughput figure means little without the CPU, core count, thread setting and library
-versions that produced it, so every benchmark's JSON carries this block.
+A throughput figure means little without the CPU, core count, thread setting, GPU, library
+versions and command line that produced it, so every benchmark's JSON opens with `stamp()`.
+On a small shared machine another process's burst can slow a run several-fold, so timed runs
+can also record how much CPU others took meanwhile (`CpuInterference`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def cpu_model() -> str:
@@ -36,7 +43,7 @@ def memory_gib() -> float | None:
     return None
 
 
-def git_revision(repo_dir: Path) -> str | None:
+def git_revision(repo_dir: Path = REPO) -> str | None:
     """HEAD's short hash, with "+dirty" when tracked files differ from it; None outside git."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir, capture_output=True,
@@ -55,40 +62,54 @@ def source_digest(package_dir: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def machine_info(num_threads: int, device: str = "cpu") -> dict:
-    import torch
-    import transformers
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi lists. Not torch's: this process must not hold a CUDA context of its
+    own while a server it started sizes its KV cache from the free memory."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(": ", 1)[1].split(" (UUID")[0] for line in listed.splitlines() if ": " in line]
 
-    info = {
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(threads: int | None = None, device: str | None = None) -> dict:
+    gpus = gpu_names()
+    return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gib": memory_gib(),
+        "gpu": gpus[0] if gpus else None,
+        "num_gpus": len(gpus),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": num_threads,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "torch_threads": threads,
         "device": device,
-        "git_revision": git_revision(Path(__file__).resolve().parent.parent),
-    }
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
-def run_stamp() -> dict:
-    """The command line and the UTC time, so a table can be reproduced and dated."""
-    return {
-        "command": " ".join(["python", "-m", _module_name(), *sys.argv[1:]]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "git_revision": git_revision(),
     }
 
 
-def _module_name() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else Path(sys.argv[0]).stem
+def command() -> str:
+    """This run's command line, as `tandem bench MODE ...`."""
+    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
+    return "tandem bench " + shlex.join(argv)
+
+
+def stamp(threads: int | None = None, device: str | None = None) -> dict:
+    """The command, the UTC time and the machine, so a table can be reproduced and dated."""
+    return {"command": command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "machine": machine_info(threads, device)}
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -104,8 +125,6 @@ def _cpu_ticks() -> tuple[int, int] | None:
 class CpuInterference:
     """How much CPU *other* processes used while a run was timed, in cores (0.0 = had the box to itself).
 
-    On a small shared machine another process's burst can slow a run several-fold (torch's OpenMP
-    threads wait on each other at every op), so every timed run records this next to its numbers.
     Machine-wide busy time comes from /proc/stat; this process's own share (all its threads) from
     `time.process_time`.
     """

@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from tandem.routing.sim_report import percentile
+from tandem.routing import sim_report
 
 # metric -> True if higher is better
 METRICS: dict[str, bool] = {
@@ -31,6 +31,12 @@ METRICS: dict[str, bool] = {
     "e2e_p50_s": False,
     "e2e_p95_s": False,
 }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Every bench's percentile: linear between closest ranks, as routing/sim_report.py's; None
+    without values."""
+    return sim_report.percentile(values, q) if values else None
 
 
 @dataclass
