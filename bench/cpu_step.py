@@ -1,7 +1,7 @@
-"""Where a CPU decode step goes: the whole engine step split into its parts, on any thread count.
+"""`tandem bench cpu-step`: where a CPU decode step goes, the engine step split into its parts.
 
-`python -m bench.fast_path --sections cpu_b4` says how our CPU decode step compares with HF
-eager; this says why. At batch B (all decoding, 516-token contexts) it times, each as the
+`tandem bench fast-path --sections cpu_b4` says how our CPU decode step compares with HF eager;
+this says why. At batch B (all decoding, 516-token contexts) it times, each as the
 median of many repetitions:
 
   step       `LLMEngine.step()`, what a served request waits on
@@ -17,8 +17,7 @@ plus the time to first token of one 516-token prompt, and the forward's top ops 
 (torch.profiler). `forward - linears - logits - attention` is what the remaining ops cost
 (norms, RoPE, SiLU, adds, casts), with the Python that issues them. oneDNN's instruction set
 is the process's: run once as is and once with ONEDNN_MAX_CPU_ISA=ALL to compare with AMX.
-
-    python -m bench.cpu_step --threads 14 --dtype bfloat16 --out out/cpu_step
+`--requests N` measures instead the output tok/s of N 516-token prompts submitted at once.
 """
 
 from __future__ import annotations
@@ -31,29 +30,10 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.fast_path import MODEL, PROMPT_LEN, _add, engine_prefill, engine_throughput, make_engine, random_prompts
-
-
-def median_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def decoding_engine(engine, args):
-    """`engine` with `args.batch` requests past their prefill, all decoding."""
-    _add(engine, random_prompts(args.batch, PROMPT_LEN, 5), engine.max_model_len - PROMPT_LEN, "anat")
-    first = 0
-    while first < args.batch:
-        first += sum(1 for o in engine.step() if o.new_token_ids and o.usage.completion_tokens == 1)
-    for _ in range(2):
-        engine.step()
-    return engine
+from bench._machine import stamp
+from bench.fast_path import MODEL, PROMPT_LEN, engine_prefill, engine_throughput
+from bench.harness import make_engine, median_ms, start_decoding
+from bench.workload import random_prompts
 
 
 def capture_forward(engine):
@@ -208,8 +188,7 @@ def op_profile(forward, steps: int = 5) -> list[dict]:
             for e in rows]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--threads", type=int, default=14)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -222,8 +201,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="with --requests: tokens each one generates")
     parser.add_argument("--tag", default="", help="suffix for the JSON file name")
     parser.add_argument("--out", default="out/cpu_step")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine.model import cpu_linear
@@ -232,11 +212,11 @@ def main(argv=None) -> None:
     if args.pack_hint is not None:  # the row count oneDNN lays packed weights out for
         cpu_linear.BATCH_HINT = args.pack_hint
     # PyTorch's kernels throughout: the breakdown splits the eager forward into its parts (the
-    # default runs decode steps as one ggml graph, which bench.cpu_vs_llamacpp measures).
+    # default runs decode steps as one ggml graph, which `tandem bench cpu-vs-llamacpp` measures).
     engine = make_engine(args.model, "cpu", args.batch, args.dtype, args.threads, pack_cpu_weights=not args.no_pack,
                          cpu_kernels="torch")
-    prefill = engine_prefill(engine, 3, seed=3, device="cpu")  # alone, before the batch starts decoding
-    report = {"model": args.model, "threads": args.threads, "dtype": args.dtype, "batch": args.batch,
+    prefill = engine_prefill(engine, 3, seed=3)  # alone, before the batch starts decoding
+    report = {**stamp(args.threads, "cpu"), "model": args.model, "threads": args.threads, "dtype": args.dtype, "batch": args.batch,
               "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
               "packed_linears": engine.model_runner.num_packed_linears, "prefill": prefill}
     out = Path(args.out)
@@ -250,8 +230,9 @@ def main(argv=None) -> None:
         print(f"{args.tag} {args.dtype} {threads}, {t['requests']} x ({PROMPT_LEN} -> {t['max_tokens']}) at "
               f"max_active {args.batch}: {t['wall_s']:.2f} s, {t['tok_s']:.1f} output tok/s; prefill of one prompt "
               f"{prefill['ttft_ms']:.0f} ms (ONEDNN_MAX_CPU_ISA={report['onednn_max_cpu_isa']})")
-        return
-    report.update(part_timings(decoding_engine(engine, args), args))
+        return 0
+    start_decoding(engine, random_prompts(args.batch, PROMPT_LEN, 5), engine.max_model_len - PROMPT_LEN, "anat")
+    report.update(part_timings(engine, args))
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
     r = report
     rest = r["forward_ms"] - r["linears_ms"] - r["logits_ms"] - r["attention_ms"]
@@ -266,7 +247,4 @@ def main(argv=None) -> None:
         unit = "thread" if row["threads"] == 1 else "threads"
         print(f"   {row['kind']:<22} {row['threads']:>2} {unit}: {row['us_per_call']:8.1f} us/call x{row['calls']}"
               f" = {row['total_ms']:6.2f} ms, {row['weight_mb']:7.1f} MB at {row['gb_s']:5.1f} GB/s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,20 +1,16 @@
-"""A float32 GGUF with random weights in a random preset's shape, for llama.cpp's rows of
-bench/cpu_vs_llamacpp.py on a machine without the SmolLM2 package (the H200 host's Xeon).
+"""`tandem bench random-gguf`: a float32 GGUF with random weights in a random preset's shape, for
+llama.cpp's rows of `tandem bench cpu-vs-llamacpp` on a machine without the SmolLM2 package.
 
 Decode speed depends on the shapes, not on the values, so Tandem's `qwen2.5-0.5b-random` preset
 and this file (same layers, heads, widths and vocabulary; tied output projection; q/k/v biases
 for qwen2) time the same work; they are not the same weights. The tokenizer is a stand-in:
 GPT-2's 256 byte tokens, one merge, then `<r{i}>` up to the vocabulary size; the benchmark sends
 token ids, so nothing is tokenized. `llama-quantize` makes the Q8_0 / Q4_1 files from it.
-
-    python -m bench.random_gguf qwen2.5-0.5b-random /tmp/qwen2.5-0.5b-random.F32.gguf
 """
 
 from __future__ import annotations
 
 import argparse
-
-import numpy as np
 
 
 def byte_tokens() -> list[str]:
@@ -31,6 +27,7 @@ def byte_tokens() -> list[str]:
 
 
 def write(preset_name: str, path: str, seed: int = 0) -> None:
+    import numpy as np
     from gguf import GGUFWriter, LlamaFileType, TokenType
 
     from tandem.engine.model.presets import get_preset
@@ -42,7 +39,7 @@ def write(preset_name: str, path: str, seed: int = 0) -> None:
     head_dim = hidden // heads
     rng = np.random.default_rng(seed)
 
-    def weight(*shape: int) -> np.ndarray:
+    def weight(*shape: int):
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(preset.std)
 
     writer = GGUFWriter(path, preset.architecture)
@@ -85,15 +82,13 @@ def write(preset_name: str, path: str, seed: int = 0) -> None:
     writer.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("preset", help="a random preset, e.g. qwen2.5-0.5b-random")
-    parser.add_argument("path", help="the GGUF to write (name it *.F32.gguf for bench.cpu_vs_llamacpp)")
+    parser.add_argument("path", help="the GGUF to write (name it *.F32.gguf for cpu-vs-llamacpp's --llama-gguf)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     write(args.preset, args.path, args.seed)
     print(args.path)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,4 +1,5 @@
-"""Router decision latency with a deep backlog: running sums vs walking the queue.
+"""`tandem bench router-decision`: router decision latency with a deep backlog, running sums against
+walking the queue.
 
 Builds a Router over N backends (default: one accelerator, one CPU, the design's rates), routes
 `--num-pending` requests (default 1,000) of varied prompt length, cache hit and budget, and
@@ -16,24 +17,21 @@ It compares, in the same process on the same ledgers:
     bound, with a slot seen free on every backend, so their projected TTFT walks the ledger for
     the request filling that slot and for an aged turn (routing/deadline.py).
 
-Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`
-(default out/router_decision.json). Run: python -m bench.router_decision
+Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from bench._machine import stamp
+from bench.harness import write_json
 from tandem.routing import POLICIES, BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
 
 SPEC_BACKENDS = [
@@ -153,30 +151,20 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_decision", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pending", type=int, default=1000)
     parser.add_argument("--num-decisions", type=int, default=20_000)
     parser.add_argument("--num-backends", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/router_decision.json"))
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     rows = run_all(args)
     print(f"Router decision latency, {args.num_backends} backends, {args.num_decisions} decisions per row")
     print(format_table(rows))
-    report = {
-        "benchmark": "router_decision",
-        "command": " ".join(["python", "-m", "bench.router_decision", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, {"benchmark": "router_decision", **stamp(),
+                          "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                          "rows": rows})
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,20 +1,21 @@
-"""Cost of one `Sampler.sample` call on the CPU (or a GPU), by batch size and kind of batch.
+"""`tandem bench sampler-step`: the cost of one `Sampler.sample` call on the CPU (or a GPU), by batch
+size and kind of batch.
 
 The sampler runs once per engine step on every sampling row. This times it on random logits of
 SmolLM2's vocabulary (49152) for: an all-greedy batch (the argmax fast path), plain sampling
 (temperature 0.8, top-p 0.9, a quarter of the rows seeded), and the same with penalties, a
-logit bias and 5 top logprobs on every row. Prints a table (median ms per call) and writes
-`out/sampler_step.json`. Compare two versions of the sampler by running this on each, on the
-same machine, in the same minute.
+logit bias and 5 top logprobs on every row. Prints a table (median ms per call) and writes JSON.
+Compare two versions of the sampler by running this on each, on the same machine, in the same
+minute.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from pathlib import Path
+
+from bench._machine import stamp
+from bench.harness import median_ms, write_json
 
 VOCAB_SIZE = 49152
 
@@ -48,26 +49,16 @@ def make_row(row_cls, params, generator, prompt):
         return row_cls(params, generator)
 
 
-def time_call(sampler, logits, rows, repeats: int, sync) -> float:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sampler.sample(logits, rows)
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", default="4,64,256")
     parser.add_argument("--kinds", default="greedy,sample,penalties")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="out/sampler_step.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path("out/sampler_step.json"))
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine.sampler import Sampler
@@ -85,13 +76,8 @@ def main() -> None:
                 continue
             logits = torch.randn(batch, VOCAB_SIZE, device=args.device)
             sampler = Sampler()
-            time_call(sampler, logits, rows, 3, sync)  # warm-up
-            ms = time_call(sampler, logits, rows, args.repeats, sync)
+            ms = median_ms(lambda: (sampler.sample(logits, rows), sync()), args.repeats)
             results.append({"kind": kind, "batch": batch, "ms": round(ms, 4), "device": args.device})
             print(f"{kind:<10} {batch:>6} {ms:>9.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    write_json(args.out, {**stamp(args.threads, args.device), "rows": results})
+    return 0

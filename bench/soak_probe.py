@@ -4,8 +4,7 @@ resident memory and open file descriptors, GPU memory, and the backends' KV bloc
 The processes are found by walking the process tree down from the `tandem serve` process the
 bench started: `ray.init` in that process starts Ray's own daemons as its children and the
 actors (backends, router, Serve's replicas) as their children, so the tree is the whole server
-and nothing else. psutil reads them where it is installed (Ray depends on it); else /proc
-(Linux). Ray names an actor's process `ray::<Class>` (and `ray::<Class>.<method>` while it runs
+and nothing else. psutil reads them (Ray depends on it). Ray names an actor's process `ray::<Class>` (and `ray::<Class>.<method>` while it runs
 a task), which gives each process a stable role across samples; `ray::IDLE` workers come and go
 with Ray's worker pool and are recorded but left out of the totals that the memory checks use.
 
@@ -31,7 +30,6 @@ from tandem.actors.metrics import BACKEND_METRICS
 
 IDLE_ROLE = "ray::IDLE"
 BACKEND_ROLE = "ray::BackendActor"
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _BACKEND_LABEL = re.compile(r'backend="([^"]*)"')
 _EXPORTED = {spec.name: spec.exported_name for spec in BACKEND_METRICS}
@@ -51,34 +49,13 @@ class ProcessSample:
 # -- the process tree --------------------------------------------------------------------------
 def process_tree(root_pid: int) -> list[int]:
     """`root_pid` and every descendant alive now."""
-    try:
-        import psutil
-    except ImportError:
-        return _proc_tree(root_pid)
+    import psutil
+
     try:
         root = psutil.Process(root_pid)
         return [root_pid] + [child.pid for child in root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-def _proc_tree(root_pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    if not Path(f"/proc/{root_pid}").exists():
-        return []
-    found, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def role_of(pid: int, root_pid: int, cmdline: list[str], parent_role: str | None = None) -> str:
@@ -103,17 +80,8 @@ def role_of(pid: int, root_pid: int, cmdline: list[str], parent_role: str | None
 
 def _read_process(pid: int) -> tuple[list[str], int, float, int] | None:
     """(cmdline, parent pid, RSS MiB, open fds) or None if it is gone or not ours to read."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-            return ([c for c in cmdline if c], ppid, rss_pages * _PAGE_SIZE / MIB,
-                    len(os.listdir(f"/proc/{pid}/fd")))
-        except (OSError, IndexError, ValueError):
-            return None
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():

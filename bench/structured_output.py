@@ -1,4 +1,4 @@
-"""Structured-output benchmark: what a JSON-schema constraint costs per decode step, against
+"""`tandem bench structured-output`: what a JSON-schema constraint costs per decode step, against
 unconstrained decoding of the same prompts, in the same run, on the same engine.
 
 Two parts, both at each batch size (default 4 and 64):
@@ -8,24 +8,18 @@ Two parts, both at each batch size (default 4 and 64):
   least 30 objects that no request can finish within --max-tokens, so both runs take the same
   number of steps with the same batch. Reported per decode step: wall time, and inside it the
   time the sampler spent filling and applying the grammar masks (`apply_grammars`) and the
-  engine spent advancing the matchers (`OutputProcessor.advance_grammars`); decode tok/s. On
-  cuda the engine schedules asynchronously, and a step with grammar rows cannot (its mask needs
-  the previous step's token), so the unconstrained run is also done synchronously: the
-  difference between the two unconstrained rows is the price of the lost overlap, the rest is
-  the grammar's own.
+  matchers spent accepting the sampled tokens (`RequestGrammar.accept_token`); decode tok/s. On cuda the engine
+  schedules asynchronously, and a step with grammar rows cannot (its mask needs the previous
+  step's token), so the unconstrained run is also done synchronously: the difference between
+  the two unconstrained rows is the price of the lost overlap, the rest is the grammar's own.
 * mask: the grammar libraries alone (xgrammar, which Tandem uses, and llguidance when it is
   installed), on the engine's tokenizer or --tokenizer DIR: B matchers walk a fixed valid
   document of `MASK_SCHEMA` token by token, and each step's bitmask fill for all B rows is
   timed (serially, and through llguidance's thread pool), then one bitmask applied to [B, vocab]
   logits on the device (xgrammar's kernel and the torch reference).
 
-    python -m bench.structured_output                           # CPU, SmolLM2
-    python -m bench.structured_output --device cuda --model qwen2.5-0.5b-random --dtype bfloat16 \\
-        --tokenizer DIR_WITH_A_REAL_TOKENIZER
-
 Random-weight presets have a 259-token byte tokenizer, so their engine rows mask a tiny
 vocabulary: the mask part with --tokenizer is what shows a real vocabulary's cost there.
-Prints a table and writes JSON (--out).
 """
 
 from __future__ import annotations
@@ -34,18 +28,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench._machine import machine_info, run_stamp
+from bench._machine import stamp
+from bench.harness import make_engine, sync_device, write_json
 from tandem.engine import structured_output
-from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import StructuredOutputParams, apply_token_bitmask, apply_token_bitmask_torch
+from tandem.engine.structured_output import (RequestGrammar, StructuredOutputParams, apply_token_bitmask,
+                                             apply_token_bitmask_torch)
 
 ENGINE_SCHEMA = {"type": "array", "minItems": 30, "items": {
     "type": "object", "required": ["name", "age", "city"],
@@ -81,12 +74,12 @@ class _Timer:
         return timed
 
 
-def _prompts(engine: LLMEngine, batch: int) -> list[list[int]]:
+def _prompts(engine, batch: int) -> list[list[int]]:
     return [engine.apply_chat_template([{"role": "user", "content": f"List {TOPICS[i % len(TOPICS)]} as JSON "
                                          f"(number {i}), with name, age and city."}]) for i in range(batch)]
 
 
-def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool, async_scheduling: bool) -> dict:
+def run_engine(engine, batch: int, max_tokens: int, constrained: bool, async_scheduling: bool) -> dict:
     """One run of `batch` requests; decode-step timings from the steps that prefilled nothing."""
     engine.async_scheduling = async_scheduling
     spec = StructuredOutputParams.from_json_schema(ENGINE_SCHEMA) if constrained else None
@@ -95,10 +88,9 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
     for i, prompt in enumerate(_prompts(engine, batch)):
         engine.add_request(f"r{i}", prompt, params)
     mask, accept = _Timer(), _Timer()
-    processor = engine.output_processor
-    original_apply, original_advance = structured_output.apply_grammars, processor.advance_grammars
+    original_apply, original_accept = structured_output.apply_grammars, RequestGrammar.accept_token
     structured_output.apply_grammars = mask.wrap(original_apply)
-    processor.advance_grammars = accept.wrap(original_advance)
+    RequestGrammar.accept_token = accept.wrap(original_accept)
     decode_steps, decode_s, num_tokens, reasons = 0, 0.0, 0, set()
     start = time.perf_counter()
     try:
@@ -112,8 +104,7 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
             num_tokens += sum(len(o.new_token_ids) for o in outputs)
             reasons.update(o.finish_reason for o in outputs if o.finished)
     finally:
-        structured_output.apply_grammars = original_apply
-        del processor.advance_grammars
+        structured_output.apply_grammars, RequestGrammar.accept_token = original_apply, original_accept
     wall = time.perf_counter() - start
     if num_tokens != batch * max_tokens or reasons != {"length"}:
         raise RuntimeError(f"expected {batch} x {max_tokens} tokens ending by length, got {num_tokens} ({reasons})")
@@ -125,7 +116,7 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
             "decode_tok_s": round(batch * 1e3 / step_ms, 1), "tok_s": round(num_tokens / wall, 1)}
 
 
-def engine_rows(engine: LLMEngine, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
+def engine_rows(engine, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
     modes = [(False, False), (True, False)]
     if engine.device.type == "cuda":
         modes.insert(0, (False, True))
@@ -220,18 +211,13 @@ def _apply_ms(bitmask: torch.Tensor, vocab_size: int, device: torch.device, repe
         times = []
         for _ in range(repeats):
             work = logits.clone()
-            _sync(device)
+            sync_device()
             start = time.perf_counter()
             fn(work, bitmask.to(device, non_blocking=True), rows)
-            _sync(device)
+            sync_device()
             times.append(time.perf_counter() - start)
         out[name] = round(1e3 * statistics.median(times), 3)
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -265,8 +251,7 @@ def summary(engine: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -276,11 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="engine runs per row (the fastest is kept)")
     parser.add_argument("--tokenizer", help="a tokenizer directory for the mask part (default: the model's)")
     parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument("--out", default="structured-output.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path("structured-output.json"))
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
-                                    max_active=max(args.batch)))
+
+def run(args: argparse.Namespace) -> int:
+    engine = make_engine(args.model, args.device, max(args.batch), args.dtype, args.threads)
     print(f"{args.model} on {args.device} ({args.dtype}), torch threads {torch.get_num_threads()}", flush=True)
     engine_results = [] if args.skip_engine else engine_rows(engine, args.batch, args.max_tokens, args.repeats)
     if args.tokenizer:
@@ -292,17 +277,14 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, vocab_size = engine.tokenizer, engine.grammar_compiler.vocab_size
         eos = list(engine.eos_token_ids)
     mask_results = mask_rows(tokenizer, vocab_size, eos, args.batch, engine.device)
-    result = {"load_average": os.getloadavg(), "stamp": run_stamp(),
-              "machine": machine_info(torch.get_num_threads(), args.device), "command": " ".join(sys.argv),
-              "args": vars(args), "engine": engine_results, "summary": summary(engine_results), "mask": mask_results}
+    result = {**stamp(torch.get_num_threads(), args.device), "load_average": os.getloadavg(),
+              "args": {k: str(v) for k, v in vars(args).items()}, "engine": engine_results,
+              "summary": summary(engine_results), "mask": mask_results}
     for line in result["summary"]:
         print(f"  B={line['batch']}: json_schema costs {line['overhead_ms_per_step']:+.2f} ms/step "
               f"({line['overhead_pct']:+.1f}%) against unconstrained decoding"
               + (f"; {line['overhead_vs_async_ms_per_step']:+.2f} ms ({line['overhead_vs_async_pct']:+.1f}%) "
                  "against the asynchronous unconstrained step" if "overhead_vs_async_pct" in line else ""))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -11,13 +11,14 @@ import json
 import pytest
 import torch
 
-from bench.cpu_step import bytes_read_per_step, main
+from bench.cpu_step import bytes_read_per_step
+from tandem.cluster.cli import main
 from tandem.engine.model.cpu_linear import available, pack_model
 from tandem.engine.model.loader import load_model
 
 
 def test_breakdown_writes_its_parts(tmp_path):
-    main(["--model", "tiny-qwen2-random", "--threads", "1", "--reps", "2", "--dtype", "float32",
+    main(["bench", "cpu-step", "--model", "tiny-qwen2-random", "--threads", "1", "--reps", "2", "--dtype", "float32",
           "--out", str(tmp_path), "--tag", "_t"])
     report = json.loads((tmp_path / "cpu_step_float32_t1_b4_t.json").read_text())
     for key in ("step_ms", "forward_ms", "linears_ms", "logits_ms", "attention_ms", "read_floor_ms"):
@@ -29,7 +30,7 @@ def test_breakdown_writes_its_parts(tmp_path):
 
 
 def test_throughput_mode(tmp_path):
-    main(["--model", "tiny-qwen2-random", "--threads", "1", "--dtype", "float32", "--requests", "2",
+    main(["bench", "cpu-step", "--model", "tiny-qwen2-random", "--threads", "1", "--dtype", "float32", "--requests", "2",
           "--max-tokens", "3", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "cpu_step_float32_t1_b4_throughput.json").read_text())
     assert report["throughput"]["generated"] == 6 and report["throughput"]["tok_s"] > 0

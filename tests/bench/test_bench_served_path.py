@@ -1,4 +1,4 @@
-"""Smoke test of `python -m bench.served_path` at toy sizes: it runs and writes its rows.
+"""Smoke test of `tandem bench served-path` at toy sizes: it runs and writes its rows.
 In a subprocess, because the cluster tests hold a Ray instance in this process."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 def test_served_path_bench_writes_a_row_per_system(tmp_path):
     out = tmp_path / "served.json"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--num-requests", "2", "--max-tokens", "4",
+    proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "bench", "served-path", "--num-requests", "2", "--max-tokens", "4",
                            "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -27,7 +27,7 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
     between GPU runs."""
     out = tmp_path / "served-http.json"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
+    proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "bench", "served-path", "--http", "--model", "tiny-llama-random",
                            "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
                            "--repeats", "1", "--ttft-requests", "2", "--capacity-rates", "", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
