@@ -1,9 +1,7 @@
-"""What machine a benchmark ran on and how it was run, recorded next to its numbers.
-
-A throughput figure means little without the CPU, core count, thread setting, GPU, library
-versions and command line that produced it, so every benchmark's JSON opens with `stamp()`.
-On a small shared machine another process's burst can slow a run several-fold, so timed runs
-can also record how much CPU others took meanwhile (`CpuInterference`).
+"""What machine a benchmark ran on and how it was run, recorded next to its numbers: a figure means
+little without the CPU, GPU, threads, library versions and command line that produced it, so
+every benchmark's JSON opens with `stamp()`. On a small shared machine another process's burst
+can slow a run several-fold, so timed runs can also record the CPU others took (`CpuInterference`).
 """
 
 from __future__ import annotations
@@ -26,21 +24,15 @@ REPO = Path(__file__).resolve().parent.parent
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever platform reports."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
 
 
 def memory_gib() -> float | None:
     meminfo = Path("/proc/meminfo")
-    if not meminfo.is_file():
-        return None
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return round(int(line.split()[1]) / (1 << 20), 1)
-    return None
+    lines = meminfo.read_text().splitlines() if meminfo.is_file() else []
+    return next((round(int(line.split()[1]) / (1 << 20), 1) for line in lines if line.startswith("MemTotal:")), None)
 
 
 def git_revision(repo_dir: Path = REPO) -> str | None:
@@ -75,29 +67,18 @@ def gpu_names() -> list[str]:
 
 
 def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    dist = next(iter(importlib.metadata.distributions(name=package)), None)
+    return None if dist is None else dist.version
 
 
 def machine_info(threads: int | None = None, device: str | None = None) -> dict:
     gpus = gpu_names()
-    return {
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "memory_gib": memory_gib(),
-        "gpu": gpus[0] if gpus else None,
-        "num_gpus": len(gpus),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": _version("torch"),
-        "transformers": _version("transformers"),
-        "torch_threads": threads,
-        "device": device,
-        "git_revision": git_revision(),
-    }
+    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gib": memory_gib(), "gpu": gpus[0] if gpus else None, "num_gpus": len(gpus),
+            "platform": platform.platform(), "python": sys.version.split()[0], "torch_threads": threads,
+            "device": device, "git_revision": git_revision(), "torch": _version("torch"),
+            "transformers": _version("transformers")}
 
 
 def command() -> str:

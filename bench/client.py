@@ -1,24 +1,16 @@
 """The HTTP client of every bench: send a workload's requests to the API on schedule and time them.
 
 Open loop, as in the design: request i is sent at `start + arrival_s[i]` whether or not earlier
-ones have answered, each on its own task and connection. Every request streams
-(`stream: true`, usage included), so the client sees its first text as it is produced.
+ones have answered, each on its own task and connection, streamed with usage. Per request, on
+one clock (`time.perf_counter`, seconds from the run's start): `send_s`, `first_text_s` (the
+first chunk carrying text: TTFT is what a client sees, so a first token that is an incomplete
+UTF-8 sequence shows one or more steps later), `end_s` (`[DONE]`), the backend and the router's
+projected TTFT (response headers), the request id (the routing log's), the usage's prompt,
+cached and output tokens, and any error.
 
-Per request, on one clock (`time.perf_counter`, seconds from the run's start):
-  send_s        when the POST was issued
-  first_text_s  when the first chunk carrying text arrived (TTFT = first_text_s - send_s)
-  end_s         when `[DONE]` arrived (E2E = end_s - send_s)
-plus the serving backend (the `x-tandem-backend` header), the request id (the chunks' `id`,
-which is the id in the routing log), the prompt, cached (prefix-cache hit) and output tokens
-(the usage chunk) and any error.
-
-TTFT is what a client sees: the server sends a chunk only once its detokenizer has text, so a
-first token that is an incomplete UTF-8 sequence (common with the byte tokenizer of the
-random-weight presets) shows up one or more decode steps later. Reports say so where it applies.
-
-`post_streamed` is the same request through aiohttp, reading only what a figure needs: the
-benches that push thousands of tokens per second through one client process (bench/serve_load.py,
-bench/served_http.py) would otherwise measure the client's JSON parsing.
+`post_streamed` is one request through aiohttp, parsing only what a figure needs: the benches
+that push thousands of tokens per second through one client process (serve-load, served-path)
+would otherwise measure the client's JSON parsing.
 """
 
 from __future__ import annotations

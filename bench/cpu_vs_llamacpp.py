@@ -1,42 +1,22 @@
-"""`tandem bench cpu-vs-llamacpp`: Tandem's CPU engine against llama.cpp on the same machine, model
-and threads.
+"""`tandem bench cpu-vs-llamacpp`: Tandem's CPU engine against llama.cpp, the tool CPU users pick,
+on the same machine, model and threads, at matched precision (Tandem float32 / bfloat16 / int8 /
+int4 against llama.cpp F32 / Q8_0 / Q4_1), in alternating rounds so that drift on a shared
+machine hits every contender. Per round:
 
-On a CPU the tool users pick is llama.cpp, so this puts the two side by side at matched
-precision (Tandem float32 / bfloat16 / int8 / int4 against llama.cpp F32 / Q8_0 / Q4_1), in
-alternating rounds so that drift on a shared machine hits every contender. Per round:
+  prefill     one 128-token prompt: Tandem's time to its first token; `llama-bench -p 128`
+  decode      one stream after the same prompt: `--decode-tokens` engine steps; `llama-bench -n
+              -d 128`, also right after each Tandem mode's, so the paired ratio compares runs
+              seconds apart on a VM whose speed drifts within minutes
+  concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 greedy tokens each, at
+              once: output tok/s of the engine (max_active 8) and of `llama-server` (8 slots)
 
-  prefill     one 128-token prompt: Tandem, time to its first token; llama.cpp, `llama-bench -p 128`
-  decode      one stream: Tandem, wall time of `--decode-tokens` engine steps after the prefill;
-              llama.cpp, `llama-bench -n` after the same 128 tokens (`-d 128`). The matched
-              llama.cpp decode is also measured right after each Tandem mode's, and the table
-              gives those paired ratios round by round (median, min-max): on a shared VM whose
-              speed drifts within minutes, a pair seconds apart compares like with like.
-  concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 output tokens each (greedy,
-              EOS ignored), submitted at once: output tokens / wall time. Tandem's `LLMEngine`
-              (max_active 8, prefix caching); llama.cpp's `llama-server` with 8 slots, 8
-              concurrent `/completion` requests over loopback HTTP. A fresh prefix each round.
-
-llama.cpp comes from PyPI's `llama-cpp-python` sdist (0.3.36), whose vendored llama.cpp builds
-`llama-bench`, `llama-server` and `llama-quantize` with cmake (see `--llama-bin`,
-bench/build_llamacpp.sh and docs/benchmarks/cpu-vs-llamacpp-2core.md); without them the llama.cpp
-rows are skipped with a message. Its F32 and Q8_0 files are made from the shipped Q4_1 GGUF with
-`llama-quantize --allow-requantize`, i.e. the same dequantized weights Tandem's float32 mode runs.
-
-The `-compiled` modes (int4-compiled, ...) decode through torch.compile'd graphs
-(`EngineConfig.cpu_compile`; the first run compiles them, later ones load inductor's on-disk
-cache; the JSON records the seconds under `compile_s`). Two other uses: `--rates` measures the
-router's rate profile of each mode (what `tandem profile` caches), `--steps` the decode step
-time of eager against compiled at batch 1-8, interleaved in one process. `--rates` also
-interleaves its modes, all loaded in one process, over `--rounds` rounds.
-
-OpenMP's wait policy is left to the environment, which llama.cpp's processes inherit too. On a
-quiet machine libgomp's default (spin a while, then sleep) is fastest for both; on one whose cores
-are busy with other work, `OMP_WAIT_POLICY=PASSIVE` keeps an idle thread from holding a core
-(docs/benchmarks/cpu-vs-llamacpp-2core.md measures both). The JSON records the policy in effect.
-
-`--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
-weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`
-(`tandem bench random-gguf` writes one of that shape).
+llama.cpp's binaries come from bench/build_llamacpp.sh (`--llama-bin`); F32 and Q8_0 files are
+requantized from the SmolLM2 package's Q4_1 GGUF (the same values Tandem's float32 runs), or
+from `--llama-gguf`; without them the llama.cpp rows are skipped. A mode's suffix picks the engine's kernels: `-ggml`, ggml's
+quantized linears; `-ggml-graph`, each decode step one ggml graph; `-compiled`, torch.compile'd
+decode; `-auto`, the default. `--rates` measures instead the router's rate profile of each mode
+(what `tandem profile` caches), interleaved over `--rounds`. OpenMP's wait policy is left to the
+environment (llama.cpp inherits it too) and recorded.
 """
 
 from __future__ import annotations
@@ -52,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from bench._machine import stamp
-from bench.harness import drain, make_engine, start_decoding, submit
+from bench.harness import drain, make_engine, submit
 from bench.workload import random_prompts, shared_prefix_prompts
 
 # A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
@@ -322,50 +302,6 @@ def render_rates(result: dict) -> str:
     return "\n".join(lines)
 
 
-def collect_steps(args) -> dict:
-    """Decode step time, eager against compiled (`cpu_compile`), for each --tandem-modes dtype at
-    batch 1, 2, 4 and 8: two engines in this process, their steps interleaved in blocks of 8 so
-    that drift hits both; medians over 32 steps each, contexts of ~100-160 tokens."""
-    import torch
-
-    torch.set_num_threads(args.threads)
-    out: dict = {}
-    for mode in args.tandem_modes:
-        dtype, kernels, _ = mode_parts(mode)
-        engines = {compiled: make_engine(args.model, "cpu", CONC_REQUESTS, dtype, args.threads, cpu_compile=compiled,
-                                         cpu_kernels=kernels) for compiled in (False, True)}
-        for batch in (1, 2, 4, 8):
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for engine in engines.values():
-                start_decoding(engine, random_prompts(batch, 100, 5 + batch, 100, engine.model_config.vocab_size - 100),
-                               60, f"s{batch}", settle=3)
-            for _ in range(4):
-                for compiled, engine in engines.items():
-                    for _ in range(8):
-                        t0 = time.perf_counter()
-                        engine.step()
-                        times[compiled].append(time.perf_counter() - t0)
-            for engine in engines.values():
-                drain(engine)
-            row = {"eager_ms": 1e3 * statistics.median(times[False]),
-                   "compiled_ms": 1e3 * statistics.median(times[True]), "load_avg": load_avg()}
-            out.setdefault(dtype, {})[batch] = row
-            print(f"steps {dtype} batch {batch}: eager {row['eager_ms']:.2f} ms, compiled {row['compiled_ms']:.2f} ms",
-                  flush=True)
-        del engines
-    return {**stamp(args.threads, "cpu"), "model": args.model, "threads": args.threads,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "steps": out}
-
-
-def render_steps(result: dict) -> str:
-    lines = ["| dtype | batch | eager step ms | compiled step ms | speed-up |", "|---|---|---|---|---|"]
-    for dtype, rows in result["steps"].items():
-        for batch, r in rows.items():
-            lines.append(f"| {dtype} | {batch} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-                         f"{r['eager_ms'] / r['compiled_ms']:.2f}x |")
-    return "\n".join(lines)
-
-
 def _brief(d: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in d.items() if k.endswith("tok_s"))
 
@@ -421,16 +357,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-server", action="store_true", help="skip llama-server's concurrent rows")
     p.add_argument("--rates", action="store_true", help="instead of the comparison: the router's rate profile "
                    "(tandem profile's measurement) of each --tandem-modes mode")
-    p.add_argument("--steps", action="store_true", help="instead of the comparison: decode step time, eager "
-                   "against compiled, of each --tandem-modes dtype at batch 1, 2, 4 and 8")
     p.add_argument("--rates-max-active", type=int, default=4, help="with --rates: decode batch sizes 1..N (default 4)")
     p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps:
-        result, render_fn = collect_steps(args), render_steps
-    elif args.rates:
+    if args.rates:
         result, render_fn = collect_rates(args), render_rates
     else:
         result, render_fn = collect(args), render

@@ -1,29 +1,22 @@
 """`tandem bench deadlines`: deadlines and priorities under load, through the HTTP API.
 
-Mixed traffic, open loop (bench/workload.py's `priority_mix`: Poisson arrivals, a share of urgent
-requests with a TTFT deadline and priority 0 among batch requests with priority 1), at several
-arrival rates, in two arms on one cluster: `deadline` (the requests carry their classes and
-deadlines, so the router places urgent ones only where the projection meets the deadline, else
-429, and the engines admit them ahead of batch work) and `fcfs` (the same requests without
-either: the baseline whose urgent TTFT is measured against the same deadline). Both arms replay
-the same arrivals and classes, each with prompts of its own (no arm starts on another's cache).
-
-Per arm and rate: urgent TTFT p50/p95 and the share served within the deadline (refusals apart),
-batch output tok/s, the refusal latency, and the projection's error (observed TTFT minus the
-`x-tandem-projected-ttft-ms` the request was placed with, so biased late by the HTTP hops),
-overall and per backend; and how late the client sent (one Python process reading hundreds of
-streams falls behind its schedule; `--client-procs N` shares the arrivals among N processes).
-
-It drives a running server (`--url`) or starts one. With `--routing-log FILE` each run is also
-replayed from the server's routing log (`tandem route-sim --replay` over the run's span, under
-the policy that served it) and the replayed TTFT p50 is set beside the measured one.
+Mixed traffic, open loop (bench/workload.py's `priority_mix`), at several arrival rates, in two
+arms on one cluster: `deadline` (urgent requests carry priority 0 and a TTFT deadline, so the
+router places them only where the projection meets it, else 429, and the engines admit them
+ahead of batch work) and `fcfs` (the same requests without either). Both arms replay the same
+arrivals and classes, each with prompts of its own. Per arm and rate: urgent TTFT p50/p95 and
+the share within the deadline, batch output tok/s, refusal latency, the projection's error
+(observed TTFT minus `x-tandem-projected-ttft-ms`, biased late by the HTTP hops) overall and per
+backend, and how late the client sent (`--client-procs N` shares the arrivals among processes
+when one falls behind). It drives `--url` or starts a cluster; with `--routing-log` each run is
+also replayed through route-sim and the replayed TTFT p50 set beside the measured one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,58 +59,49 @@ async def send(client: Any, start: float, model: str, request: PriorityRequest, 
     return out
 
 
-async def run_load(url: str, model: str, requests: list[PriorityRequest], arm: str, traffic: Traffic,
-                   start: float | None = None, timeout_s: float = 600.0) -> list[Outcome]:
+def run_load(url: str, model: str, requests: list[PriorityRequest], arm: str, traffic: Traffic,
+             start: float | None = None, timeout_s: float = 600.0) -> list[Outcome]:
     """Send `requests` at their arrival times after `start` (a `time.perf_counter()` value, the
     same clock in every process of this machine; None: now) and read their streams."""
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter() if start is None else start
-        return list(await asyncio.gather(*(send(client, start, model, r, arm, traffic) for r in requests)))
+    async def load() -> list[Outcome]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+            at = time.perf_counter() if start is None else start
+            return list(await asyncio.gather(*(send(client, at, model, r, arm, traffic) for r in requests)))
 
-
-def _load_in_process(url: str, model: str, requests: list[PriorityRequest], arm: str, traffic: Traffic,
-                     start: float) -> list[Outcome]:
-    return asyncio.run(run_load(url, model, requests, arm, traffic, start))
-
-
-class Clients:
-    """The client side of a run: one event loop in this process, or `num_procs` processes that
-    share the arrivals round-robin. One Python process reading hundreds of streams falls behind
-    its own arrival schedule (the send lag each outcome records), and then every figure measures
-    the client; processes keep the schedule at rates one cannot."""
-
-    START_LEAD_S = 0.5  # the processes get the requests before the first arrival is due
-
-    def __init__(self, num_procs: int) -> None:
-        self.num_procs = max(1, num_procs)
-        self.pool = None
-        if self.num_procs > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            self.pool = ProcessPoolExecutor(self.num_procs, mp_context=multiprocessing.get_context("spawn"))
-            list(self.pool.map(_warm_up, range(self.num_procs)))
-
-    def run(self, url: str, model: str, requests: list[PriorityRequest], arm: str, traffic: Traffic) -> list[Outcome]:
-        if self.pool is None:
-            return asyncio.run(run_load(url, model, requests, arm, traffic))
-        start = time.perf_counter() + self.START_LEAD_S
-        parts = [self.pool.submit(_load_in_process, url, model, requests[i::self.num_procs], arm, traffic, start)
-                 for i in range(self.num_procs)]
-        return sorted((o for part in parts for o in part.result()), key=lambda o: o.index)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+    return asyncio.run(load())
 
 
 def _warm_up(_: int) -> None:
-    import httpx  # noqa: F401  (the first run should not pay the import)
+    import httpx  # noqa: F401  (so the first run does not pay the import)
 
     time.sleep(0.2)  # long enough that each worker takes one
+
+
+def client_pool(num_procs: int) -> Any:
+    """`num_procs` client processes, started and warm, or None for this process alone. One Python
+    process reading hundreds of streams falls behind its own arrival schedule (each outcome's
+    send lag shows it), and then every figure measures the client."""
+    if num_procs < 2:
+        return None
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(num_procs, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(_warm_up, range(num_procs)))
+    return pool
+
+
+def run_clients(pool: Any, num_procs: int, url: str, model: str, requests: list[PriorityRequest], arm: str,
+                traffic: Traffic) -> list[Outcome]:
+    """The run's arrivals, shared round-robin among the pool's processes, which all start 0.5 s
+    from now (after they got their requests)."""
+    if pool is None:
+        return run_load(url, model, requests, arm, traffic)
+    start = time.perf_counter() + 0.5
+    parts = [pool.submit(run_load, url, model, requests[i::num_procs], arm, traffic, start) for i in range(num_procs)]
+    return sorted((o for part in parts for o in part.result()), key=lambda o: o.index)
 
 
 def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
@@ -196,55 +180,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
-def timeline(report: dict[str, Any], run: dict[str, Any], bin_s: float = 1.0) -> list[dict[str, Any]]:
-    """One run of a report, by arrival time in bins of `bin_s`: how late the client sent (max),
-    and the urgent and batch TTFTs (median, max) of the requests that arrived in the bin. Where
-    the client fell behind, or the server stalled, it shows when."""
-    traffic = Traffic(**report["traffic"])
-    arrivals = {r.index: r.arrival_s for r in priority_mix(run["rate_per_s"], report["duration_s"], traffic,
-                                                          report["seed"], prompts_of=run["arm"])}
-    bins: dict[int, list[dict[str, Any]]] = {}
-    for request in run["requests"]:
-        bins.setdefault(int(arrivals[request["index"]] // bin_s), []).append(request)
-    rows = []
-    for k, requests in sorted(bins.items()):
-        def ttfts(urgent: bool) -> list[float]:
-            return [r["first_text_s"] - r["send_s"] for r in requests
-                    if r["urgent"] == urgent and r["first_text_s"] is not None]
-        rows.append({"from_s": k * bin_s, "num_requests": len(requests),
-                     "client_lag_max_s": max(r["send_s"] - arrivals[r["index"]] for r in requests),
-                     "urgent_ttft_p50_s": percentile(ttfts(True), 50), "urgent_ttft_max_s": max(ttfts(True), default=None),
-                     "batch_ttft_p50_s": percentile(ttfts(False), 50)})
-    return rows
-
-
-def format_timeline(report: dict[str, Any]) -> str:
-    text = []
-    for run in report["runs"]:
-        text.append(f"{run['arm']} {run['rate_per_s']:g}/s, by arrival second: client lag max, urgent TTFT p50/max, "
-                    "batch TTFT p50 (s)")
-        for row in timeline(report, run):
-            text.append(f"  {row['from_s']:5.0f}  {row['client_lag_max_s']:7.3f}  "
-                        + "  ".join(f"{'-':>7}" if row[k] is None else f"{row[k]:7.3f}"
-                                    for k in ("urgent_ttft_p50_s", "urgent_ttft_max_s", "batch_ttft_p50_s")))
-    return "\n".join(text)
-
-
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
             arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1) -> dict[str, Any]:
     rows, runs = [], []
-    clients = Clients(client_procs)
+    pool = client_pool(client_procs)
     try:
         for rate in rates:
             for arm in arms:
                 workload = priority_mix(rate, duration_s, traffic, seed, prompts_of=arm)
                 started = time.time()  # the routing log's clock
-                outcomes = clients.run(url, model, workload, arm, traffic)
+                outcomes = run_clients(pool, client_procs, url, model, workload, arm, traffic)
                 span = (started, time.time())
                 rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
                 runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
     finally:
-        clients.close()
+        if pool is not None:
+            pool.shutdown()
     if routing_log is not None:
         for row, run in zip(rows, runs):
             row.update(replayed(routing_log, run["span"], run["requests"]))
@@ -295,14 +246,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's routing log (a started server writes it): replay each run from it "
                              "and report the replayed TTFT p50 beside the measured one")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--timeline", type=Path, default=None, metavar="REPORT",
-                        help="print a written report's runs second by second (client lag, TTFTs) and exit")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeline is not None:
-        print(format_timeline(json.loads(args.timeline.read_text())))
-        return 0
     (urgent_prompt, urgent_max), (batch_prompt, batch_max) = args.urgent_lengths, args.batch_lengths
     traffic = Traffic(args.urgent_share, args.deadline_ms, urgent_prompt, urgent_max, batch_prompt, batch_max)
     server = None if args.url else start_cluster(

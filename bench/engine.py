@@ -1,23 +1,15 @@
 """`tandem bench engine`: N concurrent requests through Tandem's engine and through HF transformers,
 in one process: same machine, model, device, dtype, torch threads and concurrency.
 
-The workload is the design's: N requests (default 8) submitted at once, each a 516-token prompt
-of one shared 496-token prefix of real text plus 20 tokens of its own, each generating exactly
-128 tokens (EOS ignored), greedy. The same prompts go through
-
-  engine (cold)         the engine at max_active N, nothing cached beforehand (the run's requests
-                        still share the prefix once the first one's prefill is scheduled);
-  engine (warm-prefix)  the same after a throwaway request put the shared prefix in the cache, as
-                        when a router sends a repeat prefix to the backend that holds it;
-  HF transformers       one batch of the N prompts through `model.generate` (do_sample=False,
-                        EOS disabled), TTFT from a StoppingCriteria that timestamps each step.
-
-Both run after a short untimed warm-up. Each cold run's prefix starts elsewhere in the text, so
-no run hits blocks an earlier one left. Output tok/s is generated tokens over the wall time from
-the first submit to the last finish; TTFT and E2E per request (p50, p95). With --repeats a row's
-metric is the median over runs (runs interleave the systems). Ratios: throughput engine/HF and
-TTFT HF/engine, so above 1 means the engine is better. Every run records the CPU other
-processes took meanwhile (`other_cpu_cores`); --wait-idle S holds each run until the box is quiet.
+The design's workload: N requests (default 8) at once, each a 516-token prompt of a shared
+496-token prefix of real text plus 20 tokens of its own, 128 greedy tokens each (EOS ignored),
+through the engine cold (nothing cached but what the run's own requests share), the engine warm
+(a throwaway request cached the prefix first, as when a router sends a repeat prefix to the
+backend holding it), and HF `generate` on one batch (TTFT from a StoppingCriteria that
+timestamps each step). Both warm up first; each cold run's prefix starts elsewhere in the text.
+Output tok/s over the wall time from first submit to last finish, TTFT and E2E p50/p95; with
+--repeats the median run (runs interleave the systems). Ratios above 1 favour the engine. Every
+run records the CPU other processes took (`other_cpu_cores`); --wait-idle waits for a quiet box.
 """
 
 from __future__ import annotations
@@ -31,6 +23,7 @@ from pathlib import Path
 
 from bench._machine import CpuInterference, source_digest, stamp, wait_until_idle
 from bench.harness import burst, make_engine, write_json
+from bench.hf import hf_generate, hf_model
 from bench.metrics import percentile
 
 # Real text for the shared prefix (cycled when a run needs more tokens than it holds).
@@ -121,59 +114,11 @@ def _engine_counters(engine) -> dict:
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int) -> RunResult:
-    """One batch of the N equal-length prompts through `generate`, greedy, EOS disabled."""
-    import torch
-    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
-
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("the HF baseline needs prompts of equal length (no padding)")
-    input_ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
-    attention_mask = torch.ones_like(input_ids)
-    # generate() fills unset (None) fields from model.generation_config, so EOS is switched
-    # off there; a config with eos_token_id=None passed in would get the model's EOS back.
-    model.generation_config.eos_token_id = None
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
-
-    class StepClock(StoppingCriteria):
-        """Called once per generated step, after the new tokens exist: timestamps them."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    clock = StepClock()
-    with torch.inference_mode():
-        probe = CpuInterference()
-        start = time.perf_counter()
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             stopping_criteria=StoppingCriteriaList([clock]))
-        wall = time.perf_counter() - start
-        interference = probe.stop()
-    if len(clock.times) != max_tokens:
-        raise RuntimeError(f"HF generate ran {len(clock.times)} steps, expected {max_tokens}")
+    probe = CpuInterference()
+    run = hf_generate(model, prompts, max_tokens)
     n = len(prompts)
-    new_tokens = out[:, input_ids.shape[1]:].tolist()
-    return RunResult(HF, wall, n * max_tokens, [clock.times[0] - start] * n, [clock.times[-1] - start] * n,
-                     interference, new_tokens)
-
-
-def load_hf_model(model_name: str, device: str, dtype):
-    """The HF transformers model with the engine's exact weights."""
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.model.loader import load_model
-    from tandem.engine.model.presets import PRESETS, RandomPreset, build_hf_model
-
-    if isinstance(PRESETS.get(model_name), RandomPreset):
-        model = build_hf_model(model_name)
-    else:
-        # Resolves (and on first use converts) the preset to the HF directory our loader reads.
-        hf_path = load_model(model_name, "cpu", dtype).hf_path
-        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype)
-    return model.to(device=device, dtype=dtype).eval()
+    return RunResult(HF, run["wall_s"], run["generated"], [run["ttft_s"]] * n, [run["e2e_s"]] * n, probe.stop(),
+                     run["tokens"])
 
 
 # -- aggregation and report ---------------------------------------------------------------------
@@ -273,7 +218,7 @@ def _check_args(args: argparse.Namespace) -> None:
                          f"and {args.prompt_tokens}")
 
 
-def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunResult]]:
+def run_all(engine, hf, args: argparse.Namespace) -> dict[str, list[RunResult]]:
     """Warm both systems up, then the timed runs, interleaved so drifting load hits all of them."""
     def prompts_for(run_index: int) -> list[list[int]]:
         return build_prompts(engine.encode, args.num_requests, args.prompt_tokens, args.prefix_tokens, run_index)
@@ -291,8 +236,8 @@ def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunRes
     log(f"warm-up: {args.num_requests} requests x {args.warmup_tokens} tokens through each system")
     warm = prompts_for(0)
     run_engine(engine, warm, args.warmup_tokens, "warm-up engine", "warmup")
-    if hf_model is not None:
-        run_hf(hf_model, warm, args.warmup_tokens)
+    if hf is not None:
+        run_hf(hf, warm, args.warmup_tokens)
     runs: dict[str, list[RunResult]] = {COLD: [], WARM: [], HF: []}
     for rep in range(args.repeats):
         log(f"repeat {rep + 1}/{args.repeats}")
@@ -302,8 +247,8 @@ def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunRes
             seeded = prompts_for(2 + 2 * rep)
             runs[WARM].append(timed(lambda: run_engine(engine, seeded, args.max_tokens, WARM, f"warm{rep}",
                                                        preseed_prefix=seeded[0][: args.prefix_tokens])))
-        if hf_model is not None:
-            runs[HF].append(timed(lambda: run_hf(hf_model, prompts, args.max_tokens)))
+        if hf is not None:
+            runs[HF].append(timed(lambda: run_hf(hf, prompts, args.max_tokens)))
     return runs
 
 
@@ -317,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     engine = make_engine(args.model, args.device, args.max_active or args.num_requests, args.dtype, threads)
     config = engine.config
-    hf_model = None if args.no_hf else load_hf_model(args.model, args.device, config.torch_dtype)
-    runs = run_all(engine, hf_model, args)
+    hf = None if args.no_hf else hf_model(args.model, args.device, config.torch_dtype)
+    runs = run_all(engine, hf, args)
     rows = [summarize(r) for r in runs.values() if r]
     add_ratios(rows)
     result = {

@@ -1,21 +1,13 @@
 """`tandem bench fanout-step`: what one engine step costs the engine core's I/O thread.
 
-The I/O thread (actors/core_io.py) runs in the engine core's process, so every microsecond of
-Python it spends per step is taken from the step loop under the GIL when the step loop is
-host-bound (a small model at a large batch on a GPU). This measures that work alone, on the
-real code path: the step's `RequestOutput`s become `EngineCoreOutput`s, and `Fanout.on_step`
-sorts and encodes them into one frame per channel. The frames go into an in-memory sink
-instead of a socket (the write syscall is not counted). Steps are spaced `--step-ms` apart, as
-in serving, for any timing the fan-out keeps.
-
-Prints microseconds per step (median of the rounds' means; wall time of the work, which is
-single-threaded, so CPU time on an idle core) for each (outputs per step,
-channels) pair, and writes them with every round to `--out`.
-
-The other side, measured the same way: what a caller (an ingress replica) spends per step on
-its channel's frames: decoding them, handing each item to its request stream (`deliver`, as the
-channel's reader does), and each stream's merged delta once per `--steps-per-read` steps (the
-pacing). That work is done in the callers' own processes, beside the core rather than inside it.
+The I/O thread (actors/core_io.py) shares the engine core's GIL, so its Python per step is taken
+from a host-bound step loop (a small model at a large batch on a GPU). This times that work
+alone on the real code path: a step's `RequestOutput`s become `EngineCoreOutput`s and
+`Fanout.on_step` encodes them into one frame per channel, written to memory instead of a socket,
+steps `--step-ms` apart: microseconds per step, the median of the rounds' means, per (outputs,
+channels). And the caller's side (an ingress replica): decoding the frames, handing each item
+to its stream (`deliver`, as the channel's reader does) and each stream's merged delta once per
+`--steps-per-read` steps (its pacing).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ process under a time limit (a hung baseline cannot take the run with it):
             on one static batch of the 48
   hf_batch  transformers' continuous batching (`generate_batch`) on the 48
   cpu_b4    the CPU at batch 4: our decode step and HF eager's in alternating rounds (drift on a
-            shared machine hits both), medians, and the aten ops each dispatches
+            shared machine hits both), medians
 
 Writes fast_path.json and fast_path.md (the table and the targets) under --out.
 """
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from bench._machine import stamp
-from bench.harness import abort_all, burst, make_engine, median_run, start_decoding, sync_device
+from bench.harness import abort_all, burst, make_engine, median_run, start_decoding
+from bench.hf import hf_decode_ms, hf_decoder, hf_generate, hf_model, hf_prefill_ms
 from bench.workload import random_prompts
 
 MODEL = "qwen2.5-0.5b-random"
@@ -168,112 +169,45 @@ def section_gpu(args) -> dict:
     return out
 
 
-def hf_model(name: str, device: str, dtype, attn: str = "sdpa"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.model.presets import build_hf_model, get_preset
-
-    if device == "cpu":
-        return build_hf_model(name).to(dtype).eval()  # our random weights, float32 first
-    with torch.device(device):  # initialise on the GPU: seconds instead of a minute on the CPU
-        model = AutoModelForCausalLM.from_config(get_preset(name).hf_config(), dtype=dtype, attn_implementation=attn)
-    return model.eval()
-
-
-def hf_decode(model, batch: int, steps: int, device: str, seed: int) -> dict:
-    import torch
-
-    ids = torch.tensor(random_prompts(batch, PROMPT_LEN, seed), device=device)
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for i in range(steps + 2):
-            sync_device()
-            t0 = time.perf_counter()
-            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            nxt.tolist()  # the host reads the tokens every step, as generate's stopping check does
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-    return {"batch": batch, "context": PROMPT_LEN, "step_ms": 1e3 * statistics.median(times)}
-
-
-def hf_prefill(model, reps: int, device: str, seed: int) -> dict:
-    import torch
-
-    times = []
-    with torch.inference_mode():
-        for i, prompt in enumerate(random_prompts(reps + 1, PROMPT_LEN, seed)):
-            ids = torch.tensor([prompt], device=device)
-            sync_device()
-            t0 = time.perf_counter()
-            model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
-            if i:
-                times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    return {"prompt_tokens": PROMPT_LEN, "ttft_ms": 1e3 * t, "tok_s": PROMPT_LEN / t}
-
-
-def hf_static_batch(model, num: int, max_tokens: int, device: str, seed: int) -> dict:
-    import torch
-
-    ids = torch.tensor(random_prompts(num, PROMPT_LEN, seed), device=device)
-    model.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-        sync_device()
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        sync_device()
-    wall = time.perf_counter() - t0
-    generated = (out.shape[1] - PROMPT_LEN) * num
-    return {"requests": num, "max_tokens": max_tokens, "generated": generated, "wall_s": wall, "tok_s": generated / wall}
-
-
 def section_hf_gpu(args) -> dict:
     import torch
 
-    model = hf_model(args.model, "cuda", torch.bfloat16)
-    return {
-        "dtype": "bfloat16", "attn_implementation": "sdpa",
-        "decode": [hf_decode(model, b, args.hf_decode_steps, "cuda", seed=10 + b) for b in args.decode_batches],
-        "prefill": hf_prefill(model, 3, "cuda", seed=3),
-        "static_batch": hf_static_batch(model, args.num_requests, args.max_tokens, "cuda", seed=7),
-    }
+    model = hf_model(args.model, "cuda", torch.bfloat16, shape_only=True)
+    prefill_ms = hf_prefill_ms(model, random_prompts(4, PROMPT_LEN, 3))
+    hf_generate(model, random_prompts(2, PROMPT_LEN, 8), 4)  # warm-up
+    static = hf_generate(model, random_prompts(args.num_requests, PROMPT_LEN, 7), args.max_tokens)
+    return {"dtype": "bfloat16", "attn_implementation": "sdpa",
+            "decode": [{"batch": b, "context": PROMPT_LEN, "step_ms": hf_decode_ms(
+                model, random_prompts(b, PROMPT_LEN, 10 + b), args.hf_decode_steps)} for b in args.decode_batches],
+            "prefill": {"prompt_tokens": PROMPT_LEN, "ttft_ms": prefill_ms, "tok_s": 1e3 * PROMPT_LEN / prefill_ms},
+            "static_batch": {"requests": args.num_requests, "max_tokens": args.max_tokens,
+                             **{k: static[k] for k in ("generated", "wall_s", "tok_s")}}}
 
 
 def section_hf_batch(args) -> dict:
     """transformers' continuous batching (`generate_batch`) on the same workload."""
     import torch
     from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
 
     attn = "paged|sdpa"
     try:
-        model = hf_model(args.model, "cuda", torch.bfloat16, attn)
+        model = hf_model(args.model, "cuda", torch.bfloat16, attn, shape_only=True)
     except (ValueError, KeyError) as exc:  # an older or newer spelling of the paged SDPA kernel
         print(f"attn_implementation={attn!r} refused ({exc}); using 'sdpa'", flush=True)
         attn = "sdpa"
-        model = hf_model(args.model, "cuda", torch.bfloat16, attn)
-    config = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    kwargs = {}
-    try:
-        from transformers.generation import ContinuousBatchingConfig
-    except ImportError:  # older transformers: generate_batch's defaults
-        ContinuousBatchingConfig = None
-    if ContinuousBatchingConfig is not None:
-        try:
-            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(max_requests_per_batch=64)
-        except TypeError:
-            kwargs["continuous_batching_config"] = ContinuousBatchingConfig()
+        model = hf_model(args.model, "cuda", torch.bfloat16, attn, shape_only=True)
+    kwargs = {"continuous_batching_config": ContinuousBatchingConfig(max_requests_per_batch=64), "progress_bar": False}
     prompts = random_prompts(args.num_requests, PROMPT_LEN, seed=7)
+
+    def config(max_tokens: int):
+        return GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
     # No inference_mode here: generate_batch's worker thread updates its own static tensors in place.
-    model.generate_batch(inputs=random_prompts(2, PROMPT_LEN, 8), generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0), progress_bar=False, **kwargs)
+    model.generate_batch(inputs=random_prompts(2, PROMPT_LEN, 8), generation_config=config(4), **kwargs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False, **kwargs)
+    results = model.generate_batch(inputs=prompts, generation_config=config(args.max_tokens), **kwargs)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     generated = sum(len(r.generated_tokens) for r in results.values())
@@ -293,7 +227,10 @@ def section_cpu_b4(args) -> dict:
     for dtype in ("float32", "bfloat16"):
         engine = make_engine(args.model, "cpu", 4, dtype, args.cpu_threads)
         start_decoding(engine, random_prompts(4, PROMPT_LEN, 14), engine.max_model_len - PROMPT_LEN, "b4")
-        steppers = {"ours": engine.step, "hf": _hf_decoder(hf_model(args.model, "cpu", getattr(torch, dtype)), 4)}
+        hf_step = hf_decoder(hf_model(args.model, "cpu", getattr(torch, dtype)), random_prompts(4, PROMPT_LEN, 14))
+        for _ in range(2):
+            hf_step()
+        steppers = {"ours": engine.step, "hf": hf_step}
         times = {name: [] for name in steppers}
         for _ in range(args.cpu_rounds):
             for name, step in steppers.items():
@@ -301,79 +238,13 @@ def section_cpu_b4(args) -> dict:
                     t0 = time.perf_counter()
                     step()
                     times[name].append(time.perf_counter() - t0)
-        out[dtype] = {name: dict(step_ms=1e3 * statistics.median(times[name]), **count_aten_ops(step))
-                      for name, step in steppers.items()}
+        out[dtype] = {name: {"step_ms": 1e3 * statistics.median(times[name])} for name in steppers}
         out[dtype]["hf_over_ours"] = out[dtype]["hf"]["step_ms"] / out[dtype]["ours"]["step_ms"]
         del steppers, engine
     # oneDNN's instruction set is per process, so ours and HF ran under the same one (see
     # engine/model/cpu_linear.py on ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, decode without AMX).
     out["onednn_max_cpu_isa"] = os.environ.get("ONEDNN_MAX_CPU_ISA")
     return out
-
-
-def _hf_decoder(model, batch: int):
-    """HF eager with a DynamicCache after a `batch`-row prefill; one call = one decode step + argmax."""
-    import torch
-
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor(random_prompts(batch, PROMPT_LEN, 14)), use_cache=True, logits_to_keep=1)
-    state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
-
-    def step() -> None:
-        with torch.inference_mode():
-            out = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
-            state["past"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            state["next"].tolist()
-
-    for _ in range(2):
-        step()
-    return step
-
-
-def count_aten_ops(step, steps: int = 2) -> dict:
-    """aten ops one `step()` dispatches: every record, and those not nested in another aten op."""
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    every, top = 0, Counter()
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        every += 1
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        if parent is None:
-            top[event.name.removeprefix("aten::")] += 1
-    return {"aten_ops": every / steps, "top_level_ops": sum(top.values()) / steps,
-            "top_level_by_op": {k: v / steps for k, v in top.most_common(20)}}
-
-
-def count_aten_ops(step, steps: int = 2) -> dict:
-    """aten ops one `step()` dispatches: every record, and those not nested in another aten op."""
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-    every, top = 0, Counter()
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        every += 1
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        if parent is None:
-            top[event.name.removeprefix("aten::")] += 1
-    return {"aten_ops": every / steps, "top_level_ops": sum(top.values()) / steps,
-            "top_level_by_op": {k: v / steps for k, v in top.most_common(20)}}
 
 
 def section_floor(args) -> dict:
@@ -450,7 +321,7 @@ def render_table(r: dict) -> str:
     s = r["sections"]
     gpu, hf, hfb, floor = (s.get(k, {}) for k in ("gpu", "hf_gpu", "hf_batch", "floor"))
     m = r["machine"]
-    lines = [f"Machine: {m.get('gpu', 'no GPU')}, {m.get('cpu_model')} ({m.get('cpu_count')} cores); torch {m.get('torch')}, "
+    lines = [f"Machine: {m.get('gpu') or 'no GPU'}, {m.get('cpu_model')} ({m.get('cpu_count')} cores); torch {m.get('torch')}, "
              f"transformers {m.get('transformers')}; model {r['model']} (random weights)",
              f"Command: `{r['command']}`; date {r['date']}; git {m.get('git_revision')}", ""]
     lines += ["| decode ms/step (context 516) | B=1 | B=4 | B=16 | B=64 |", "|---|---|---|---|---|"]
@@ -465,13 +336,9 @@ def render_table(r: dict) -> str:
     b4 = s.get("cpu_b4", {})
     if _get(b4, "float32") or _get(b4, "bfloat16"):
         lines += ["", f"| CPU B=4 decode, {b4.get('threads')} threads, alternating rounds, ONEDNN_MAX_CPU_ISA="
-                      f"{b4.get('onednn_max_cpu_isa')} | ms/step | aten ops/step "
-                      "(top-level) |", "|---|---|---|"]
-        for d in ("float32", "bfloat16"):
-            for who, key in (("Tandem", "ours"), ("HF eager", "hf")):
-                row = _get(b4, d, key, default={})
-                lines.append(f"| {who} {d} | {_fmt(row.get('step_ms'), 1)} | {_fmt(row.get('aten_ops'), 0)} "
-                             f"({_fmt(row.get('top_level_ops'), 0)}) |")
+                      f"{b4.get('onednn_max_cpu_isa')} | ms/step |", "|---|---|"]
+        lines += [f"| {who} {d} | {_fmt(_get(b4, d, key, 'step_ms'), 1)} |"
+                  for d in ("float32", "bfloat16") for who, key in (("Tandem", "ours"), ("HF eager", "hf"))]
     lines += ["", "| prefill, one 516-token prompt | tok/s | TTFT ms |", "|---|---|---|"]
     for label, p in (("Tandem GPU bf16", gpu.get("prefill")), ("HF eager GPU bf16", hf.get("prefill"))):
         lines.append(f"| {label} | {_fmt(_get(p, 'tok_s'), 0)} | {_fmt(_get(p, 'ttft_ms'), 1)} |")
@@ -489,7 +356,7 @@ def render_table(r: dict) -> str:
     if hfb.get("tok_s"):
         lines.append(f"| HF `generate_batch` ({hfb.get('attn_implementation')}) | {hfb['requests']} x {hfb['max_tokens']} | "
                      f"{_fmt(hfb['wall_s'], 2)} | {_fmt(hfb['tok_s'], 0)} |")
-    if floor:
+    if floor.get("weight_bytes"):
         lines += ["", f"Floor: {floor['weight_bytes'] / 1e9:.3f} GB of bf16 weights at a measured "
                       f"{floor['copy_bandwidth_gb_s']:,.0f} GB/s copy bandwidth = {floor['floor_ms_weights_only']:.3f} ms "
                       f"per decode step, plus {floor['kv_bytes_per_token'] / 1e3:.0f} kB of K/V per context token."]

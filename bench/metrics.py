@@ -1,16 +1,11 @@
 """Per-run metrics and their means and spreads across runs.
 
-Definitions, the same as the design's write-up and routing/sim_report.py:
-  makespan          last request's end - first request's send ("completion time")
-  output tok/s      all output tokens / makespan
-  TTFT, E2E         per request (bench/client.py); p50 and p95 interpolate linearly (numpy's
-                    default), as `routing.sim_report.percentile` does
-  requests/backend  from the `x-tandem-backend` header
-
-Across runs each metric gets its mean, sample standard deviation, min and max. "Worse beyond
-the run-to-run spread" means: the hybrid arm's mean is worse than the baseline's by more than
-the larger of the two arms' standard deviations (with one run there is no spread, and the
-verdict says so).
+As in the design's write-up and routing/sim_report.py: makespan is the last request's end minus
+the first one's send, output tok/s all output tokens over it, TTFT and E2E per request
+(bench/client.py) with percentiles interpolated linearly, requests per backend from the
+`x-tandem-backend` header. Across runs each metric gets its mean, sample standard deviation,
+min and max; "worse beyond the run-to-run spread" means worse than the baseline's mean by more
+than the larger of the two standard deviations (one run has no spread, and the verdict says so).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """`tandem bench quant-accuracy`: what int8 / int4 weights cost in accuracy, perplexity and top-1
 agreement against float32.
 
-One fixed text (this repository's README, its first `--tokens` tokens under the model's
-tokenizer) goes through the engine's own model (packed, fused, quantized exactly as
-`LLMEngine` builds it) in one prefill; for each position we take the next-token
-distribution and report the perplexity of the text and how often the top-1 token equals
-float32's (teacher-forced, so one early difference does not cascade as in free decoding).
-
-A `-ggml` mode runs the linears on ggml's kernels (EngineConfig.cpu_kernels). Those compute a few
-rows the way decode does (activations quantized to Q8_0/Q8_1) but 16 rows and more through a
-float32 GEMM of the dequantized weights, so `--chunk 8` feeds the text 8 tokens at a time, each
-chunk attending to the cached ones before it: what decode's arithmetic costs.
+This repository's README (its first `--tokens` tokens) goes through the engine's own model,
+quantized exactly as `LLMEngine` builds it, teacher-forced: the text's perplexity and how often
+the top-1 token equals the first mode's. ggml's kernels (`-ggml` modes) compute a few rows as
+decode does but 16 and more through a float32 GEMM, so `--chunk 8` feeds the text 8 tokens at a
+time over the cached context: what decode's arithmetic costs.
 """
 
 from __future__ import annotations

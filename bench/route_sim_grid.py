@@ -1,19 +1,13 @@
 """`tandem bench route-sim-grid`: the multi-tenant routing grid in the simulator, every (tenants,
 prefix, rate, seed) cell and every arm: one JSON, one table and a plot of TTFT p95 against rate.
 
-The live grid (`tandem bench tenants`) needs the 2-GPU machine; this one runs the same cells
-through routing's simulator API (`load_scenario` + `simulate`) on any CPU in about a minute, so
-a routing change is judged on all 36 cell-seeds, not on the one a test pins. The scenario is
-`docs/route-sim-examples/tenants-2gpu.yaml` (two GPUs with the H200's profiled rates); each
-backend's prefix cache holds `--cache-prefixes` prefixes (6: all of 4 tenants fit on one GPU,
-16 do not), as docs/routing.md's grid does.
-
-The verdict per cell-seed is the issue's: `cost` at least as good as the best other arm on
-TTFT p50, TTFT p95 and output tok/s, and its hit rate within 5 points of prefix-affinity's.
-A simulator run is exact, so "as good" allows only a rounding tolerance: 0.05 ms of TTFT and
-0.1% of throughput (below saturation every arm keeps up with the arrivals and throughput only
-restates the arrival rate). Writes OUT.json (every summary), OUT.md (setup, tables, verdicts) and OUT.png; a hand-written
-OUT.notes.md beside it is kept at the top of OUT.md across re-renders.
+The live grid (`tandem bench tenants`) needs GPUs; this runs the same cells through routing's
+simulator on any CPU in about a minute, so a routing change is judged on every cell-seed. The
+scenario is docs/route-sim-examples/tenants-2gpu.yaml (two H200-profiled GPUs); each backend's
+prefix cache holds `--cache-prefixes` prefixes. The verdict per cell-seed: `cost` at least as
+good as the best other arm on TTFT p50, TTFT p95 and output tok/s, within a rounding tolerance
+(a simulator run is exact), and its hit rate within 5 points of prefix-affinity's. Writes
+OUT.json, OUT.md and OUT.png; a hand-written OUT.notes.md is kept atop OUT.md on re-renders.
 """
 
 from __future__ import annotations

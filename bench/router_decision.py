@@ -1,23 +1,13 @@
 """`tandem bench router-decision`: router decision latency with a deep backlog, running sums against
 walking the queue.
 
-Builds a Router over N backends (default: one accelerator, one CPU, the design's rates), routes
-`--num-pending` requests (default 1,000) of varied prompt length, cache hit and budget, and
-admits/advances some of them so the ledgers hold a realistic mix of active and queued work.
-Then it times `Router.route()` for `--num-decisions` new requests, one at a time with
-`time.perf_counter_ns`; after each timed decision the new request is forgotten (untimed) so
-the backlog stays at the same depth.
-
-It compares, in the same process on the same ledgers:
-  * every policy at the requested depth, and `cost` with an empty router and a 10x backlog:
-    the decision reads each ledger's running sums, so its cost should not depend on depth;
-  * "walk the queue": the same score computed by summing every pending request on every
-    backend at decision time, which is what the running sums avoid (a tenth as many decisions);
-  * "urgent vs batch": urgent requests placed among queued batch work past its starvation
-    bound, with a slot seen free on every backend, so their projected TTFT walks the ledger for
-    the request filling that slot and for an aged turn (routing/deadline.py).
-
-Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`.
+A Router over N backends (default one accelerator and one CPU at the design's rates) holds
+`--num-pending` routed requests, some admitted and advanced; then `Router.route()` is timed for
+`--num-decisions` new requests, each forgotten afterwards so the depth stays. In one process,
+on the same ledgers: every policy; `cost` empty and at 10x the backlog (the running sums make
+depth free); "walk the queue", the same score summed over every pending request (what the sums
+avoid); and urgent requests among batch work past its starvation bound, whose projection walks
+the ledger (routing/deadline.py). Median, p99 and mean microseconds per decision.
 """
 
 from __future__ import annotations

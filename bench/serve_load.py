@@ -1,23 +1,14 @@
 """`tandem bench serve-load`: server configurations compared through the real HTTP endpoint.
 
-Each `--config NAME='FLAGS'` is started as a user starts Tandem (`tandem serve [--model M] --port
-PORT FLAGS`, bench/harness.py's `Server`), loaded, and stopped with Ctrl-C; whether it exited
-cleanly is recorded. Configurations run one after another on the same port.
-
-The load is a closed loop: C concurrent clients, each sending its next request as soon as its
-previous one finished, until the workload is done, so it measures what a server sustains at
-that concurrency. Every request is a streamed `POST /v1/completions` of token ids (ignore_eos,
-greedy). One client process tops out near 38k tokens/s, which a fast server passes, so the
-clients are spread over P processes (`--clients-procs`, default min(8, max(1, C // 32))) drawing
-from one shared counter; each row records every process's CPU share (near 1.0: the client set
-the pace). A refusal (429) is counted, not retried.
-
-Workloads (bench/workload.py, each request its own prompt): `fixed`, N x (516 -> 128) with
-N = max(256, 4 C); `nanovllm`, nano-vllm's benchmark; `w`, workload W. Per (config, workload, C):
-output tok/s over the wall time from the first send to the last finish, requests that
-succeeded, were refused or failed, TTFT p50/p95 (first chunk with text) and E2E p50 (percentiles
-interpolate linearly). Writes OUT/serve_load.json (rewritten after every row) and each row's
-requests under OUT/requests/.
+Each `--config NAME='FLAGS'` is started as a user starts Tandem (bench/harness.py's `Server`),
+loaded, and stopped with Ctrl-C (a clean exit is recorded), one after another on one port. The
+load is a closed loop: C clients, each sending its next streamed request as soon as the last
+finished, so it measures what a server sustains at that concurrency. One client process tops
+out near 38k tokens/s, so the clients are spread over P processes drawing from one shared
+counter (`--clients-procs`, default min(8, max(1, C // 32))), each row recording every
+process's CPU share. A 429 is counted, not retried. Workloads (bench/workload.py): `fixed`,
+max(256, 4 C) x (516 -> 128); `nanovllm`; `w`. Per row: output tok/s from the first send to the
+last finish, requests ok, refused and failed, TTFT p50/p95 and E2E p50.
 """
 
 from __future__ import annotations

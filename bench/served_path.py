@@ -1,21 +1,15 @@
 """`tandem bench served-path`: what serving costs, against the engine's own speed in the same run.
 
 Serving adds work per request and per streamed message (the router, the backend's hand-offs, the
-channel, HTTP). Default: the same N concurrent requests in-process through `LLMEngine` and
-through `cluster.start`'s driver API (router, backend actor, engine core, no HTTP), output tok/s
-of each and their ratio.
-
-`--http` (the GPU mode; sizes scale with `--scale` for a CPU run): the in-process engine, in a
-child process that exits before the server starts (so both see the device's whole memory),
-against the same workloads through `tandem serve`'s HTTP API with a streaming client:
+channel, HTTP). The in-process engine, in a child process that exits before the server starts (so
+both see the device's whole memory), runs the same workloads as `tandem serve`'s HTTP API with a
+streaming client (sizes scale with `--scale`, for a CPU):
 - burst rows: 48 x (516 -> 128) at max_active 4 and 64, and 256 requests of prompts in
   [64, 1024] and outputs in [32, 512] at 256 (bench/workload.py, ids from the model's
   vocabulary); output tok/s from the first send to the last token, best of `--repeats` after a
   warm-up, every repeat's rate and the ratio of the medians; the burst's TTFT p50 and max from
-  its start; the engine's steps and mean step time (behind HTTP, scraped from /metrics with
-  the admission stages' mean times);
-- TTFT: one request at a time (516 -> 16), the median, and where a lone request's time goes
-  outside the engine (Ray round trips, the route, the admission, the first output);
+  its start, and the client's own CPU share;
+- TTFT: one request at a time (516 -> 16), the median;
 - capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed rates from several
   client processes: achieved rate, p50 and p99 latency per offered rate.
 """
@@ -25,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import random
-import re
 import statistics
 import time
 from pathlib import Path
@@ -43,74 +35,26 @@ VOCAB_HIGH = 20000  # token ids are drawn from [3, min(vocab, VOCAB_HIGH))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-llama-random", help="model preset (default tiny-llama-random)")
-    parser.add_argument("--num-requests", type=int, default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--prompt-tokens", type=int, default=40, help="prompt tokens per request (default 40)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per request, EOS ignored")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of a cpu engine (default 1)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system after a warm-up; the best counts")
     parser.add_argument("--out", type=Path, default=Path("out/bench_served_path.json"), help="JSON output path")
-    http = parser.add_argument_group("--http mode")
-    http.add_argument("--http", action="store_true", help="in-process engine vs tandem serve's HTTP API")
-    http.add_argument("--device", default="cpu", help="engine device (default cpu)")
-    http.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
-    http.add_argument("--scale", type=float, default=1.0, help="scale every size (requests, lengths, max_active)")
-    http.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
-    http.add_argument("--capacity-rates", type=floats, default=[250.0, 500.0, 1000.0, 1500.0],
-                      help="request rates of short requests ('' skips)")
-    http.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
-    http.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
-    http.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
-    http.add_argument("--ingress", choices=("auto", "direct", "proxy"), help="tandem serve --ingress (default auto)")
-    http.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
+    parser.add_argument("--device", default="cpu", help="engine device (default cpu)")
+    parser.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every size (requests, lengths, max_active)")
+    parser.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
+    parser.add_argument("--capacity-rates", type=floats, default=[250.0, 500.0, 1000.0, 1500.0],
+                        help="request rates of short requests ('' skips)")
+    parser.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
+    parser.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
+    parser.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
+    parser.add_argument("--ingress", choices=("auto", "direct", "proxy"), help="tandem serve --ingress (default auto)")
+    parser.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    result = run_http(args) if args.http else run_actors(args)
-    write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, **result,
-                          **stamp(args.threads, args.device if args.http else "cpu")})
+    write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, **run_http(args),
+                          **stamp(args.threads, args.device)})
     return 0
-
-
-# -- in-process against the driver API ---------------------------------------------------------------
-def run_actors(args: argparse.Namespace) -> dict[str, Any]:
-    prompts = random_prompts(args.num_requests, args.prompt_tokens, seed=0)
-    engine = make_engine(args.model, max_active=args.num_requests, threads=args.threads)
-    runs = [burst(engine, prompts, args.max_tokens, f"r{rep}")["tok_s"] for rep in range(args.repeats + 1)]
-    del engine
-    baseline = max(runs[1:])  # the first run warms up
-    tandem = start_cluster(model=args.model, backends=["cpu"], cpu_threads=args.threads, max_active=args.num_requests,
-                           serve_http=False)
-    try:
-        served = max((asyncio.run(_through_actors(tandem, prompts, args.max_tokens))
-                      for _ in range(args.repeats + 1)), key=lambda r: r["output_tok_s"])
-    finally:
-        tandem.shutdown()
-    rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None},
-            {"system": "through actors, one channel per caller on the same-node wire", **served}]
-    print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
-          f"{args.threads} engine thread(s), best of {args.repeats}")
-    for row in rows:
-        msgs = "" if row["messages_per_request"] is None else f"{row['messages_per_request']:.0f} msgs/request"
-        print(f"{row['system']:<64} {row['output_tok_s']:>8.0f} tok/s {row['output_tok_s'] / baseline:>6.2f}x {msgs}")
-    return {"rows": rows}
-
-
-async def _through_actors(tandem: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    from bench.harness import greedy
-
-    async def one(ids: list[int]) -> tuple[int, int]:
-        num_tokens = num_messages = 0
-        async for out in tandem.agenerate(ids, greedy(max_tokens)):
-            num_tokens += len(out.new_token_ids)
-            num_messages += 1
-        return num_tokens, num_messages
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(ids) for ids in prompts))
-    elapsed = time.perf_counter() - start
-    return {"output_tok_s": sum(t for t, _ in results) / elapsed,
-            "messages_per_request": sum(m for _, m in results) / len(results)}
 
 
 # -- in-process against HTTP -----------------------------------------------------------------------
@@ -160,62 +104,12 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-# Sums from the exact counters, counts from the histograms: Ray exports a histogram's _sum from its
-# bucket midpoints (a 1.15 ms step counts as 1.75 ms), so means need the counters.
-STAGE_LINE = re.compile(r'^ray_tandem_http_stage_(time_seconds_total|seconds_count)\{[^}]*stage="([a-z_]+)"[^}]*\} (\S+)$')
-STEP_LINE = re.compile(r'^ray_tandem_backend_(step_seconds_total|step_time_seconds_count)\{[^}]*\} (\S+)$')
-
-
-def scrape_stages(metrics_url: str) -> dict[str, list[float]]:
-    """stage -> [seconds, count] of the admission stages over every replica, and "engine_step"
-    -> the same of the backends' engine steps."""
-    import urllib.request
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    stages: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if match := STAGE_LINE.match(line):
-            kind, stage, value = match.groups()
-            stages.setdefault(stage, [0.0, 0.0])[kind.endswith("count")] += float(value)
-        elif match := STEP_LINE.match(line):
-            kind, value = match.groups()
-            stages.setdefault("engine_step", [0.0, 0.0])[kind.endswith("count")] += float(value)
-    return stages
-
-
-async def settled_scrape(metrics_url: str, num_routes: float, wait_s: float = 15.0) -> dict[str, list[float]]:
-    """`scrape_stages` once it holds `num_routes` route observations and the engine's step count
-    stopped moving (each process exports about once a second); {} if it never does."""
-    deadline, last = time.monotonic() + wait_s, None
-    while time.monotonic() < deadline:
-        now = await asyncio.to_thread(scrape_stages, metrics_url)
-        steps = now.get("engine_step", [0.0, 0.0])[1]
-        if now.get("route", [0.0, 0.0])[1] >= num_routes and steps == last:
-            return now
-        last = steps
-        await asyncio.sleep(1.5)
-    return {}
-
-
-def stage_means(before: dict[str, list[float]], after: dict[str, list[float]]) -> tuple[dict[str, float], list | None]:
-    """Between two settled scrapes: mean ms per admission stage (cluster/dispatch.py's
-    `admission_stages`), and [engine steps, mean ms per step]."""
-    if not before or not after:
-        return {}, None
-    delta = {k: [x - y for x, y in zip(v, before.get(k, (0.0, 0.0)))] for k, v in after.items()}
-    step_total, num_steps = delta.pop("engine_step", (0.0, 0.0))
-    stages = {k: round(1e3 * total / n, 2) for k, (total, n) in delta.items() if n}
-    return stages, ([int(num_steps), round(1e3 * step_total / num_steps, 2)] if num_steps else None)
-
-
 def _body(model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
     return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, handle: Any,
-                    metrics_url: str) -> dict[str, Any]:
+async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, handle: Any) -> dict[str, Any]:
     import aiohttp
 
     results: dict[str, Any] = {}
@@ -224,7 +118,6 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
         for w in workloads(args.scale, vocab):
             await handle.set_max_active.remote(w["max_active"])
             row = results[w["name"]] = {"best": 0.0, "runs": []}
-            before = await settled_scrape(metrics_url, 0)
             for rep in range(args.repeats + 1):
                 start, cpu_start = time.time(), time.process_time()
                 done = await asyncio.gather(*(post_streamed(session, url, _body(model, ids, m))
@@ -233,54 +126,17 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
                 if any(r["error"] or r["status"] != 200 for r in done):
                     raise RuntimeError(f"a request failed: {next(r for r in done if r['error'] or r['status'] != 200)}")
                 rate = sum(r["tokens"] for r in done) / elapsed
-                after = await settled_scrape(metrics_url, before.get("route", [0.0, 0.0])[1] + len(w["prompts"]))
                 if rep:  # the first burst warms up, as in-process
                     row["runs"].append(round(rate, 1))
                 if rep and rate > row["best"]:  # the client's own CPU: near 100% means the client set the pace
                     row.update(best=rate, client_cpu=round(cpu / elapsed, 2),
                                ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
                                sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
-                    row["stages"], row["steps"] = stage_means(before, after)
-                before = after
         await handle.set_max_active.remote(4)
         prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=3, high=vocab)
         ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
         results["ttft"] = statistics.median(ttfts[2:])
     return results
-
-
-async def ttft_parts(router: Any, backend: Any, prompts: list[list[int]]) -> dict[str, float]:
-    """Where a lone request's TTFT goes outside the engine, median ms, from this process (no HTTP):
-    Ray's round trip to the backend actor (`ping`), to the router (`router_ping`) and through to
-    the engine core (`core_call`), then one request's route (`place`), admission (which returns
-    with its prefill step) and first output over the backend's channel. Two warm-ups each."""
-    from bench.harness import greedy
-    from tandem.actors.channel import open_stream
-    from tandem.actors.messages import PlaceRequest
-
-    parts: dict[str, list[float]] = {k: [] for k in ("ping", "router_ping", "core_call", "place", "admit",
-                                                      "first_output")}
-    for _ in prompts:
-        for key, call in (("ping", backend.ping), ("router_ping", router.ping), ("core_call", backend.stats)):
-            t0 = time.perf_counter()
-            await call.remote()
-            parts[key].append(time.perf_counter() - t0)
-    for i, ids in enumerate(prompts):
-        req_id = f"ttft-parts-{i}"
-        t0 = time.perf_counter()
-        await router.place_many.remote([(PlaceRequest(req_id, ids, 16),)])
-        t1 = time.perf_counter()
-        stream = open_stream(backend, req_id, ids, greedy(16), time.time())
-        await stream.next()
-        t2 = time.perf_counter()
-        out = await stream.next()
-        t3 = time.perf_counter()
-        while not out.finished:
-            out = await stream.next()
-        router.forget.remote(req_id)
-        for key, value in (("place", t1 - t0), ("admit", t2 - t1), ("first_output", t3 - t2)):
-            parts[key].append(value)
-    return {k: round(1e3 * statistics.median(v[2:]), 3) for k, v in parts.items()}
 
 
 def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
@@ -345,9 +201,6 @@ def capacity(url: str, model: str, vocab: int, rate: float, duration_s: float, c
 def through_http(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
     import ray
 
-    # The admission stages are read from the metrics page after each row: Ray's agent exports
-    # every 10 s by default, which would be a 10 s wait per row.
-    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     max_active = max(w["max_active"] for w in workloads(args.scale, vocab))
     start = time.perf_counter()
@@ -361,9 +214,7 @@ def through_http(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], 
     try:
         url = f"{tandem.url}/v1/completions"
         model = ray.get(handle.info.remote()).model_name
-        results = asyncio.run(http_rows(args, url, model, vocab, handle, f"{tandem.url}/metrics"))
-        prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=4, high=vocab)
-        results["ttft_parts"] = asyncio.run(ttft_parts(tandem.router, handle, prompts))
+        results = asyncio.run(http_rows(args, url, model, vocab, handle))
         ray.get(handle.set_max_active.remote(max_active))
         curve = []
         for rate in args.capacity_rates:
@@ -385,24 +236,18 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
                      "http_tok_s_runs": h["runs"],  # the best alone flatters a noisy row
                      "ratio_of_medians": round(statistics.median(h["runs"]) / statistics.median(e["runs"]), 3),
                      "client_cpu": h.get("client_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
-                     "admission_stages_mean_ms": h.get("stages", {}),
-                     # [engine steps, mean ms per step] of the burst: more or slower steps behind HTTP
-                     # than in-process are what the stream phase, not the admission, pays
-                     "engine_steps_mean_ms": {"in_process": e["steps"], "http": h.get("steps")},
-                     "client_send_spread_ms": h.get("sent")})
+                     "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent")})
     ttft = {"workload": f"1 at a time ({max(1, int(516 * args.scale))} -> 16), median TTFT",
             "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
-            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2), "parts_ms": http["ttft_parts"]}
+            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2)}
     print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; cluster up in {started_s:.1f} s")
     for r in rows:
-        steps = r["engine_steps_mean_ms"]
         print(f"{r['workload']:<58} engine {r['in_process_tok_s']:>8.0f} tok/s, HTTP {r['http_tok_s']:>8.0f} "
               f"({r['ratio']:.2f}x, medians {r['ratio_of_medians']:.2f}x), client CPU {r['client_cpu'] or 0:.0%}; "
               f"TTFT p50/max ms {r['ttft_p50_max_ms']['in_process']} | {r['ttft_p50_max_ms']['http']}; "
-              f"steps {steps['in_process']} | {steps['http']}; sent in {r['client_send_spread_ms']} ms; "
-              f"admission ms {r['admission_stages_mean_ms'] or 'not scraped'}")
+              f"sent in {r['client_send_spread_ms']} ms")
     print(f"{ttft['workload']}: engine {ttft['in_process_ms']:.2f} ms, HTTP {ttft['http_ms']:.2f} ms "
-          f"({ttft['difference_ms']:+.2f}); outside the engine, ms: {ttft['parts_ms']}")
+          f"({ttft['difference_ms']:+.2f})")
     for c in curve:
         print(f"capacity {c['offered_req_s']:.0f} req/s offered: {c['achieved_req_s']:.0f} achieved, "
               f"p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms, {c['errors']} errors")

@@ -1,19 +1,14 @@
 """`tandem bench soak`: one server under mixed traffic for a long time; does it lose requests,
 leak memory or slow down?
 
-It starts `tandem serve [--model M] --port PORT FLAGS` (bench/harness.py's `Server`), then C
-concurrent clients (httpx, one asyncio loop) send bench/soak_traffic.py's mix back to back for
-`--duration-s`. Optionally (`--kill-backend-at-s`) one backend's process is killed at that
-second, as a crash would end it, and Ray restarts it (`--kill-backend ID` picks which).
-
-Every `--interval-s` it records (bench/soak_probe.py) each server process's resident memory and
-open file descriptors, GPU memory where nvidia-smi is present, the KV blocks in use per backend
-(/metrics), and the requests that finished in the interval with their outcomes and p50/p99
-latency; before the traffic and after it drained, the KV gauges at idle. The checks, each with
-its bound (`--max-*`), are bench/soak_report.py's: nothing lost or hung, memory and p99 of the
-last interval against the second (the first is warm-up), no KV block in use at idle, the server
-still up. Writes OUT/STEM.json, OUT/STEM.md and OUT/STEM.png. Exits 1 if a check fails, 2 if the
-server did not start, 3 if the bench itself broke (the report then carries its traceback).
+It starts `tandem serve` (bench/harness.py's `Server`), then C clients send bench/soak_traffic.py's
+mix back to back for `--duration-s`, optionally killing one backend's process at
+`--kill-backend-at-s` as a crash would (Ray restarts it). Every `--interval-s` it records
+(bench/soak_probe.py) each server process's RSS and open fds, GPU memory, the KV blocks in use,
+and the interval's outcomes and p50/p99. bench/soak_report.py judges the run: nothing lost or
+hung, memory and p99 of the last interval against the second (the first is warm-up), no KV
+block in use at idle, the server still up. Writes OUT/STEM.json, .md and .png; exits 1 if a
+check fails, 2 if the server did not start, 3 if the bench broke (the report has the traceback).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""What the soak bench samples from a running server, outside it: each Tandem process's
-resident memory and open file descriptors, GPU memory, and the backends' KV blocks in use.
+"""What the soak bench samples from a running server, outside it: each Tandem process's resident
+memory and open file descriptors, GPU memory, and the backends' KV blocks in use.
 
-The processes are found by walking the process tree down from the `tandem serve` process the
-bench started: `ray.init` in that process starts Ray's own daemons as its children and the
-actors (backends, router, Serve's replicas) as their children, so the tree is the whole server
-and nothing else. psutil reads them (Ray depends on it). Ray names an actor's process `ray::<Class>` (and `ray::<Class>.<method>` while it runs
-a task), which gives each process a stable role across samples; `ray::IDLE` workers come and go
-with Ray's worker pool and are recorded but left out of the totals that the memory checks use.
-
-GPU memory comes from `nvidia-smi --query-compute-apps` filtered to the tree's pids, not from
-torch: this process must not hold a CUDA context of its own. KV blocks come from the server's
-Prometheus page (`/metrics`), whose gauges Ray refreshes every few seconds: `kv_cache_usage` is
-the fraction of blocks held by requests and `kv_cache_free_blocks` the rest, so the blocks in use
-are free x usage / (1 - usage).
+The processes are the tree under the `tandem serve` process (psutil): Ray's daemons and the
+actors all descend from it. Ray names an actor's process `ray::<Class>`, a stable role across
+samples; `ray::IDLE` pool workers come and go and are left out of the totals the checks use.
+GPU memory comes from nvidia-smi, so this process holds no CUDA context. KV blocks come from the
+server's /metrics: blocks in use = free x usage / (1 - usage).
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """`tandem bench structured-output`: what a JSON-schema constraint costs per decode step, against
 unconstrained decoding of the same prompts, in the same run, on the same engine.
 
-Two parts, both at each batch size (default 4 and 64):
-
-* engine: B requests at once through `LLMEngine`, every one decoding exactly --max-tokens
-  tokens. Unconstrained rows ignore EOS; constrained rows follow `ENGINE_SCHEMA`, an array of at
-  least 30 objects that no request can finish within --max-tokens, so both runs take the same
-  number of steps with the same batch. Reported per decode step: wall time, and inside it the
-  time the sampler spent filling and applying the grammar masks (`apply_grammars`) and the
-  matchers spent accepting the sampled tokens (`RequestGrammar.accept_token`); decode tok/s. On cuda the engine
-  schedules asynchronously, and a step with grammar rows cannot (its mask needs the previous
-  step's token), so the unconstrained run is also done synchronously: the difference between
-  the two unconstrained rows is the price of the lost overlap, the rest is the grammar's own.
-* mask: the grammar libraries alone (xgrammar, which Tandem uses, and llguidance when it is
-  installed), on the engine's tokenizer or --tokenizer DIR: B matchers walk a fixed valid
-  document of `MASK_SCHEMA` token by token, and each step's bitmask fill for all B rows is
-  timed (serially, and through llguidance's thread pool), then one bitmask applied to [B, vocab]
-  logits on the device (xgrammar's kernel and the torch reference).
-
-Random-weight presets have a 259-token byte tokenizer, so their engine rows mask a tiny
-vocabulary: the mask part with --tokenizer is what shows a real vocabulary's cost there.
+* engine: B requests at once, each decoding exactly --max-tokens tokens: unconstrained (EOS
+  ignored) or following `ENGINE_SCHEMA` (which none can finish in that many). Per decode step:
+  wall time, the time filling and applying grammar masks (`apply_grammars`) and accepting the
+  sampled tokens (`RequestGrammar.accept_token`), decode tok/s. On cuda a step with grammar rows
+  cannot be scheduled asynchronously, so the unconstrained run is done both ways: the
+  difference is the lost overlap, the rest the grammar's own.
+* mask: xgrammar alone on the engine's tokenizer or --tokenizer DIR (random presets have a
+  259-token byte vocabulary): B matchers walk a valid `MASK_SCHEMA` document, each step's fill
+  timed, then one bitmask applied to [B, vocab] logits (xgrammar's kernel and the torch one).
 """
 
 from __future__ import annotations
@@ -134,71 +124,33 @@ def engine_rows(engine, batches: list[int], max_tokens: int, repeats: int) -> li
 
 
 # -- mask ------------------------------------------------------------------------------------
-def _xgrammar_matchers(tokenizer, vocab_size: int, batch: int, eos: list[int]):
+def mask_rows(tokenizer, vocab_size: int, eos: list[int], batches: list[int], device: torch.device) -> list[dict]:
     import xgrammar
 
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-    start = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(MASK_SCHEMA), any_whitespace=False, strict_mode=True)
-    compile_s = time.perf_counter() - start
-    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
-    return compile_s, matchers, lambda m, bitmask, i: m.fill_next_token_bitmask(bitmask, i), \
-        lambda m, t: m.accept_token(t), None
-
-
-def _llguidance_matchers(tokenizer, vocab_size: int, batch: int, eos: list[int]):
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch
-
-    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos[0])
-    start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(MASK_SCHEMA, defaults={
-        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-    matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
-    compile_s = (time.perf_counter() - start) / batch
-    executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
-
-    def fill_all(ms, bitmask):
-        llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(ms)], bitmask)
-
-    return compile_s, matchers, lambda m, bitmask, i: llguidance.torch.fill_next_token_bitmask(m, bitmask, i), \
-        lambda m, t: m.consume_token(t), fill_all
-
-
-def mask_rows(tokenizer, vocab_size: int, eos: list[int], batches: list[int], device: torch.device) -> list[dict]:
-    import importlib.util
-
     doc_ids = tokenizer.encode(json.dumps(MASK_DOCUMENT), add_special_tokens=False)
-    libraries = {"xgrammar": _xgrammar_matchers}
-    if importlib.util.find_spec("llguidance") is not None:
-        libraries["llguidance"] = _llguidance_matchers
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
     rows = []
     for batch in batches:
-        for name, make in libraries.items():
-            compile_s, matchers, fill, accept, fill_all = make(tokenizer, vocab_size, batch, eos)
-            bitmask = torch.full((batch, structured_output.bitmask_width(vocab_size)), -1, dtype=torch.int32)
-            serial, parallel = [], []
-            for token in doc_ids + [eos[0]]:
-                start = time.perf_counter()
-                for i, m in enumerate(matchers):
-                    fill(m, bitmask, i)
-                serial.append(time.perf_counter() - start)
-                if fill_all is not None:
-                    start = time.perf_counter()
-                    fill_all(matchers, bitmask)
-                    parallel.append(time.perf_counter() - start)
-                if not all(accept(m, token) for m in matchers):
-                    raise RuntimeError(f"{name} refused a token of the valid document")
-            row = {"library": name, "batch": batch, "vocab_size": vocab_size, "steps": len(serial),
-                   "compile_ms": round(1e3 * compile_s, 2), "fill_ms_mean": round(1e3 * statistics.mean(serial), 3),
-                   "fill_ms_p50": round(1e3 * statistics.median(serial), 3),
-                   "fill_ms_max": round(1e3 * max(serial), 3),
-                   "fill_par_ms_mean": round(1e3 * statistics.mean(parallel), 3) if parallel else None}
-            row.update(_apply_ms(bitmask, vocab_size, device))
-            rows.append(row)
-            print(_mask_line(row), flush=True)
+        start = time.perf_counter()
+        compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(
+            json.dumps(MASK_SCHEMA), any_whitespace=False, strict_mode=True)
+        compile_s = time.perf_counter() - start
+        matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
+        bitmask = torch.full((batch, structured_output.bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        fills = []
+        for token in doc_ids + [eos[0]]:
+            start = time.perf_counter()
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+            fills.append(time.perf_counter() - start)
+            if not all(m.accept_token(token) for m in matchers):
+                raise RuntimeError("xgrammar refused a token of the valid document")
+        row = {"library": "xgrammar", "batch": batch, "vocab_size": vocab_size, "steps": len(fills),
+               "compile_ms": round(1e3 * compile_s, 2), "fill_ms_mean": round(1e3 * statistics.mean(fills), 3),
+               "fill_ms_p50": round(1e3 * statistics.median(fills), 3), "fill_ms_max": round(1e3 * max(fills), 3),
+               **_apply_ms(bitmask, vocab_size, device)}
+        rows.append(row)
+        print(_mask_line(row), flush=True)
     return rows
 
 
@@ -229,9 +181,8 @@ def _engine_line(r: dict) -> str:
 
 
 def _mask_line(r: dict) -> str:
-    par = f"{r['fill_par_ms_mean']:.3f}" if r["fill_par_ms_mean"] is not None else "-"
     return (f"  mask   B={r['batch']:<3} {r['library']:<11} fill mean {r['fill_ms_mean']:.3f}"
-            f" p50 {r['fill_ms_p50']:.3f} max {r['fill_ms_max']:.3f} par {par} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
+            f" p50 {r['fill_ms_p50']:.3f} max {r['fill_ms_max']:.3f} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
             f" {r['apply_ms_torch']:.3f} ms  compile {r['compile_ms']:.1f} ms")
 
 

@@ -1,19 +1,13 @@
 """`tandem bench throughput`: long, varied requests (workload W and its variants), with the GPU's
 busy share.
 
-W is what people run against a server: 512 requests, prompt lengths uniform in [64, 2048] and
-outputs in [32, 1024] (bench/workload.py), ignore_eos, all submitted at once to an in-process
-`LLMEngine` (qwen2.5-0.5b-random, bf16) at max_active 256. Variants: max_active 64 and 128, and
-every length halved and doubled. Each row reports output tok/s (every output token over the wall
-time from the first submit to the last finish).
-
-The GPU's busy share is kernel time over wall time, from a run under the torch profiler (CUDA
-activity only; the profiler adds no measurable wall time to W). `--phases` adds a host breakdown
-of one run: ms per step in each public engine phase (scheduling, inputs, launch, sampling,
-waiting for the sampled ids), by kind of step. `--regression` adds the fast path's rows that
-must hold (decode step at batch 4, 48 x (516 -> 128) at max_active 64); `--ablation` reruns W
-with synchronous scheduling and eager prefill/mixed steps, the previous path, as a same-run
-baseline.
+W (bench/workload.py) is what people run against a server: 512 requests of 64-2,048 prompt and
+32-1,024 output tokens, all submitted at once to an in-process engine (qwen2.5-0.5b-random,
+bf16) at max_active 256; variants at max_active 64 and 128 and with every length halved and
+doubled. Output tok/s over the wall time from first submit to last finish; the GPU's busy share
+is kernel time over wall time under the torch profiler (CUDA activity only). `--phases` times
+each public engine phase per step by kind of step. (The fast path's own rows, decode at batch 4
+and 48 x (516 -> 128), are `tandem bench fast-path --sections gpu`.)
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench._machine import stamp
-from bench.harness import burst, greedy, make_engine, median_run
+from bench.harness import burst, greedy, make_engine
 from bench.workload import W, varied_requests
 
 MODEL = "qwen2.5-0.5b-random"
@@ -175,42 +169,6 @@ def run_row(name: str, engine, seed: int, profile: bool, num_requests: int = W[0
     return row
 
 
-def ablation_row(engine, seed: int, num_requests: int) -> dict:
-    """W on the same engine with asynchronous scheduling off and prefill/mixed steps eager:
-    the previous path's loop, kept as the same-run baseline (decode steps still replay graphs)."""
-    runner = engine.model_runner
-    saved = engine.async_scheduling, runner.mixed_graph_runner
-    engine.async_scheduling, runner.mixed_graph_runner = False, None
-    try:
-        row = run_row("W", engine, seed, profile=False, num_requests=num_requests)
-    finally:
-        engine.async_scheduling, runner.mixed_graph_runner = saved
-    row["variant"] = "sync scheduling, eager prefill/mixed steps"
-    return row
-
-
-def regression_rows(engine_kw: dict) -> dict:
-    """What holds today: decode step at batch 4 (engine step, host included) and 48 x (516 -> 128)
-    at max_active 64, median of three runs (bench.fast_path's own functions)."""
-    import torch
-
-    from bench.fast_path import engine_decode, engine_throughput
-
-    out = {}
-    engine = make_engine(MODEL, "cuda", 64, max_num_batched_tokens=2048, **engine_kw)
-    out["decode_b4"] = engine_decode(engine, 4, 30, seed=14)
-    del engine
-    torch.cuda.empty_cache()
-    engine = make_engine(MODEL, "cuda", 64, **engine_kw)
-    out["tput_48x516x128_ma64"] = median_run([engine_throughput(engine, 48, 128, seed=s) for s in (7, 107, 207)])
-    del engine
-    torch.cuda.empty_cache()
-    print(f"[regression] decode B=4 {out['decode_b4']['step_ms']:.3f} ms; 48x(516->128) "
-          f"{out['tput_48x516x128_ma64']['tok_s']:,.0f} tok/s {[round(r) for r in out['tput_48x516x128_ma64']['runs_tok_s']]}",
-          flush=True)
-    return out
-
-
 def render(report: dict) -> str:
     lines = ["| row | max_active | lengths | requests | output tokens | wall s | steps | output tok/s | GPU busy |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -218,12 +176,6 @@ def render(report: dict) -> str:
         busy = f"{100 * r['gpu_busy']:.0f}%" if r.get("gpu_busy") is not None else "—"
         lines.append(f"| {r['row']}{' (' + r['variant'] + ')' if r.get('variant') else ''} | {r['max_active']} | x{r['scale']} | "
                      f"{r['requests']} | {r['generated']:,} | {r['wall_s']:.2f} | {r['steps']} | **{r['tok_s']:,.0f}** | {busy} |")
-    reg = report.get("regression")
-    if reg:
-        lines += ["", f"decode step at batch 4 (engine step, host included): {reg['decode_b4']['step_ms']:.3f} ms "
-                      f"(graph replay {reg['decode_b4'].get('graph_replay_ms', 0):.3f} ms)",
-                  f"48 x (516 -> 128), max_active 64: {reg['tput_48x516x128_ma64']['tok_s']:,.0f} tok/s "
-                  f"(runs {[round(x) for x in reg['tput_48x516x128_ma64']['runs_tok_s']]})"]
     for r in report["rows"]:
         if "phases" in r:
             lines += ["", f"Host breakdown, {r['row']} ({r['phases']['wall_s']} s under the timers):"]
@@ -246,10 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run (no GPU busy share)")
     parser.add_argument("--profile-rows", nargs="*", default=None, help="rows that get the profiled run (default: all)")
     parser.add_argument("--plain-rows", nargs="*", default=[], help="profiled rows that also get an unprofiled run")
-    parser.add_argument("--ablation", action="store_true",
-                        help="W again with synchronous scheduling and eager prefill/mixed steps (the previous path)")
     parser.add_argument("--phases", action="store_true", help="also time the engine's host phases on W")
-    parser.add_argument("--regression", action="store_true", help="also the decode B=4 and 48 x (516 -> 128) rows")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--device", default="cuda", help="cpu runs the logic on a tiny model (smoke test)")
     parser.add_argument("--num-requests", type=int, default=W[0])
@@ -273,9 +222,6 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {**stamp(None, args.device), "model": args.model, "engine": engine_kw, "kv_cache_gb": KV_CACHE_GB,
               "rows": []}
-    if args.regression:  # first: small engines, and the rows that must hold whatever else runs out of time
-        report["regression"] = regression_rows(engine_kw)
-        (out / "throughput.json").write_text(json.dumps(report, indent=1))
     t0 = time.perf_counter()
     kv = {"kv_cache_memory_gb": KV_CACHE_GB} if args.device == "cuda" else {}
     engine = make_engine(args.model, args.device, max(ROWS[r][0] for r in args.rows), **{**kv, **engine_kw})
@@ -290,8 +236,6 @@ def run(args: argparse.Namespace) -> int:
             reqs = varied_requests(args.num_requests, W[1], W[2], args.seed + 1, max_model_len=engine.max_model_len)
             row["phases"] = phase_breakdown(engine, reqs, "phases")
         report["rows"].append(row)
-        if args.ablation and name == "W":  # right after W: the same-run baseline comes before the variants
-            report["rows"].append(ablation_row(engine, args.seed, args.num_requests))
         (out / "throughput.json").write_text(json.dumps(report, indent=1))
     table = render(report)
     (out / "throughput.md").write_text(table)

@@ -1,23 +1,14 @@
 """Benchmark workloads: which prompts arrive when, and what each backend's cache is seeded with.
 
-Every bench draws its requests here (bench/tenants.py adds the multi-tenant shape), from a
-seeded RNG, so every arm and run of a cell sees exactly the same requests. Prompts are token-id
-lists, sent to the HTTP API as `prompt: [ids]`, so prompt lengths and shared prefixes are exact
-in tokens whatever the tokenizer. Ids default to 32..126: printable ASCII in the byte tokenizer
-of the random presets and ordinary tokens in SmolLM2's vocabulary, so a workload runs on any
-preset; engine-level benches draw from 3..249, or from a real vocabulary.
-
-- `spec_workload`: the design's experiment. Every request has the same 516-token prompt; both
-  caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
-  (496 tokens) reusable, the number the design's worked example reports.
-- `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded to whole blocks,
-  since only full blocks are cached: 96% of 516 is 496 tokens), then a suffix of its own per
-  request, so each request hits exactly the seeded prefix. Fixed or Poisson arrivals.
-- `random_prompts`, `shared_prefix_prompts`: N prompts of one length, none or one prefix shared.
-- `varied_requests`: lengths uniform in ranges; workload W (512 requests, prompts 64-2,048,
-  outputs 32-1,024 tokens) is what people run against a server; `nanovllm_requests` is
-  nano-vllm's benchmark (256 requests, both lengths uniform in 100-1,024).
-- `priority_mix`: urgent requests with a TTFT deadline among batch work (bench/deadlines.py).
+The benches' request shapes live here (bench/tenants.py adds the multi-tenant one, bench/soak_traffic.py
+the soak's kinds of request), drawn from a seeded RNG so every arm and run of a cell sees the
+same requests. Prompts are token ids, so lengths and shared prefixes are exact whatever the
+tokenizer; ids 32..126 are printable ASCII in the random presets' byte tokenizer and ordinary
+SmolLM2 tokens. `spec_workload` is the design's experiment (identical 516-token prompts, caches
+seeded with the first 508: 31 reusable 16-token blocks); `sweep_workload` a seeded prefix of a
+target cache-hit rate in whole blocks plus a suffix per request; `varied_requests` lengths
+uniform in ranges (workload W: 512 requests, 64-2,048 prompt and 32-1,024 output tokens);
+`nanovllm_requests` nano-vllm's benchmark; `priority_mix` urgent requests among batch work.
 """
 
 from __future__ import annotations

@@ -10,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from bench.deadlines import Outcome, format_table, request_body, summarize, timeline
+from bench.deadlines import Outcome, format_table, request_body, summarize
 from bench.workload import Traffic
 from bench.workload import priority_mix as make_workload
 
@@ -128,18 +127,3 @@ def test_a_run_the_routing_log_does_not_cover_keeps_its_figures_and_says_why(tmp
     assert covered["replayed_ttft_p50_s"] > 0 and covered["ttft_p50_s"] == 0.25
     assert "no placed decision in that --window" in replayed(log, (first + 60, first + 61), [])["replay_error"]
     assert "replay_error" in replayed(tmp_path / "missing.jsonl", (0, 1), [])
-
-
-def test_timeline_bins_a_run_by_arrival_and_shows_the_client_lag():
-    traffic = Traffic()
-    workload = make_workload(4.0, 3.0, traffic, seed=1, prompts_of="fcfs")
-    late = {r.index for r in workload if r.arrival_s >= 2.0}  # the client falls 0.4 s behind in the third second
-    requests = [asdict(outcome(r.index, r.urgent, r.arrival_s + (0.4 if r.index in late else 0.0), 200,
-                               r.arrival_s + 1.0, r.arrival_s + 2.0)) for r in workload]
-    report = {"traffic": asdict(traffic), "duration_s": 3.0, "seed": 1, "runs": []}
-    rows = timeline(report, {"arm": "fcfs", "rate_per_s": 4.0, "requests": requests})
-    assert [row["from_s"] for row in rows] == sorted({float(int(r.arrival_s)) for r in workload})
-    assert sum(row["num_requests"] for row in rows) == len(workload)
-    assert [round(row["client_lag_max_s"], 6) for row in rows] == [0.0] * (len(rows) - 1) + [0.4]
-    ttft = {round(t, 6) for row in rows for t in (row["urgent_ttft_p50_s"], row["batch_ttft_p50_s"]) if t is not None}
-    assert ttft <= {1.0, 0.6}  # first text 1 s after the scheduled arrival: 0.6 s after a send 0.4 s late
