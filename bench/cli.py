@@ -45,6 +45,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "serve-load": ("bench.serve_load", "tandem serve configurations under closed-loop HTTP load"),
     "deadlines": ("bench.deadlines", "TTFT deadlines and priorities against FCFS through HTTP"),
     "router-decision": ("bench.router_decision", "router decision latency with a deep backlog"),
+    "router-scaling": ("bench.router_scaling", "one router actor's CPU per placement and report, by backends"),
     "route-sim-grid": ("bench.route_sim_grid", "the multi-tenant routing grid in the simulator"),
 }
 
