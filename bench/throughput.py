@@ -109,7 +109,8 @@ def phase_breakdown(engine, reqs, tag: str) -> dict:
     runner, scheduler = engine.model_runner, engine.scheduler
     owners = [(owner, name) for owner, name in ((scheduler, "schedule"), (scheduler, "advance"),
                                                 (scheduler, "update_from_output"), (runner, "prepare_inputs"),
-                                                (runner, "launch"), (runner, "execute"), (runner.sampler, "sample"))
+                                                (runner, "launch"), (runner, "execute"), (runner.sampler, "sample"),
+                                                (engine.output_processor, "process_outputs"))
               if hasattr(owner, name)]
     for owner, name in owners:  # instance attributes shadow the class's methods
         setattr(owner, name, timed(name, getattr(owner, name)))
