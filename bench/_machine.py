@@ -1,42 +1,41 @@
-"""What machine a benchmark ran on, recorded next to its numbers.
-
-A throughput figure means little without the CPU, core count, thread setting and library
-versions that produced it, so every benchmark's JSON carries this block.
+"""What machine a benchmark ran on and how it was run, recorded next to its numbers: a figure means
+little without the CPU, GPU, threads, library versions and command line that produced it, so
+every benchmark's JSON opens with `stamp()`. On a small shared machine another process's burst
+can slow a run several-fold, so timed runs can also record the CPU others took (`CpuInterference`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever platform reports."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
 
 
 def memory_gib() -> float | None:
     meminfo = Path("/proc/meminfo")
-    if not meminfo.is_file():
-        return None
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return round(int(line.split()[1]) / (1 << 20), 1)
-    return None
+    lines = meminfo.read_text().splitlines() if meminfo.is_file() else []
+    return next((round(int(line.split()[1]) / (1 << 20), 1) for line in lines if line.startswith("MemTotal:")), None)
 
 
-def git_revision(repo_dir: Path) -> str | None:
+def git_revision(repo_dir: Path = REPO) -> str | None:
     """HEAD's short hash, with "+dirty" when tracked files differ from it; None outside git."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir, capture_output=True,
@@ -55,40 +54,43 @@ def source_digest(package_dir: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def machine_info(num_threads: int, device: str = "cpu") -> dict:
-    import torch
-    import transformers
-
-    info = {
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "memory_gib": memory_gib(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": num_threads,
-        "device": device,
-        "git_revision": git_revision(Path(__file__).resolve().parent.parent),
-    }
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi lists. Not torch's: this process must not hold a CUDA context of its
+    own while a server it started sizes its KV cache from the free memory."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(": ", 1)[1].split(" (UUID")[0] for line in listed.splitlines() if ": " in line]
 
 
-def run_stamp() -> dict:
-    """The command line and the UTC time, so a table can be reproduced and dated."""
-    return {
-        "command": " ".join(["python", "-m", _module_name(), *sys.argv[1:]]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-    }
+def _version(package: str) -> str | None:
+    dist = next(iter(importlib.metadata.distributions(name=package)), None)
+    return None if dist is None else dist.version
 
 
-def _module_name() -> str:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else Path(sys.argv[0]).stem
+def machine_info(threads: int | None = None, device: str | None = None) -> dict:
+    gpus = gpu_names()
+    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "memory_gib": memory_gib(), "gpu": gpus[0] if gpus else None, "num_gpus": len(gpus),
+            "platform": platform.platform(), "python": sys.version.split()[0], "torch_threads": threads,
+            "device": device, "git_revision": git_revision(), "torch": _version("torch"),
+            "transformers": _version("transformers")}
+
+
+def command() -> str:
+    """This run's command line, as `tandem bench MODE ...`."""
+    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
+    return "tandem bench " + shlex.join(argv)
+
+
+def stamp(threads: int | None = None, device: str | None = None) -> dict:
+    """The command, the UTC time and the machine, so a table can be reproduced and dated."""
+    return {"command": command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "machine": machine_info(threads, device)}
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -104,8 +106,6 @@ def _cpu_ticks() -> tuple[int, int] | None:
 class CpuInterference:
     """How much CPU *other* processes used while a run was timed, in cores (0.0 = had the box to itself).
 
-    On a small shared machine another process's burst can slow a run several-fold (torch's OpenMP
-    threads wait on each other at every op), so every timed run records this next to its numbers.
     Machine-wide busy time comes from /proc/stat; this process's own share (all its threads) from
     `time.process_time`.
     """

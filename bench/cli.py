@@ -1,4 +1,4 @@
-"""`tandem bench {seed,sweep,tenants,soak,fidelity,report}`: the end-to-end benchmarks.
+"""`tandem bench MODE`: every benchmark. The end-to-end ones through the HTTP endpoint:
 
     tandem bench seed  --out out/seed  [--num-requests 8,48] [--runs 3] [--report docs/benchmarks/x.md]
     tandem bench sweep --out out/sweep [--accel-max-active 1,2,4,8,16,32] [--cache-hit 0,0.5,0.96] ...
@@ -15,24 +15,39 @@ its plots and one JSON of everything it shows beside it. See bench/seed.py, benc
 bench/runner.py for what runs where, bench/report.py for what the reports show; bench/tenants.py
 and bench/tenants_report.py for the multi-tenant mode; bench/soak.py for the long mixed-traffic
 run against one `tandem serve` (lost requests, memory growth, latency drift).
+
+The other modes (`TOOLS`) each live in one module with `add_arguments(parser)` and `run(args)`;
+only the chosen one is imported, so `tandem bench --help` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench._machine import command
+from bench.harness import floats, ints
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+# mode -> (module, one-line help)
+TOOLS: dict[str, tuple[str, str]] = {
+    "engine": ("bench.engine", "one engine against HF transformers in-process: tok/s, TTFT, E2E"),
+    "fast-path": ("bench.fast_path", "GPU fast path and CPU decode step against HF eager and the memory floor"),
+    "throughput": ("bench.throughput", "workload W in-process: output tok/s, GPU busy share, host phases"),
+    "cpu-vs-llamacpp": ("bench.cpu_vs_llamacpp", "the CPU engine against llama.cpp at matched precision"),
+    "quant-accuracy": ("bench.quant_accuracy", "int8/int4 weights: perplexity and top-1 agreement"),
+    "structured-output": ("bench.structured_output", "what a JSON-schema constraint costs per decode step"),
+    "served-path": ("bench.served_path", "the in-process engine against tandem serve's HTTP API"),
+    "fanout-step": ("bench.fanout_step", "the engine core's I/O work per step, and the caller's"),
+    "serve-load": ("bench.serve_load", "tandem serve configurations under closed-loop HTTP load"),
+    "deadlines": ("bench.deadlines", "TTFT deadlines and priorities against FCFS through HTTP"),
+    "router-decision": ("bench.router_decision", "router decision latency with a deep backlog"),
+    "router-scaling": ("bench.router_scaling", "one router actor's CPU per placement and report, by backends"),
+    "route-sim-grid": ("bench.route_sim_grid", "the multi-tenant routing grid in the simulator"),
+}
 
 
 def _lengths(text: str) -> list[tuple[int, int]]:
@@ -63,7 +78,7 @@ def _arms(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", metavar="{seed,sweep,tenants,soak,fidelity,report}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="MODE", required=True)
     seed = sub.add_parser("seed", help="the design's experiment: accelerator-only vs hybrid, 8 and 48 requests")
     _common(seed)
     _seed_arguments(seed, "--num-requests")
@@ -89,10 +104,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--report", help="seed report (markdown) to write")
     report.add_argument("--sweep-report", help="sweep report (markdown) to write")
     report.add_argument("--tenants-report", help="tenants report (markdown) to write")
+    chosen = _chosen_mode()
+    for name, (module, help_text) in TOOLS.items():
+        tool = sub.add_parser(name, help=help_text, description=f"{help_text} (see {module.replace('.', '/')}.py)")
+        if chosen in (name, None):
+            importlib.import_module(module).add_arguments(tool)
+
+
+def _chosen_mode() -> str | None:
+    """The mode on this process's command line (`tandem bench MODE ...`), "" for none (`tandem
+    bench --help`), None when this is not the `tandem bench` command line (tests): every mode."""
+    if "bench" not in sys.argv[:2]:
+        return None
+    rest = sys.argv[sys.argv.index("bench") + 1:]
+    return rest[0] if rest else ""
 
 
 def _seed_arguments(parser: argparse.ArgumentParser, *aliases: str) -> None:
-    parser.add_argument("--seed-num-requests", *aliases, dest="seed_num_requests", type=_ints,
+    parser.add_argument("--seed-num-requests", *aliases, dest="seed_num_requests", type=ints,
                         default=[8, 48], help="request counts of the design's experiment (default 8,48)")
     parser.add_argument("--seed-prefix-tokens", type=int, default=508,
                         help="prompt tokens seeded into both caches (default 508: 496 reusable in 16-token blocks)")
@@ -103,11 +132,11 @@ def _sweep_arguments(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument("--runs", type=int, default=2, help="runs per arm of the base max_active's cells (default 2)")
     sweep.add_argument("--other-max-active-runs", type=int,
                        help="runs per arm of the other max_active values' cells (default: --runs)")
-    sweep.add_argument("--accel-max-active", type=_ints, default=[1, 2, 4, 8, 16, 32],
+    sweep.add_argument("--accel-max-active", type=ints, default=[1, 2, 4, 8, 16, 32],
                        help="accelerator max_active values ('' skips; default 1,2,4,8,16,32)")
-    sweep.add_argument("--arrival-rates", type=_floats, default=[5.0, 10.0, 20.0],
+    sweep.add_argument("--arrival-rates", type=floats, default=[5.0, 10.0, 20.0],
                        help="Poisson arrival rates, requests/s ('' skips; default 5,10,20)")
-    sweep.add_argument("--cache-hit", type=_floats, default=[0.0, 0.5, 0.96],
+    sweep.add_argument("--cache-hit", type=floats, default=[0.0, 0.5, 0.96],
                        help="seeded shared fraction of each prompt ('' skips; default 0,0.5,0.96)")
     sweep.add_argument("--lengths", type=_lengths, default=[(516, 32), (128, 128)],
                        help="PROMPT:OUTPUT token lengths ('' skips; default 516:32,128:128)")
@@ -141,13 +170,13 @@ def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
     _cluster_options(parser)
     parser.add_argument("--arms", type=_policies, default=list(ARMS),
                         help=f"routing policies to compare (default {','.join(ARMS)})")
-    parser.add_argument("--tenants", type=_ints, default=[4, 16], help="tenant counts (default 4,16)")
-    parser.add_argument("--prefix-tokens", type=_ints, default=[1024],
+    parser.add_argument("--tenants", type=ints, default=[4, 16], help="tenant counts (default 4,16)")
+    parser.add_argument("--prefix-tokens", type=ints, default=[1024],
                         help="shared prefix tokens per tenant (default 1024; a list runs each)")
     parser.add_argument("--suffix-tokens", type=int, default=64, help="unique prompt tokens per request (default 64)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens, EOS ignored (default 64)")
     parser.add_argument("--zipf-s", type=float, default=1.0, help="tenant k is picked with weight 1/k**s (default 1)")
-    parser.add_argument("--arrival-rates", type=_floats, default=[10.0, 40.0, 100.0],
+    parser.add_argument("--arrival-rates", type=floats, default=[10.0, 40.0, 100.0],
                         help="Poisson arrival rates, requests/s (default 10,40,100)")
     parser.add_argument("--duration-s", type=float, default=10.0,
                         help="seconds of arrivals per cell: rate x duration requests (default 10)")
@@ -230,6 +259,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command in TOOLS:
+        return int(importlib.import_module(TOOLS[args.bench_command][0]).run(args) or 0)
     if args.bench_command == "report":
         if args.tenants_report:
             _render_tenants(Path(args.out), Path(args.tenants_report))
@@ -248,12 +279,11 @@ def run(args: argparse.Namespace) -> int:
 
     from bench import harness, runner
 
-    command = _command(args)
     out_dir = Path(args.out)
     items, settings = plan(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           max(i.cell.accel_max_active for i in items), args.rates, args.temperature,
-                          args.time_budget_s, args.verbose, command, cpu_compile=args.cpu_compile,
+                          args.time_budget_s, args.verbose, command(), cpu_compile=args.cpu_compile,
                           cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile,
                           sim_time_scale=args.sim_time_scale)
     ctx.warmup_tokens = args.warmup_tokens
@@ -281,7 +311,7 @@ def _run_tenants(args: argparse.Namespace) -> int:
     cells = tenants.build_cells(args)
     ctx = harness.prepare(out_dir, args.model, args.backends, args.cpu_threads, args.cpu_dtype, args.cpu_max_active,
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
-                          _command(args), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
+                          command(), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
                           cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile,
                           sim_time_scale=args.sim_time_scale)
     ctx.warmup_tokens = args.warmup_tokens
@@ -315,11 +345,6 @@ def _render_tenants(out_dir: Path, path: Path) -> None:
     written = render_tenants_report(meta, [r for r in runs if r.get("bench") == "tenants"], path,
                                     predictions=predictions)
     print("wrote " + ", ".join(str(p) for p in written))
-
-
-def _command(args: argparse.Namespace) -> str:
-    argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else [args.bench_command]
-    return "tandem bench " + " ".join(shlex.quote(a) for a in argv)
 
 
 def _write_summary(out_dir: Path, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:

@@ -1,20 +1,16 @@
-"""The load generator: send a workload's requests to the HTTP API on schedule and time them.
+"""The HTTP client of every bench: send a workload's requests to the API on schedule and time them.
 
 Open loop, as in the design: request i is sent at `start + arrival_s[i]` whether or not earlier
-ones have answered, each on its own task and connection. Every request streams
-(`stream: true`, usage included), so the client sees its first text as it is produced.
+ones have answered, each on its own task and connection, streamed with usage. Per request, on
+one clock (`time.perf_counter`, seconds from the run's start): `send_s`, `first_text_s` (the
+first chunk carrying text: TTFT is what a client sees, so a first token that is an incomplete
+UTF-8 sequence shows one or more steps later), `end_s` (`[DONE]`), the backend and the router's
+projected TTFT (response headers), the request id (the routing log's), the usage's prompt,
+cached and output tokens, and any error.
 
-Per request, on one clock (`time.perf_counter`, seconds from the run's start):
-  send_s        when the POST was issued
-  first_text_s  when the first chunk carrying text arrived (TTFT = first_text_s - send_s)
-  end_s         when `[DONE]` arrived (E2E = end_s - send_s)
-plus the serving backend (the `x-tandem-backend` header), the request id (the chunks' `id`,
-which is the id in the routing log), the prompt, cached (prefix-cache hit) and output tokens
-(the usage chunk) and any error.
-
-TTFT is what a client sees: the server sends a chunk only once its detokenizer has text, so a
-first token that is an incomplete UTF-8 sequence (common with the byte tokenizer of the
-random-weight presets) shows up one or more decode steps later. Reports say so where it applies.
+`post_streamed` is one request through aiohttp, parsing only what a figure needs: the benches
+that push thousands of tokens per second through one client process (serve-load, served-path)
+would otherwise measure the client's JSON parsing.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from typing import Any
 from bench.workload import Workload, WorkloadRequest
 
 BACKEND_HEADER = "x-tandem-backend"
+PROJECTED_HEADER = "x-tandem-projected-ttft-ms"  # the router's projection of the request's TTFT
 
 
 @dataclass
@@ -45,6 +42,7 @@ class RequestResult:
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: the prefix-cache hit
     num_chunks: int = 0
     finish_reason: str | None = None
+    projected_ttft_s: float | None = None
     error: str | None = None
 
     @property
@@ -121,7 +119,8 @@ async def _send_at(client: Any, model: str, request: WorkloadRequest, start: flo
         await asyncio.sleep(delay)
     result.send_s = time.perf_counter() - start
     try:
-        await _stream_one(client, completion_body(model, request, sampling_for(request, temperature)), start, result)
+        await stream_completion(client, completion_body(model, request, sampling_for(request, temperature)), start,
+                                result)
     except Exception as exc:  # recorded per request: one failure must not hide the others' timings
         result.error = f"{type(exc).__name__}: {exc}"
     if on_done is not None:
@@ -129,12 +128,17 @@ async def _send_at(client: Any, model: str, request: WorkloadRequest, start: flo
     return result
 
 
-async def _stream_one(client: Any, body: dict[str, Any], start: float, result: RequestResult) -> None:
+async def stream_completion(client: Any, body: dict[str, Any], start: float, result: RequestResult) -> None:
+    """POST `body` to /v1/completions on an httpx client and read the stream into `result` (times
+    from `start`, a `time.perf_counter()` value). A refusal ends at its answer, with its error."""
     async with client.stream("POST", "/v1/completions", json=body) as response:
         result.status = response.status_code
         result.backend = response.headers.get(BACKEND_HEADER)
+        projected = response.headers.get(PROJECTED_HEADER)
+        result.projected_ttft_s = None if projected is None else float(projected) / 1000
         if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+            text = (await response.aread()).decode(errors="replace")[:300]
+            result.end_s, result.error = time.perf_counter() - start, f"HTTP {response.status_code}: {text}"
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -166,3 +170,52 @@ def _apply_chunk(chunk: dict[str, Any], now_s: float, result: RequestResult) -> 
         result.num_output_tokens = int(usage.get("completion_tokens", 0))
         result.num_prompt_tokens = int(usage.get("prompt_tokens", 0))
         result.num_cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+async def post_streamed(session: Any, url: str, body: dict[str, Any],
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One streamed completion on an aiohttp session: `sent` (time.time()), and in seconds from it
+    `first_event` (the first chunk with choices), `ttft` (the first with text, else `first_event`)
+    and `e2e` (the end or the failure); `status` (0 without an answer), `tokens` (usage's
+    completion_tokens) and `error` (None if it succeeded; a 429 is a refusal, not an error).
+    Chunks after the first text are parsed only when they are not plain text chunks (Tandem's
+    carry `"usage":null`): the usage chunk and error events. A quote inside a JSON string is
+    escaped, so generated text cannot fake the marker."""
+    record: dict[str, Any] = {"sent": time.time(), "first_event": None, "ttft": None, "e2e": None, "status": 0,
+                              "tokens": 0, "error": None}
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=body, headers=headers or {}) as response:
+            record["status"] = response.status
+            if response.status != 200:
+                text = (await response.text())[:300]
+                record["error"] = None if response.status == 429 else f"HTTP {response.status}: {text}"
+            else:
+                done = False
+                async for line in response.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line.startswith(b"data: [DONE]"):
+                        done = True
+                        break
+                    if record["ttft"] is not None and b'"usage":null' in line:
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        record["error"] = f"stream error: {json.dumps(event['error'])[:300]}"
+                        continue
+                    if event.get("usage"):
+                        record["tokens"] = event["usage"].get("completion_tokens", 0)
+                    choices = event.get("choices") or []
+                    if choices and record["ttft"] is None:
+                        now = time.perf_counter() - start
+                        record["first_event"] = record["first_event"] or now
+                        if any(c.get("text") for c in choices):
+                            record["ttft"] = now
+                if not done and record["error"] is None:
+                    record["error"] = "stream ended without [DONE]"
+                record["ttft"] = record["ttft"] or record["first_event"]  # a stream whose text was all empty
+    except Exception as exc:  # aiohttp.ClientError, a timeout, a malformed event: this request failed
+        record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    record["e2e"] = time.perf_counter() - start
+    return record

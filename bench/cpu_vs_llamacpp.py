@@ -1,42 +1,22 @@
-"""Tandem's CPU engine against llama.cpp on the same machine, the same model and the same threads.
+"""`tandem bench cpu-vs-llamacpp`: Tandem's CPU engine against llama.cpp, the tool CPU users pick,
+on the same machine, model and threads, at matched precision (Tandem float32 / bfloat16 / int8 /
+int4 against llama.cpp F32 / Q8_0 / Q4_1), in alternating rounds so that drift on a shared
+machine hits every contender. Per round:
 
-On a CPU the tool users pick is llama.cpp, so this puts the two side by side at matched
-precision (Tandem float32 / bfloat16 / int8 / int4 against llama.cpp F32 / Q8_0 / Q4_1), in
-alternating rounds so that drift on a shared machine hits every contender. Per round:
+  prefill     one 128-token prompt: Tandem's time to its first token; `llama-bench -p 128`
+  decode      one stream after the same prompt: `--decode-tokens` engine steps; `llama-bench -n
+              -d 128`, also right after each Tandem mode's, so the paired ratio compares runs
+              seconds apart on a VM whose speed drifts within minutes
+  concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 greedy tokens each, at
+              once: output tok/s of the engine (max_active 8) and of `llama-server` (8 slots)
 
-  prefill     one 128-token prompt: Tandem, time to its first token; llama.cpp, `llama-bench -p 128`
-  decode      one stream: Tandem, wall time of `--decode-tokens` engine steps after the prefill;
-              llama.cpp, `llama-bench -n` after the same 128 tokens (`-d 128`). The matched
-              llama.cpp decode is also measured right after each Tandem mode's, and the table
-              gives those paired ratios round by round (median, min-max): on a shared VM whose
-              speed drifts within minutes, a pair seconds apart compares like with like.
-  concurrent  8 prompts of 516 tokens sharing a 496-token prefix, 128 output tokens each (greedy,
-              EOS ignored), submitted at once: output tokens / wall time. Tandem's `LLMEngine`
-              (max_active 8, prefix caching); llama.cpp's `llama-server` with 8 slots, 8
-              concurrent `/completion` requests over loopback HTTP. A fresh prefix each round.
-
-llama.cpp comes from PyPI's `llama-cpp-python` sdist (0.3.36), whose vendored llama.cpp builds
-`llama-bench`, `llama-server` and `llama-quantize` with cmake (see `--llama-bin`,
-bench/build_llamacpp.sh and docs/benchmarks/cpu-vs-llamacpp-2core.md); without them the llama.cpp
-rows are skipped with a message. Its F32 and Q8_0 files are made from the shipped Q4_1 GGUF with
-`llama-quantize --allow-requantize`, i.e. the same dequantized weights Tandem's float32 mode runs.
-
-    python -m bench.cpu_vs_llamacpp --threads 2 --rounds 3 --out docs/benchmarks/cpu-vs-llamacpp-2core.json
-
-The `-compiled` modes (int4-compiled, ...) decode through torch.compile'd graphs
-(`EngineConfig.cpu_compile`; the first run compiles them, later ones load inductor's on-disk
-cache; the JSON records the seconds under `compile_s`). Two other uses: `--rates` measures the
-router's rate profile of each mode (what `tandem profile` caches), `--steps` the decode step
-time of eager against compiled at batch 1-8, interleaved in one process. `--rates` also
-interleaves its modes, all loaded in one process, over `--rounds` rounds.
-
-OpenMP's wait policy is left to the environment, which llama.cpp's processes inherit too. On a
-quiet machine libgomp's default (spin a while, then sleep) is fastest for both; on one whose cores
-are busy with other work, `OMP_WAIT_POLICY=PASSIVE` keeps an idle thread from holding a core
-(docs/benchmarks/cpu-vs-llamacpp-2core.md measures both). The JSON records the policy in effect.
-
-`--device-model qwen2.5-0.5b-random` runs the Tandem rows on the Qwen2.5-0.5B shape with random
-weights (a machine without the SmolLM2 package); llama.cpp rows there need `--llama-gguf`.
+llama.cpp's binaries come from bench/build_llamacpp.sh (`--llama-bin`); F32 and Q8_0 files are
+requantized from the SmolLM2 package's Q4_1 GGUF (the same values Tandem's float32 runs), or
+from `--llama-gguf`; without them the llama.cpp rows are skipped. A mode's suffix picks the engine's kernels: `-ggml`, ggml's
+quantized linears; `-ggml-graph`, each decode step one ggml graph; `-compiled`, torch.compile'd
+decode; `-auto`, the default. `--rates` measures instead the router's rate profile of each mode
+(what `tandem profile` caches), interleaved over `--rounds`. OpenMP's wait policy is left to the
+environment (llama.cpp inherits it too) and recorded.
 """
 
 from __future__ import annotations
@@ -44,16 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from bench._machine import machine_info
+from bench._machine import stamp
+from bench.harness import drain, make_engine, submit
+from bench.workload import random_prompts, shared_prefix_prompts
 
 # A "-ggml" mode runs its quantized linears on ggml's kernels (EngineConfig.cpu_kernels), a
 # "-compiled" one decodes through torch.compile'd graphs (EngineConfig.cpu_compile), "-auto" the
@@ -73,6 +53,8 @@ def mode_parts(mode: str) -> tuple[str, str, bool]:
     if "auto" in flags:  # the default kernels (EngineConfig.cpu_kernels): what runs depends on ggml's build
         kernels = "auto"
     return dtype, kernels, "compiled" in flags
+
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BIN = REPO / ".cache-llamacpp" / "build" / "bin"
 PREFILL_LEN, PREFIX_LEN, CONC_PROMPT_LEN, CONC_REQUESTS, CONC_TOKENS = 128, 496, 516, 8, 128
@@ -82,63 +64,39 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def prompt_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(100, vocab - 100) for _ in range(length)]
-
-
 def concurrent_prompts(seed: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = prompt_ids(rng, PREFIX_LEN, vocab)
-    return [prefix + prompt_ids(rng, CONC_PROMPT_LEN - PREFIX_LEN, vocab) for _ in range(CONC_REQUESTS)]
+    return shared_prefix_prompts(CONC_REQUESTS, CONC_PROMPT_LEN, PREFIX_LEN, seed, 100, vocab - 100)
 
 
 # -- Tandem -----------------------------------------------------------------------------------------
 class TandemRunner:
     def __init__(self, model: str, mode: str, threads: int) -> None:
-        from tandem.engine.config import EngineConfig
-        from tandem.engine.llm_engine import LLMEngine
-
         dtype, kernels, compiled = mode_parts(mode)
         t0 = time.perf_counter()
-        self.engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_active=CONC_REQUESTS,
-                                             num_threads=threads, cpu_compile=compiled, cpu_kernels=kernels))
+        self.engine = make_engine(model, "cpu", CONC_REQUESTS, dtype, threads, cpu_compile=compiled,
+                                  cpu_kernels=kernels)
         self.load_s = time.perf_counter() - t0
         decode = self.engine.model_runner.cpu_decode
         self.compile_s = decode.compile_s if decode is not None else None
         self.vocab = self.engine.model_config.vocab_size
-        self._n = 0
-
-    def _add(self, prompts, max_tokens: int) -> None:
-        from tandem.engine.sampling_params import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            self._n += 1
-            self.engine.add_request(f"b{self._n}", p, params)
-
-    def _drain(self) -> int:
-        generated = 0
-        while self.engine.has_unfinished_requests():
-            generated += sum(len(o.new_token_ids) for o in self.engine.step())
-        return generated
 
     def single(self, seed: int, decode_tokens: int) -> dict:
-        rng = random.Random(seed)
-        self._add([prompt_ids(rng, PREFILL_LEN, self.vocab)], 1)  # warm-up
-        self._drain()
+        warm, prompt = random_prompts(2, PREFILL_LEN, seed, 100, self.vocab - 100)
+        submit(self.engine, [warm], 1, f"w{seed}")
+        drain(self.engine)
         t0 = time.perf_counter()
-        self._add([prompt_ids(rng, PREFILL_LEN, self.vocab)], decode_tokens + 1)
+        submit(self.engine, [prompt], decode_tokens + 1, f"s{seed}")
         while not any(o.new_token_ids for o in self.engine.step()):
             pass
         t1 = time.perf_counter()
-        generated = self._drain()
+        generated, _ = drain(self.engine)
         t2 = time.perf_counter()
         return {"prefill_tok_s": PREFILL_LEN / (t1 - t0), "decode_tok_s": generated / (t2 - t1)}
 
     def concurrent(self, seed: int) -> dict:
         t0 = time.perf_counter()
-        self._add(concurrent_prompts(seed, self.vocab), CONC_TOKENS)
-        generated = self._drain()
+        submit(self.engine, concurrent_prompts(seed, self.vocab), CONC_TOKENS, f"c{seed}")
+        generated, _ = drain(self.engine)
         wall = time.perf_counter() - t0
         return {"concurrent_tok_s": generated / wall, "generated": generated, "wall_s": wall}
 
@@ -283,9 +241,8 @@ def collect(args) -> dict:
             row["llama.cpp"][kind] = dict(result, load_avg=load_avg())
             print(f"round {r} llama.cpp {kind}: {_brief(row['llama.cpp'][kind])}", flush=True)
         rounds.append(row)
-    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "llama_skipped": skipped,
+    return {**stamp(args.threads, "cpu"), "model": args.model, "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "llama_skipped": skipped,
             "load_s": {m: r.load_s for m, r in runners.items()},
             "compile_s": {m: r.compile_s for m, r in runners.items() if r.compile_s is not None},
             "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "rounds": rounds,
@@ -329,9 +286,8 @@ def collect_rates(args) -> dict:
         rates[mode] = {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds),
                        "decode_tok_s": decode[min(decode)], "decode_tok_s_by_batch": decode, "rounds": rounds,
                        "compile_s": runners[mode].compile_s}
-    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "max_active": args.rates_max_active,
-            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "rates": rates}
+    return {**stamp(args.threads, "cpu"), "model": args.model, "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "max_active": args.rates_max_active, "rates": rates}
 
 
 def render_rates(result: dict) -> str:
@@ -343,65 +299,6 @@ def render_rates(result: dict) -> str:
         by_batch = r["decode_tok_s_by_batch"]
         decode = " | ".join(f"{by_batch.get(b, by_batch.get(str(b))):.1f}" for b in batches)
         lines.append(f"| {mode} | {r['prefill_tok_s']:.0f} | {decode} |")
-    return "\n".join(lines)
-
-
-def collect_steps(args) -> dict:
-    """Decode step time, eager against compiled (`cpu_compile`), for each --tandem-modes dtype at
-    batch 1, 2, 4 and 8: two engines in this process, their steps interleaved in blocks of 8 so
-    that drift hits both; medians over 32 steps each, contexts of ~100-160 tokens."""
-    import torch
-
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_params import SamplingParams
-
-    torch.set_num_threads(args.threads)
-    rng = random.Random(5)
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    out: dict = {}
-    for mode in args.tandem_modes:
-        dtype, kernels, _ = mode_parts(mode)
-        engines = {compiled: LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=dtype,
-                                                    max_active=CONC_REQUESTS, num_threads=args.threads,
-                                                    cpu_compile=compiled, cpu_kernels=kernels))
-                   for compiled in (False, True)}
-        for batch in (1, 2, 4, 8):
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for compiled, engine in engines.items():
-                for i in range(batch):
-                    engine.add_request(f"s{batch}-{i}", prompt_ids(rng, 100, engine.model_config.vocab_size), params)
-                while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                      for r in engine.scheduler.running):
-                    engine.step()
-                for _ in range(3):
-                    engine.step()
-            for _ in range(4):
-                for compiled, engine in engines.items():
-                    for _ in range(8):
-                        t0 = time.perf_counter()
-                        engine.step()
-                        times[compiled].append(time.perf_counter() - t0)
-            for engine in engines.values():
-                while engine.has_unfinished_requests():
-                    engine.step()
-            row = {"eager_ms": 1e3 * statistics.median(times[False]),
-                   "compiled_ms": 1e3 * statistics.median(times[True]), "load_avg": load_avg()}
-            out.setdefault(dtype, {})[batch] = row
-            print(f"steps {dtype} batch {batch}: eager {row['eager_ms']:.2f} ms, compiled {row['compiled_ms']:.2f} ms",
-                  flush=True)
-        del engines
-    return {"machine": machine_info(args.threads), "model": args.model, "threads": args.threads,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "command": "python -m bench.cpu_vs_llamacpp " + " ".join(sys.argv[1:]), "steps": out}
-
-
-def render_steps(result: dict) -> str:
-    lines = ["| dtype | batch | eager step ms | compiled step ms | speed-up |", "|---|---|---|---|---|"]
-    for dtype, rows in result["steps"].items():
-        for batch, r in rows.items():
-            lines.append(f"| {dtype} | {batch} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-                         f"{r['eager_ms'] / r['compiled_ms']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -445,8 +342,7 @@ def _fmt(value: float | None, digits: int) -> str:
     return "not run" if value is None else f"{value:.{digits}f}"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device-model", dest="model", help="alias of --model, e.g. qwen2.5-0.5b-random")
     p.add_argument("--threads", type=int, default=2)
@@ -461,18 +357,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-server", action="store_true", help="skip llama-server's concurrent rows")
     p.add_argument("--rates", action="store_true", help="instead of the comparison: the router's rate profile "
                    "(tandem profile's measurement) of each --tandem-modes mode")
-    p.add_argument("--steps", action="store_true", help="instead of the comparison: decode step time, eager "
-                   "against compiled, of each --tandem-modes dtype at batch 1, 2, 4 and 8")
     p.add_argument("--rates-max-active", type=int, default=4, help="with --rates: decode batch sizes 1..N (default 4)")
     p.add_argument("--out", help="write the JSON here (and the table beside it as .table.md)")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.steps:
-        result, render_fn = collect_steps(args), render_steps
-    elif args.rates:
+def run(args: argparse.Namespace) -> int:
+    if args.rates:
         result, render_fn = collect_rates(args), render_rates
     else:
         result, render_fn = collect(args), render
@@ -483,7 +373,4 @@ def main(argv: list[str] | None = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         out.with_suffix(".table.md").write_text(table + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,120 +1,43 @@
-"""Deadlines and priorities under load: `python -m bench.deadlines`.
+"""`tandem bench deadlines`: deadlines and priorities under load, through the HTTP API.
 
-Mixed traffic through the HTTP API, open loop (Poisson arrivals, seeded): a share of urgent
-requests (short prompt and output, `priority` 0 and a TTFT deadline) among batch requests
-(longer prompt and output, `priority` 1), at several arrival rates, in two arms on one cluster:
-
-- `deadline`: the requests carry their classes and the urgent ones their deadline, so the
-  router places urgent requests only where the projection meets the deadline (else 429) and
-  the engines admit them ahead of waiting batch work;
-- `fcfs`: the same requests with neither (every request class 0, no deadline): the baseline
-  whose urgent TTFT is measured against the same deadline.
-
-Both arms replay the same workload (arrivals, classes, prompt lengths) at each rate, each with
-prompts of its own, so that no arm starts on another's prefix cache. Per arm and
-rate it reports: urgent TTFT p50/p95 and the share of urgent requests served within the
-deadline (refused ones counted apart), batch output tokens/s (batch output tokens over the
-span from the first batch send to the last batch end), the refusal latency (send to the 429),
-and the projection's error (the TTFT the client observed minus the `x-tandem-projected-ttft-ms`
-it was placed with; the client's TTFT includes the HTTP hops, so the error is biased late by
-them), overall and per backend (`x-tandem-backend`): its median, and the median and p90 of its
-absolute value. TTFT is the first streamed chunk with text, as bench/client.py measures it.
-It also reports how late the client sent (p99 and max of actual send minus scheduled arrival):
-one Python process reading hundreds of streams falls behind, and then its figures measure the
-client; `--client-procs N` shares the arrivals among N processes.
-
-It drives a running server (`--url`) or starts one (`--model`, `--backends`, `--rates`; with
-`tandem serve`'s defaults, online calibration included): the live measurement on a GPU host is
-`--url` against `tandem serve`. Output: a table on stdout and `--out` JSON with every request.
-
-With `--routing-log FILE` (the server's routing log: the file a started server writes, or the
-one `tandem serve --routing-log` was given) each run is also replayed from the log
-(`tandem route-sim --replay FILE --window ...` over the run's span, under the policy that served
-it), and its summary sets the replayed TTFT p50 beside the measured one (every request served):
-how well the what-if simulator predicts the traffic it was given. The replay does not simulate
-priorities and leaves out refused requests, so the `fcfs` arm is the like-for-like comparison.
+Mixed traffic, open loop (bench/workload.py's `priority_mix`), at several arrival rates, in two
+arms on one cluster: `deadline` (urgent requests carry priority 0 and a TTFT deadline, so the
+router places them only where the projection meets it, else 429, and the engines admit them
+ahead of batch work) and `fcfs` (the same requests without either). Both arms replay the same
+arrivals and classes, each with prompts of its own. Per arm and rate: urgent TTFT p50/p95 and
+the share within the deadline, batch output tok/s, refusal latency, the projection's error
+(observed TTFT minus `x-tandem-projected-ttft-ms`, biased late by the HTTP hops) overall and per
+backend, and how late the client sent (`--client-procs N` shares the arrivals among processes
+when one falls behind). It drives `--url` or starts a cluster; with `--routing-log` each run is
+also replayed through route-sim and the replayed TTFT p50 set beside the measured one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
-import random
-import sys
+import multiprocessing
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.client import RequestResult, stream_completion
+from bench.harness import floats, ints, start_cluster, write_json
+from bench.metrics import percentile
+from bench.workload import PriorityRequest, Traffic, priority_mix
+
 ARMS = ("deadline", "fcfs")
-PROJECTED_HEADER = "x-tandem-projected-ttft-ms"
-BACKEND_HEADER = "x-tandem-backend"
 MAX_CLIENT_LAG_S = 0.05  # a run whose client sent later than this (p99) says so
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """What each class sends (token counts) and how urgent traffic is mixed in."""
-
-    urgent_share: float = 0.2
-    deadline_ms: float = 500.0
-    urgent_prompt_tokens: int = 64
-    urgent_max_tokens: int = 16
-    batch_prompt_tokens: int = 256
-    batch_max_tokens: int = 128
-
-
 @dataclass
-class Request:
-    index: int
-    arrival_s: float
-    urgent: bool
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Outcome:
-    index: int
-    urgent: bool
-    send_s: float
-    status: int = 0
-    first_text_s: float | None = None
-    end_s: float | None = None
-    num_output_tokens: int = 0
-    projected_ttft_s: float | None = None
-    error: str | None = None
-    backend: str | None = None  # the backend that served it (`x-tandem-backend`)
+class Outcome(RequestResult):
+    urgent: bool = False
     send_lag_s: float = 0.0  # how late the client sent it: a busy client delays every figure after
 
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_text_s is None else self.first_text_s - self.send_s
 
-
-def make_workload(rate_per_s: float, duration_s: float, traffic: Traffic, seed: int,
-                  prompts_of: str = "") -> list[Request]:
-    """Poisson arrivals over `duration_s`; each request urgent with probability `urgent_share`.
-
-    Arrivals and classes come from `seed` alone, so every arm sees the same traffic; the prompts'
-    tokens also from the rate and `prompts_of` (the arm), because the arms and rates run one after
-    another on one cluster and a prompt seen before would be a prefix-cache hit for the later one."""
-    rng = random.Random(seed)
-    tokens = random.Random(f"{seed}/{rate_per_s}/{prompts_of}")
-    requests, t = [], rng.expovariate(rate_per_s)
-    while t < duration_s:
-        urgent = rng.random() < traffic.urgent_share
-        num_prompt = traffic.urgent_prompt_tokens if urgent else traffic.batch_prompt_tokens
-        prompt = [tokens.randrange(32, 127) for _ in range(num_prompt)]  # valid ids in a byte vocabulary too
-        max_tokens = traffic.urgent_max_tokens if urgent else traffic.batch_max_tokens
-        requests.append(Request(len(requests), t, urgent, prompt, max_tokens))
-        t += rng.expovariate(rate_per_s)
-    return requests
-
-
-def request_body(model: str, request: Request, arm: str, traffic: Traffic) -> dict[str, Any]:
+def request_body(model: str, request: PriorityRequest, arm: str, traffic: Traffic) -> dict[str, Any]:
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if arm == "deadline":
@@ -124,105 +47,61 @@ def request_body(model: str, request: Request, arm: str, traffic: Traffic) -> di
     return body
 
 
-async def send(client: Any, start: float, model: str, request: Request, arm: str, traffic: Traffic) -> Outcome:
+async def send(client: Any, start: float, model: str, request: PriorityRequest, arm: str,
+               traffic: Traffic) -> Outcome:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
-    out = Outcome(request.index, request.urgent, time.perf_counter() - start)
+    out = Outcome(request.index, time.perf_counter() - start, urgent=request.urgent)
     out.send_lag_s = out.send_s - request.arrival_s
     try:
-        async with client.stream("POST", "/v1/completions", json=request_body(model, request, arm, traffic)) as r:
-            out.status = r.status_code
-            projected = r.headers.get(PROJECTED_HEADER)
-            out.projected_ttft_s = None if projected is None else float(projected) / 1000
-            out.backend = r.headers.get(BACKEND_HEADER)
-            if r.status_code != 200:
-                out.end_s = time.perf_counter() - start
-                out.error = (await r.aread()).decode(errors="replace")[:300]
-                return out
-            async for line in r.aiter_lines():
-                _read_event(line, out, time.perf_counter() - start)
+        await stream_completion(client, request_body(model, request, arm, traffic), start, out)
     except Exception as exc:  # a transport failure is a result, not a crash of the bench
         out.error = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def _read_event(line: str, out: Outcome, now_s: float) -> None:
-    if not line.startswith("data: "):
-        return
-    data = line[len("data: "):]
-    if data == "[DONE]":
-        out.end_s = now_s
-        return
-    chunk = json.loads(data)
-    if "error" in chunk:
-        out.error = chunk["error"].get("message", "error event")
-    if out.first_text_s is None and any(c.get("text") for c in chunk.get("choices", ())):
-        out.first_text_s = now_s
-    if chunk.get("usage"):
-        out.num_output_tokens = chunk["usage"]["completion_tokens"]
-
-
-async def run_load(url: str, model: str, requests: list[Request], arm: str, traffic: Traffic,
-                   start: float | None = None, timeout_s: float = 600.0) -> list[Outcome]:
+def run_load(url: str, model: str, requests: list[PriorityRequest], arm: str, traffic: Traffic,
+             start: float | None = None, timeout_s: float = 600.0) -> list[Outcome]:
     """Send `requests` at their arrival times after `start` (a `time.perf_counter()` value, the
     same clock in every process of this machine; None: now) and read their streams."""
     import httpx
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter() if start is None else start
-        return list(await asyncio.gather(*(send(client, start, model, r, arm, traffic) for r in requests)))
+    async def load() -> list[Outcome]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+            at = time.perf_counter() if start is None else start
+            return list(await asyncio.gather(*(send(client, at, model, r, arm, traffic) for r in requests)))
 
-
-def _load_in_process(url: str, model: str, requests: list[Request], arm: str, traffic: Traffic,
-                     start: float) -> list[Outcome]:
-    return asyncio.run(run_load(url, model, requests, arm, traffic, start))
-
-
-class Clients:
-    """The client side of a run: one event loop in this process, or `num_procs` processes that
-    share the arrivals round-robin. One Python process reading hundreds of streams falls behind
-    its own arrival schedule (the send lag each outcome records), and then every figure measures
-    the client; processes keep the schedule at rates one cannot."""
-
-    START_LEAD_S = 0.5  # the processes get the requests before the first arrival is due
-
-    def __init__(self, num_procs: int) -> None:
-        self.num_procs = max(1, num_procs)
-        self.pool = None
-        if self.num_procs > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            self.pool = ProcessPoolExecutor(self.num_procs, mp_context=multiprocessing.get_context("spawn"))
-            list(self.pool.map(_warm_up, range(self.num_procs)))
-
-    def run(self, url: str, model: str, requests: list[Request], arm: str, traffic: Traffic) -> list[Outcome]:
-        if self.pool is None:
-            return asyncio.run(run_load(url, model, requests, arm, traffic))
-        start = time.perf_counter() + self.START_LEAD_S
-        parts = [self.pool.submit(_load_in_process, url, model, requests[i::self.num_procs], arm, traffic, start)
-                 for i in range(self.num_procs)]
-        return sorted((o for part in parts for o in part.result()), key=lambda o: o.index)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+    return asyncio.run(load())
 
 
 def _warm_up(_: int) -> None:
-    import httpx  # noqa: F401  (the first run should not pay the import)
+    import httpx  # noqa: F401  (so the first run does not pay the import)
 
     time.sleep(0.2)  # long enough that each worker takes one
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
+def client_pool(num_procs: int) -> Any:
+    """`num_procs` client processes, started and warm, or None for this process alone. One Python
+    process reading hundreds of streams falls behind its own arrival schedule (each outcome's
+    send lag shows it), and then every figure measures the client."""
+    if num_procs < 2:
         return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    lo = math.floor(position)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (position - lo) * (ordered[hi] - ordered[lo])
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(num_procs, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(_warm_up, range(num_procs)))
+    return pool
+
+
+def run_clients(pool: Any, num_procs: int, url: str, model: str, requests: list[PriorityRequest], arm: str,
+                traffic: Traffic) -> list[Outcome]:
+    """The run's arrivals, shared round-robin among the pool's processes, which all start 0.5 s
+    from now (after they got their requests)."""
+    if pool is None:
+        return run_load(url, model, requests, arm, traffic)
+    start = time.perf_counter() + 0.5
+    parts = [pool.submit(run_load, url, model, requests[i::num_procs], arm, traffic, start) for i in range(num_procs)]
+    return sorted((o for part in parts for o in part.result()), key=lambda o: o.index)
 
 
 def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
@@ -301,55 +180,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
-def timeline(report: dict[str, Any], run: dict[str, Any], bin_s: float = 1.0) -> list[dict[str, Any]]:
-    """One run of a report, by arrival time in bins of `bin_s`: how late the client sent (max),
-    and the urgent and batch TTFTs (median, max) of the requests that arrived in the bin. Where
-    the client fell behind, or the server stalled, it shows when."""
-    traffic = Traffic(**report["traffic"])
-    arrivals = {r.index: r.arrival_s for r in make_workload(run["rate_per_s"], report["duration_s"], traffic,
-                                                           report["seed"], prompts_of=run["arm"])}
-    bins: dict[int, list[dict[str, Any]]] = {}
-    for request in run["requests"]:
-        bins.setdefault(int(arrivals[request["index"]] // bin_s), []).append(request)
-    rows = []
-    for k, requests in sorted(bins.items()):
-        def ttfts(urgent: bool) -> list[float]:
-            return [r["first_text_s"] - r["send_s"] for r in requests
-                    if r["urgent"] == urgent and r["first_text_s"] is not None]
-        rows.append({"from_s": k * bin_s, "num_requests": len(requests),
-                     "client_lag_max_s": max(r["send_s"] - arrivals[r["index"]] for r in requests),
-                     "urgent_ttft_p50_s": percentile(ttfts(True), 50), "urgent_ttft_max_s": max(ttfts(True), default=None),
-                     "batch_ttft_p50_s": percentile(ttfts(False), 50)})
-    return rows
-
-
-def format_timeline(report: dict[str, Any]) -> str:
-    text = []
-    for run in report["runs"]:
-        text.append(f"{run['arm']} {run['rate_per_s']:g}/s, by arrival second: client lag max, urgent TTFT p50/max, "
-                    "batch TTFT p50 (s)")
-        for row in timeline(report, run):
-            text.append(f"  {row['from_s']:5.0f}  {row['client_lag_max_s']:7.3f}  "
-                        + "  ".join(f"{'-':>7}" if row[k] is None else f"{row[k]:7.3f}"
-                                    for k in ("urgent_ttft_p50_s", "urgent_ttft_max_s", "batch_ttft_p50_s")))
-    return "\n".join(text)
-
-
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
             arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1) -> dict[str, Any]:
     rows, runs = [], []
-    clients = Clients(client_procs)
+    pool = client_pool(client_procs)
     try:
         for rate in rates:
             for arm in arms:
-                workload = make_workload(rate, duration_s, traffic, seed, prompts_of=arm)
+                workload = priority_mix(rate, duration_s, traffic, seed, prompts_of=arm)
                 started = time.time()  # the routing log's clock
-                outcomes = clients.run(url, model, workload, arm, traffic)
+                outcomes = run_clients(pool, client_procs, url, model, workload, arm, traffic)
                 span = (started, time.time())
                 rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
                 runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
     finally:
-        clients.close()
+        if pool is not None:
+            pool.shutdown()
     if routing_log is not None:
         for row, run in zip(rows, runs):
             row.update(replayed(routing_log, run["span"], run["requests"]))
@@ -378,36 +224,6 @@ def replayed(routing_log: Path, span: tuple[float, float], requests: list[dict[s
             "ttft_p50_s": measured}
 
 
-@dataclass
-class _Server:
-    url: str
-    model: str
-    handle: Any = field(default=None)
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.shutdown()
-
-
-def start_server(args: argparse.Namespace) -> _Server:
-    """A local cluster for a bench without `--url` (a quick check on CPU backends)."""
-    import socket
-
-    from tandem.cluster.launcher import start
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    handle = start(model=args.model, backends=args.backends.split(","), cpu_threads=args.cpu_threads,
-                   max_active=args.max_active, max_pending_requests=args.max_pending_requests,
-                   port=free_port(), metrics_port=free_port(), rates=args.rates, profile="never" if args.rates else "auto",
-                   access_log=False, log=lambda line: None,
-                   routing_log=None if args.routing_log is None else str(args.routing_log))
-    return _Server(handle.url, args.model, handle)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="a running server's base URL; without it, start one")
     parser.add_argument("--model", default="smollm2-135m", help="served model (its name, with --url)")
@@ -416,12 +232,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-active", type=int, default=4)
     parser.add_argument("--max-pending-requests", type=int, default=1024)
     parser.add_argument("--rates", default=None, help="rates file for a started server (skips profiling)")
-    parser.add_argument("--loads", default="2,4,8", help="arrival rates per second, comma-separated")
+    parser.add_argument("--loads", type=floats, default=[2.0, 4.0, 8.0], help="arrival rates per second (2,4,8)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="arrivals per rate span this long")
     parser.add_argument("--deadline-ms", type=float, default=Traffic.deadline_ms)
     parser.add_argument("--urgent-share", type=float, default=Traffic.urgent_share)
-    parser.add_argument("--urgent-lengths", default="64,16", help="urgent prompt,max_tokens")
-    parser.add_argument("--batch-lengths", default="256,128", help="batch prompt,max_tokens")
+    parser.add_argument("--urgent-lengths", type=ints, default=[64, 16], help="urgent prompt,max_tokens (64,16)")
+    parser.add_argument("--batch-lengths", type=ints, default=[256, 128], help="batch prompt,max_tokens (256,128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--client-procs", type=int, default=1,
                         help="client processes sharing the arrivals (one falls behind at high rates: see the "
@@ -430,32 +246,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's routing log (a started server writes it): replay each run from it "
                              "and report the replayed TTFT p50 beside the measured one")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--timeline", type=Path, default=None, metavar="REPORT",
-                        help="print a written report's runs second by second (client lag, TTFTs) and exit")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.deadlines", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.timeline is not None:
-        print(format_timeline(json.loads(args.timeline.read_text())))
-        return 0
-    (urgent_prompt, urgent_max), (batch_prompt, batch_max) = (
-        tuple(int(x) for x in value.split(",")) for value in (args.urgent_lengths, args.batch_lengths))
+def run(args: argparse.Namespace) -> int:
+    (urgent_prompt, urgent_max), (batch_prompt, batch_max) = args.urgent_lengths, args.batch_lengths
     traffic = Traffic(args.urgent_share, args.deadline_ms, urgent_prompt, urgent_max, batch_prompt, batch_max)
-    server = _Server(args.url, args.model) if args.url else start_server(args)
+    server = None if args.url else start_cluster(
+        model=args.model, backends=args.backends.split(","), cpu_threads=args.cpu_threads, max_active=args.max_active,
+        max_pending_requests=args.max_pending_requests, rates=args.rates, profile="never" if args.rates else "auto",
+        warmup_tokens=48, routing_log=None if args.routing_log is None else str(args.routing_log))
     try:
-        report = run_all(server.url, server.model, [float(x) for x in args.loads.split(",")], args.duration_s,
-                         traffic, args.seed, routing_log=args.routing_log, client_procs=args.client_procs)
+        report = run_all(args.url or server.url, args.model, args.loads, args.duration_s, traffic, args.seed,
+                         routing_log=args.routing_log, client_procs=args.client_procs)
     finally:
-        server.close()
+        if server is not None:
+            server.shutdown()
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
     print(format_table(report["summaries"]))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,53 +1,30 @@
-"""Engine benchmark: N concurrent requests through Tandem's engine and through HF transformers.
+"""`tandem bench engine`: N concurrent requests through Tandem's engine and through HF transformers,
+in one process: same machine, model, device, dtype, torch threads and concurrency.
 
-The workload is the design's: N requests (default 8) submitted at once, each a 516-token prompt
-made of one shared 496-token prefix of real text plus 20 tokens of its own, each generating
-exactly 128 tokens (EOS ignored), greedy. The same prompts go through
-
-  * the engine, `max_active = N` by default, twice: "cold" (nothing cached; the engine still
-    shares the prefix between the requests of the run, as soon as the first one's prefill is
-    scheduled) and "warm-prefix" (the shared prefix was computed by an earlier request, as in the
-    design's experiment where a router sends repeat prefixes to the backend that holds them);
-  * HF transformers at the same concurrency: one batch of the N equal-length prompts through
-    `model.generate(do_sample=False, max_new_tokens=128)` with EOS disabled (no padding needed).
-
-Both run in this process on the same model weights, device, dtype and torch threads, after a
-short warm-up run each, so one-time costs (first allocations, kernel selection) are excluded.
-Each cold run uses a prefix rotated to a fresh position in the text, so no run hits blocks an
-earlier run left in the prefix cache unless it is the warm-prefix row.
-
-Metrics, all from one clock (`time.perf_counter`) started when the prompts are submitted:
-  output tok/s  total generated tokens / wall time from first submit to last finish
-  TTFT          per request, submit -> its first generated token is in the caller's hands
-                (engine: the `step()` that returns it; HF: a StoppingCriteria that timestamps
-                every generated step, so every request in the batch shares one TTFT)
-  E2E           per request, submit -> its last token
-With --repeats, each row's metric is the median over runs (runs interleave the systems).
-Ratios compare each engine row with HF: throughput as engine/HF, TTFT as HF/engine, so a ratio
-above 1 means the engine is better.
-
-On a small shared machine another process's burst can slow a run several-fold, so every run
-records how many CPU cores other processes used meanwhile (`other_cpu_cores`), the table gets a
-note when that was above --idle-cores, and --wait-idle S holds each run until the machine is quiet.
-
-Run `python -m bench.engine --help` for the knobs; `--quick` is a seconds-long smoke run.
+The design's workload: N requests (default 8) at once, each a 516-token prompt of a shared
+496-token prefix of real text plus 20 tokens of its own, 128 greedy tokens each (EOS ignored),
+through the engine cold (nothing cached but what the run's own requests share), the engine warm
+(a throwaway request cached the prefix first, as when a router sends a repeat prefix to the
+backend holding it), and HF `generate` on one batch (TTFT from a StoppingCriteria that
+timestamps each step). Both warm up first; each cold run's prefix starts elsewhere in the text.
+Output tok/s over the wall time from first submit to last finish, TTFT and E2E p50/p95; with
+--repeats the median run (runs interleave the systems). Ratios above 1 favour the engine. Every
+run records the CPU other processes took (`other_cpu_cores`); --wait-idle waits for a quiet box.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from bench._machine import CpuInterference, machine_info, run_stamp, source_digest, wait_until_idle
-from tandem.routing.sim_report import percentile
+from bench._machine import CpuInterference, source_digest, stamp, wait_until_idle
+from bench.harness import burst, make_engine, write_json
+from bench.hf import hf_generate, hf_model
+from bench.metrics import percentile
 
 # Real text for the shared prefix (cycled when a run needs more tokens than it holds).
 PASSAGE = (
@@ -89,7 +66,6 @@ class RunResult:
     output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
 
-# -- workload ------------------------------------------------------------------------------------
 def passage_tokens(encode, min_tokens: int) -> list[int]:
     """The passage's token ids, cycled until there are at least `min_tokens`."""
     one = encode(PASSAGE)
@@ -117,49 +93,17 @@ def build_prompts(encode, num_requests: int, prompt_tokens: int, prefix_tokens: 
     return prompts
 
 
-# -- the two systems ----------------------------------------------------------------------------
 def run_engine(engine, prompts: list[list[int]], max_tokens: int, system: str, tag: str,
-               preseed_prefix: list[int] | None = None, progress: bool = True) -> RunResult:
-    """Submit every prompt at once, step until all finish; optionally compute the prefix first."""
-    from tandem.engine.sampling_params import SamplingParams
-
+               preseed_prefix: list[int] | None = None) -> RunResult:
+    """Submit every prompt at once, step until all finish; optionally compute the prefix first
+    (with one extra token: a hit is capped at prompt length - 1, and this keeps every block full)."""
     if preseed_prefix is not None:
-        _preseed(engine, preseed_prefix, tag)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    stats_before = _engine_counters(engine)
-    ttft, e2e, tokens = {}, {}, {}
-    bar = tqdm(total=len(prompts) * max_tokens, desc=system, unit="tok", leave=False, disable=not progress)
+        burst(engine, [preseed_prefix + preseed_prefix[:1]], 1, f"{tag}-preseed")
+    before = _engine_counters(engine)
     probe = CpuInterference()
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        for out in outputs:
-            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            ttft.setdefault(out.req_id, now)
-            if out.finished:
-                e2e[out.req_id] = now
-        bar.update(sum(len(o.new_token_ids) for o in outputs))
-    wall = time.perf_counter() - start
-    interference = probe.stop()
-    bar.close()
-    order = [f"{tag}-{i}" for i in range(len(prompts))]
-    extra = {k: v - stats_before[k] for k, v in _engine_counters(engine).items()} | interference
-    return RunResult(system, wall, sum(len(t) for t in tokens.values()), [ttft[r] for r in order],
-                     [e2e[r] for r in order], extra, [tokens[r] for r in order])
-
-
-def _preseed(engine, prefix: list[int], tag: str) -> None:
-    """Compute the shared prefix with a throwaway request so its blocks sit in the prefix cache."""
-    from tandem.engine.sampling_params import SamplingParams
-
-    # One extra token: a hit is capped at prompt length - 1, and this keeps every prefix block full.
-    engine.add_request(f"{tag}-preseed", prefix + prefix[:1],
-                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    run = burst(engine, prompts, max_tokens, tag)
+    extra = {k: v - before[k] for k, v in _engine_counters(engine).items()} | probe.stop()
+    return RunResult(system, run["wall_s"], run["generated"], run["ttft_s"], run["e2e_s"], extra, run["tokens"])
 
 
 def _engine_counters(engine) -> dict:
@@ -169,62 +113,12 @@ def _engine_counters(engine) -> dict:
             "preemptions": st.num_preemptions}
 
 
-def run_hf(model, prompts: list[list[int]], max_tokens: int, progress: bool = True) -> RunResult:
-    """One batch of the N equal-length prompts through `generate`, greedy, EOS disabled."""
-    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
-
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("the HF baseline needs prompts of equal length (no padding)")
-    input_ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
-    attention_mask = torch.ones_like(input_ids)
-    # generate() fills unset (None) fields from model.generation_config, so EOS is switched
-    # off there; a config with eos_token_id=None passed in would get the model's EOS back.
-    model.generation_config.eos_token_id = None
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
-    bar = tqdm(total=len(prompts) * max_tokens, desc=HF, unit="tok", leave=False, disable=not progress)
-
-    class StepClock(StoppingCriteria):
-        """Called once per generated step, after the new tokens exist: timestamps them."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-            self.times.append(time.perf_counter())
-            bar.update(input_ids.shape[0])
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    clock = StepClock()
-    with torch.inference_mode():
-        probe = CpuInterference()
-        start = time.perf_counter()
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             stopping_criteria=StoppingCriteriaList([clock]))
-        wall = time.perf_counter() - start
-        interference = probe.stop()
-    bar.close()
-    if len(clock.times) != max_tokens:
-        raise RuntimeError(f"HF generate ran {len(clock.times)} steps, expected {max_tokens}")
+def run_hf(model, prompts: list[list[int]], max_tokens: int) -> RunResult:
+    probe = CpuInterference()
+    run = hf_generate(model, prompts, max_tokens)
     n = len(prompts)
-    new_tokens = out[:, input_ids.shape[1]:].tolist()
-    return RunResult(HF, wall, n * max_tokens, [clock.times[0] - start] * n, [clock.times[-1] - start] * n,
-                     interference, new_tokens)
-
-
-def load_hf_model(model_name: str, device: str, dtype: torch.dtype):
-    """The HF transformers model with the engine's exact weights."""
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.model.loader import load_model
-    from tandem.engine.model.presets import PRESETS, RandomPreset, build_hf_model
-
-    if isinstance(PRESETS.get(model_name), RandomPreset):
-        model = build_hf_model(model_name)
-    else:
-        # Resolves (and on first use converts) the preset to the HF directory our loader reads.
-        hf_path = load_model(model_name, "cpu", dtype).hf_path
-        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype)
-    return model.to(device=device, dtype=dtype).eval()
+    return RunResult(HF, run["wall_s"], run["generated"], [run["ttft_s"]] * n, [run["e2e_s"]] * n, probe.stop(),
+                     run["tokens"])
 
 
 # -- aggregation and report ---------------------------------------------------------------------
@@ -288,140 +182,92 @@ def token_agreement(engine_runs: list[RunResult], hf_runs: list[RunResult]) -> d
 
 
 # -- driver -------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.engine",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
-Output tok/s and TTFT of Tandem's engine against HF transformers: same machine, model, device,
-dtype, torch threads and concurrency, in one process.
-
-Workload: N requests (default 8) submitted at once. Each prompt is 516 tokens: a 496-token
-prefix of real text shared by all, then 20 tokens of its own. Each generates exactly 128 new
-tokens, greedy, EOS ignored.
-
-Systems:
-  engine (cold)         the engine with max_active=N; nothing cached beforehand (requests of
-                        the run still share the prefix once the first one's prefill is scheduled)
-  engine (warm-prefix)  the same, after a throwaway request put the shared prefix in the cache
-  HF transformers       the N prompts as one batch through model.generate(do_sample=False,
-                        max_new_tokens=128), EOS disabled; TTFT from a StoppingCriteria that
-                        timestamps each generated step
-Both are warmed up with a short untimed run first.
-
-Reports (Markdown table + JSON with machine, command and date):
-  output tok/s  generated tokens / wall time from first submit to last finish
-  TTFT, E2E     per request, from submit to its first / last token (p50, p95)
-  vs HF         throughput engine/HF and TTFT HF/engine: above 1 means the engine is better""",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default="smollm2-135m",
-        help="preset (smollm2-135m, qwen2.5-0.5b-random, tiny-llama-random, ...) or a local HF dir "
-             "(default: smollm2-135m)")
+    add("--model", default="smollm2-135m", help="preset or a local HF dir (default: smollm2-135m)")
     add("--device", default="cpu", help="cpu | cuda | cuda:N | mps (default: cpu)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on cpu/mps, bfloat16 on cuda (default: auto)")
-    add("--threads", type=int, default=None,
-        help="torch threads for both systems (default: torch's default, the physical cores)")
+    add("--threads", type=int, default=None, help="torch threads for both systems (default: torch's)")
     add("--num-requests", "-n", type=int, help=f"concurrent requests N (default: {FULL['num_requests']})")
     add("--prompt-tokens", type=int, help=f"tokens per prompt (default: {FULL['prompt_tokens']})")
-    add("--prefix-tokens", type=int,
-        help=f"of which shared by all requests (default: {FULL['prefix_tokens']}); keep it a multiple "
-             "of the engine's 16-token block so exactly the prefix is shareable")
+    add("--prefix-tokens", type=int, help=f"of which shared by all requests (default: {FULL['prefix_tokens']}); a "
+        "multiple of the engine's 16-token block, so exactly the prefix is shareable")
     add("--max-tokens", type=int, help=f"new tokens per request (default: {FULL['max_tokens']})")
     add("--max-active", type=int, default=None, help="engine max_active (default: N)")
-    add("--repeats", type=int,
-        help=f"timed runs per system, interleaved; rows show medians (default: {FULL['repeats']})")
-    add("--warmup-tokens", type=int,
-        help=f"new tokens per request in the untimed warm-up run (default: {FULL['warmup_tokens']})")
+    add("--repeats", type=int, help=f"timed runs per system, interleaved; rows show medians ({FULL['repeats']})")
+    add("--warmup-tokens", type=int, help=f"new tokens per request in the warm-up run ({FULL['warmup_tokens']})")
     add("--wait-idle", type=float, default=0.0, metavar="S",
-        help="before each timed run, wait up to S seconds until other processes use under --idle-cores "
-             "(for shared machines; default: 0, no wait)")
-    add("--idle-cores", type=float, default=0.2,
-        help="what --wait-idle counts as idle: CPU cores used by other processes (default: 0.2)")
+        help="before each timed run, wait up to S seconds until other processes use under --idle-cores")
+    add("--idle-cores", type=float, default=0.2, help="what --wait-idle counts as idle (default: 0.2 cores)")
     add("--no-warm-prefix", action="store_true", help="skip the warm-prefix engine row")
     add("--no-hf", action="store_true", help="skip HF transformers (engine rows only, no ratios)")
-    add("--quick", action="store_true",
-        help="seconds-long smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    add("--out", default="out/bench_engine.json", help="where to write the JSON (default: %(default)s)")
-    add("--no-progress", action="store_true", help="hide the progress bars and log lines (stderr)")
-    args = parser.parse_args(argv)
+    add("--quick", action="store_true", help="seconds-long smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    add("--out", type=Path, default=Path("out/bench_engine.json"), help="where to write the JSON (%(default)s)")
+    add("--no-progress", action="store_true", help="hide the log lines (stderr)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    _check_args(parser, args)
-    return args
-
-
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.num_requests < 1 or args.max_tokens < 1 or args.repeats < 1 or args.warmup_tokens < 1:
-        parser.error("--num-requests, --max-tokens, --repeats and --warmup-tokens must be >= 1")
+    if min(args.num_requests, args.max_tokens, args.repeats, args.warmup_tokens) < 1:
+        raise SystemExit("error: --num-requests, --max-tokens, --repeats and --warmup-tokens must be >= 1")
     if not 0 < args.prefix_tokens < args.prompt_tokens:
-        parser.error(f"--prefix-tokens must be in [1, --prompt-tokens); got {args.prefix_tokens} "
-                     f"and {args.prompt_tokens}")
-    if args.max_active is not None and args.max_active < 1:
-        parser.error("--max-active must be >= 1")
+        raise SystemExit(f"error: --prefix-tokens must be in [1, --prompt-tokens); got {args.prefix_tokens} "
+                         f"and {args.prompt_tokens}")
 
 
-def run_all(engine, hf_model, args: argparse.Namespace) -> dict[str, list[RunResult]]:
+def run_all(engine, hf, args: argparse.Namespace) -> dict[str, list[RunResult]]:
     """Warm both systems up, then the timed runs, interleaved so drifting load hits all of them."""
-    progress = not args.no_progress
-
     def prompts_for(run_index: int) -> list[list[int]]:
         return build_prompts(engine.encode, args.num_requests, args.prompt_tokens, args.prefix_tokens, run_index)
 
     def log(message: str) -> None:
-        if progress:
+        if not args.no_progress:
             print(message, file=sys.stderr, flush=True)
 
-    log(f"warm-up: {args.num_requests} requests x {args.warmup_tokens} tokens through each system")
-    warm = prompts_for(0)
-    run_engine(engine, warm, args.warmup_tokens, "warm-up engine", "warmup", progress=progress)
-    if hf_model is not None:
-        run_hf(hf_model, warm, args.warmup_tokens, progress=progress)
     def timed(run) -> RunResult:
         waited = wait_until_idle(args.idle_cores, args.wait_idle) if args.wait_idle > 0 else 0.0
         result = run()
         result.extra["waited_for_idle_s"] = round(waited, 1)
         return result
 
+    log(f"warm-up: {args.num_requests} requests x {args.warmup_tokens} tokens through each system")
+    warm = prompts_for(0)
+    run_engine(engine, warm, args.warmup_tokens, "warm-up engine", "warmup")
+    if hf is not None:
+        run_hf(hf, warm, args.warmup_tokens)
     runs: dict[str, list[RunResult]] = {COLD: [], WARM: [], HF: []}
     for rep in range(args.repeats):
         log(f"repeat {rep + 1}/{args.repeats}")
         prompts = prompts_for(1 + 2 * rep)
-        runs[COLD].append(timed(lambda: run_engine(engine, prompts, args.max_tokens, COLD, f"cold{rep}",
-                                                   progress=progress)))
+        runs[COLD].append(timed(lambda: run_engine(engine, prompts, args.max_tokens, COLD, f"cold{rep}")))
         if not args.no_warm_prefix:
             seeded = prompts_for(2 + 2 * rep)
             runs[WARM].append(timed(lambda: run_engine(engine, seeded, args.max_tokens, WARM, f"warm{rep}",
-                                                       preseed_prefix=seeded[0][: args.prefix_tokens],
-                                                       progress=progress)))
-        if hf_model is not None:
-            runs[HF].append(timed(lambda: run_hf(hf_model, prompts, args.max_tokens, progress=progress)))
+                                                       preseed_prefix=seeded[0][: args.prefix_tokens])))
+        if hf is not None:
+            runs[HF].append(timed(lambda: run_hf(hf, prompts, args.max_tokens)))
     return runs
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    import torch
     from transformers.utils import logging as hf_logging
 
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-
+    _check_args(args)
     hf_logging.set_verbosity_error()
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          max_active=args.max_active or args.num_requests, num_threads=threads)
-    engine = LLMEngine(config)
-    hf_model = None if args.no_hf else load_hf_model(args.model, args.device, config.torch_dtype)
-    runs = run_all(engine, hf_model, args)
+    engine = make_engine(args.model, args.device, args.max_active or args.num_requests, args.dtype, threads)
+    config = engine.config
+    hf = None if args.no_hf else hf_model(args.model, args.device, config.torch_dtype)
+    runs = run_all(engine, hf, args)
     rows = [summarize(r) for r in runs.values() if r]
     add_ratios(rows)
     result = {
-        "benchmark": "engine",
-        **run_stamp(),
-        "machine": machine_info(threads, args.device),
+        "benchmark": "engine", **stamp(threads, args.device),
         "engine_source_sha256": source_digest(Path(__file__).resolve().parent.parent / "engine"),
         "config": {
             "model": args.model, "device": args.device, "dtype": str(config.torch_dtype).removeprefix("torch."),
@@ -429,24 +275,17 @@ def main(argv: list[str] | None = None) -> dict:
             "prefix_tokens": args.prefix_tokens, "max_tokens": args.max_tokens, "max_active": config.max_active,
             "max_num_batched_tokens": config.resolved_max_num_batched_tokens, "block_size": config.block_size,
             "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "wait_idle_s": args.wait_idle,
-            "idle_cores": args.idle_cores,
-        },
+            "idle_cores": args.idle_cores},
         "results": rows,
         "engine_vs_hf_tokens": token_agreement(runs[COLD], runs[HF]) if runs[HF] else None,
     }
     print(format_table(rows))
     print(f"\n{result['machine']['cpu_model']}, {threads} torch threads, {args.model} "
           f"{result['config']['dtype']} on {args.device}; {result['command']}; {result['date']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     busiest = max_interference(rows)
     if busiest > args.idle_cores:
         print(f"note: other processes used up to {busiest:.2f} CPU cores during a timed run (per-run "
               f"'other_cpu_cores' in the JSON); the numbers above are contended")
-    print(f"wrote {out}")
-    return result
-
-
-if __name__ == "__main__":
-    main()
+    print(f"wrote {args.out}")
+    return 0

@@ -1,34 +1,27 @@
-"""What one engine step costs the engine core's I/O thread: `python -m bench.fanout_step`.
+"""`tandem bench fanout-step`: what one engine step costs the engine core's I/O thread.
 
-The I/O thread (actors/core_io.py) runs in the engine core's process, so every microsecond of
-Python it spends per step is taken from the step loop under the GIL when the step loop is
-host-bound (a small model at a large batch on a GPU). This measures that work alone, on the
-real code path: the step's `RequestOutput`s become `EngineCoreOutput`s, and `Fanout.on_step`
-sorts and encodes them into one frame per channel. The frames go into an in-memory sink
-instead of a socket (the write syscall is not counted). Steps are spaced `--step-ms` apart, as
-in serving, for any timing the fan-out keeps.
-
-Prints microseconds per step (median of the rounds' means; wall time of the work, which is
-single-threaded, so CPU time on an idle core) for each (outputs per step,
-channels) pair, and writes them with every round to `--out`.
-
-The other side, measured the same way: what a caller (an ingress replica) spends per step on
-its channel's frames: decoding them, sorting them into its request streams, and each stream's
-merged delta once per `--steps-per-read` steps (the pacing). That work is done in the callers'
-own processes, beside the core rather than inside it.
+The I/O thread (actors/core_io.py) shares the engine core's GIL, so its Python per step is taken
+from a host-bound step loop (a small model at a large batch on a GPU). This times that work
+alone on the real code path: a step's `RequestOutput`s become `EngineCoreOutput`s and
+`Fanout.on_step` encodes them into one frame per channel, written to memory instead of a socket,
+steps `--step-ms` apart: microseconds per step, the median of the rounds' means, per (outputs,
+channels). And the caller's side (an ingress replica): decoding the frames, handing each item
+to its stream (`deliver`, as the channel's reader does) and each stream's merged delta once per
+`--steps-per-read` steps (its pacing).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bench._machine import stamp
+from bench.harness import ints, write_json
 from tandem.actors.fanout import ChannelState, Fanout
 from tandem.actors.messages import EngineCoreOutput
 from tandem.engine.outputs import RequestOutput, Usage
@@ -76,9 +69,9 @@ def measure(num_outputs: int, num_channels: int, num_steps: int, step_s: float) 
 
 def measure_caller(num_streams: int, steps_per_read: int, num_reads: int) -> float:
     """Mean seconds per step that a caller with `num_streams` streams on one channel spends on
-    the core's frames: decoding each step's frame, sorting it into the streams (`Channel._sort`)
+    the core's frames: decoding each step's frame, handing its items to the streams (`deliver`)
     and, every `steps_per_read` steps (its pacing), each stream's merged delta (`next()`)."""
-    from tandem.actors.channel import Channel, RequestStream
+    from tandem.actors.channel import RequestStream
     from tandem.actors.messages import Admitted, ChannelBatch, EngineCoreRequest, decode, encode
     from tandem.engine.sampling_params import SamplingParams
 
@@ -90,14 +83,16 @@ def measure_caller(num_streams: int, steps_per_read: int, num_reads: int) -> flo
                    for i in range(num_streams)]
         admissions = [asyncio.ensure_future(stream.next()) for stream in streams]
         await asyncio.sleep(0)
-        Channel._sort(channel, [Admitted(s.req_id, "bench", 1, [], 0.0, 0.0) for s in streams])
+        for stream in streams:
+            stream.deliver(Admitted(stream.req_id, "bench", 1, [], 0.0, 0.0))
         await asyncio.gather(*admissions)
         frames = [encode(ChannelBatch([EngineCoreOutput.of(o) for o in _outputs(num_streams)]))
                   for _ in range(steps_per_read)]
         start = time.perf_counter()
         for _ in range(num_reads):
             for payload in frames:
-                Channel._sort(channel, decode(payload).items)
+                for item in decode(payload).items:
+                    channel.streams[item.req_id].deliver(item)
             for stream in streams:
                 await stream.next()
         return (time.perf_counter() - start) / (num_reads * steps_per_read)
@@ -105,22 +100,23 @@ def measure_caller(num_streams: int, steps_per_read: int, num_reads: int) -> flo
     return asyncio.run(run())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.fanout_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--outputs", default="64,256", help="outputs per step, comma-separated")
-    parser.add_argument("--channels", default="1,4", help="channels (caller processes), comma-separated")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--outputs", type=ints, default=[64, 256], help="outputs per step (64,256)")
+    parser.add_argument("--channels", type=ints, default=[1, 4], help="channels, i.e. caller processes (1,4)")
     parser.add_argument("--steps", type=int, default=400, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--step-ms", type=float, default=2.0, help="time between steps")
-    parser.add_argument("--caller-streams", default="16,64", help="streams on the caller's channel, comma-separated")
+    parser.add_argument("--caller-streams", type=ints, default=[16, 64], help="streams on the caller's channel")
     parser.add_argument("--steps-per-read", type=int, default=8,
                         help="steps between two reads of a stream (its pacing: 16 ms over 2 ms steps)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     print(f"{'outputs':>8} {'channels':>8} {'us/step':>12} {'rounds':>30}")
-    for num_outputs in (int(x) for x in args.outputs.split(",")):
-        for num_channels in (int(x) for x in args.channels.split(",")):
+    for num_outputs in args.outputs:
+        for num_channels in args.channels:
             rounds = [1e6 * measure(num_outputs, num_channels, args.steps, args.step_ms / 1e3)
                       for _ in range(args.rounds)]
             median = statistics.median(rounds)
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{num_outputs:>8} {num_channels:>8} {median:>12.1f} {' '.join(f'{r:.0f}' for r in rounds):>30}")
     callers: list[dict[str, Any]] = []
     print(f"\ncaller side, one channel: {'streams':>8} {'steps/read':>10} {'us/step':>10}")
-    for num_streams in (int(x) for x in args.caller_streams.split(",")):
+    for num_streams in args.caller_streams:
         rounds = [1e6 * measure_caller(num_streams, args.steps_per_read, max(1, args.steps // args.steps_per_read))
                   for _ in range(args.rounds)]
         median = statistics.median(rounds)
@@ -137,12 +133,6 @@ def main(argv: list[str] | None = None) -> int:
                         "rounds_us": [round(r, 1) for r in rounds]})
         print(f"{'':>26}{num_streams:>8} {args.steps_per_read:>10} {median:>10.1f}")
     if args.out is not None:
-        from bench._machine import machine_info
-
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine_info(1),
-                                        "rows": rows, "caller": callers}, indent=2) + "\n")
+        write_json(args.out, {**stamp(1), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                              "caller": callers})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -27,6 +27,10 @@ Seeding. Before a measurement the workload's seed prompts go to every backend di
 the backend actor handles (not through the router, which ignores progress about requests it
 did not route), then each backend is asked how much of the first request's prompt it can
 reuse; the answer is recorded next to the run.
+
+The benches below the cluster share the rest: in-process engines driven step by step (`burst`,
+`start_decoding`, ...), a quiet `cluster.start` for the serving path (`start_cluster`), and
+`tandem serve` as a user starts it (`Server`).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ import asyncio
 import json
 import logging
 import os
-import platform
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench._machine import cpu_model
+from bench._machine import machine_info
 from bench.client import RequestResult, run_workload
 from bench.metrics import run_metrics
 from bench.workload import Workload
@@ -54,6 +59,15 @@ from bench.workload import Workload
 logger = logging.getLogger("tandem.bench")
 
 ACCELERATOR_ONLY = "accelerator-only"
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers ('' is none)."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def free_port() -> int:
@@ -338,17 +352,6 @@ def read_decisions(routing_log: Path | None, index_by_req_id: dict[str, int], of
     return sorted(decisions, key=lambda d: d["ts"])
 
 
-def machine_info() -> dict[str, Any]:
-    """Where the numbers came from."""
-    import torch
-
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
@@ -412,3 +415,239 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
             "rates_file": str(rates_path), "rates": json.loads(Path(rates_path).read_text()),
             "temperature": temperature}
     return BenchContext(out_dir, layout, Path(rates_path), temperature, cpu_max_active, budget, meta)
+
+
+# -- in-process engines: what the engine-level benches share ------------------------------------
+def make_engine(model: str, device: str = "cpu", max_active: int | None = None, dtype: str = "auto",
+                threads: int | None = None, **config: Any) -> Any:
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_active=max_active,
+                                  num_threads=threads, **config))
+
+
+def greedy(max_tokens: int) -> Any:
+    """Exactly `max_tokens` greedy tokens (EOS ignored), so every system does the same work."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def submit(engine: Any, prompts: list[list[int]], max_tokens: int | list[int], tag: str) -> list[str]:
+    """Add every prompt (`max_tokens` one for all, or one each); the request ids, in order."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for req_id, prompt, length in zip(ids, prompts, lengths):
+        engine.add_request(req_id, prompt, greedy(length))
+    return ids
+
+
+def drain(engine: Any) -> tuple[int, int]:
+    """Step until nothing is left: (tokens generated, steps)."""
+    tokens = steps = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    return tokens, steps
+
+
+def start_decoding(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str, settle: int = 2) -> list[str]:
+    """Submit the prompts and step until every one has its first token, then `settle` more steps:
+    from here on each step is a decode step of the whole batch."""
+    ids = submit(engine, prompts, max_tokens, tag)
+    first = 0
+    while first < len(prompts):
+        first += sum(1 for o in engine.step() if o.new_token_ids and o.usage.completion_tokens == 1)
+    for _ in range(settle):
+        engine.step()
+    return ids
+
+
+def abort_all(engine: Any, ids: list[str]) -> None:
+    for req_id in ids:
+        engine.abort_request(req_id)
+    drain(engine)
+
+
+def sync_device() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def burst(engine: Any, prompts: list[list[int]], max_tokens: int | list[int], tag: str) -> dict[str, Any]:
+    """Every prompt submitted at once and stepped until all finish: output tok/s over the wall time
+    from the first submit, and per request (in order, seconds from that submit) when its first
+    token and its last came back and the tokens it got."""
+    sync_device()
+    start = time.perf_counter()
+    ids = submit(engine, prompts, max_tokens, tag)
+    first: dict[str, float] = {}
+    end: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {req_id: [] for req_id in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter() - start
+        for out in outputs:
+            tokens[out.req_id] += out.new_token_ids
+            first.setdefault(out.req_id, now)
+            if out.finished:
+                end[out.req_id] = now
+    sync_device()
+    wall = time.perf_counter() - start
+    generated = sum(len(t) for t in tokens.values())
+    return {"requests": len(ids), "generated": generated, "wall_s": wall, "steps": steps, "tok_s": generated / wall,
+            "ttft_s": [first[r] for r in ids], "e2e_s": [end[r] for r in ids], "tokens": [tokens[r] for r in ids]}
+
+
+def median_ms(fn: Any, reps: int, warmup: int = 3) -> float:
+    """Median wall time of `fn()` over `reps` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def median_run(runs: list[dict[str, Any]], key: str = "tok_s") -> dict[str, Any]:
+    """The run with the median `key`, carrying every run's figure."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    return dict(ordered[len(ordered) // 2], **{f"runs_{key}": [r[key] for r in runs]})
+
+
+# -- servers: the serving path under test ---------------------------------------------------------
+def start_cluster(**overrides: Any) -> Any:
+    """`cluster.start` on free ports, quietly. Without `rates` or `profile`, placeholder rates and
+    no profiling: a bench of the serving path has one backend, so the rates choose nothing."""
+    import tempfile
+
+    from tandem import cluster
+
+    if "rates" not in overrides and "profile" not in overrides:
+        tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+        (tmp / "rates.json").write_text(json.dumps({kind: {"prefill_tok_s": 20000.0, "decode_tok_s": 500.0}
+                                                    for kind in ("cpu", "cuda", "mps")}))
+        overrides.update(rates=str(tmp / "rates.json"), rates_cache=str(tmp / "rates-cache.json"), profile="never")
+    overrides.setdefault("port", free_port())
+    return cluster.start(**{"metrics_port": free_port(), "access_log": False, "warmup_tokens": 0,
+                            "log": lambda line: None, **overrides})
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body); status 0 when nothing answered."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, ValueError):
+        return 0, b""
+
+
+def served_model(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """The model card a server's /v1/models lists first."""
+    status, body = http_get(url + "/v1/models", headers, timeout=10.0)
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models answered {status}: {body[:300]!r}")
+    return json.loads(body)["data"][0]
+
+
+class Server:
+    """`tandem serve [--model M] --port PORT FLAGS` as a user starts it, in a process group of its
+    own with its console in `log_path`: ready when /health answers 200, stopped with Ctrl-C."""
+
+    UP_LINE = "Ctrl-C stops the server"  # the console's last start-up line (cluster/serve_cli.py)
+
+    def __init__(self, flags: list[str], port: int, log_path: Path, model: str | None = None) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.command = [sys.executable, "-m", "tandem.cluster.cli", "serve", *(["--model", model] if model else []),
+                        "--port", str(port), *flags]
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def start(self) -> None:
+        repo = Path(__file__).resolve().parent.parent
+        # The checkout's `tandem` package wins over any other on the path (tandem/__init__.py).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=repo, env=env, start_new_session=True)
+        self.started_at = time.perf_counter()
+
+    def wait_ready(self, timeout_s: float, headers: dict[str, str] | None = None) -> str | None:
+        """None once /health answers 200 (and the console printed its last start-up line, or 10 s
+        passed); else why not."""
+        assert self.proc is not None
+        deadline = self.started_at + timeout_s
+        while http_get(self.url + "/health", headers)[0] != 200:
+            if self.proc.poll() is not None:
+                return f"the server exited with code {self.proc.returncode} before it was ready"
+            if time.perf_counter() > deadline:
+                return f"/health did not answer 200 within {timeout_s:.0f} s"
+            time.sleep(1.0)
+        until = time.perf_counter() + 10.0
+        while self.UP_LINE not in self.log_text() and time.perf_counter() < until:
+            time.sleep(0.2)
+        return None
+
+    def _signal_group(self, signum: int) -> bool:
+        """Send `signum` to the group this bench created (start_new_session); False if it is gone.
+        Signal 0 only asks: a group member running as someone else still counts as there."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, wait_s: float = 60.0) -> dict[str, Any]:
+        """Ctrl-C to the group, as a terminal sends it; SIGTERM then SIGKILL if it does not exit.
+        Clean: the server exited with code 0 after SIGINT alone and left nothing of its group."""
+        assert self.proc is not None
+        outcome: dict[str, Any] = {"signals": []}
+        start = time.perf_counter()
+        for signum, wait in ((signal.SIGINT, wait_s), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            if self.proc.poll() is not None:
+                break
+            outcome["signals"].append(signal.Signals(signum).name)
+            self._signal_group(signum)
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        outcome["returncode"] = self.proc.poll()
+        until = time.perf_counter() + 10.0  # Ray's processes of the group: a few seconds' grace, then killed
+        while self._signal_group(0) and time.perf_counter() < until:
+            time.sleep(0.2)
+        outcome["group_left_over"] = self._signal_group(0)
+        if outcome["group_left_over"]:
+            self._signal_group(signal.SIGKILL)
+        outcome["stop_s"] = round(time.perf_counter() - start, 1)
+        outcome["clean"] = (outcome["signals"] in (["SIGINT"], []) and outcome["returncode"] == 0
+                            and not outcome["group_left_over"])
+        return outcome

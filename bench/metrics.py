@@ -1,16 +1,11 @@
 """Per-run metrics and their means and spreads across runs.
 
-Definitions, the same as the design's write-up and routing/sim_report.py:
-  makespan          last request's end - first request's send ("completion time")
-  output tok/s      all output tokens / makespan
-  TTFT, E2E         per request (bench/client.py); p50 and p95 interpolate linearly (numpy's
-                    default), as `routing.sim_report.percentile` does
-  requests/backend  from the `x-tandem-backend` header
-
-Across runs each metric gets its mean, sample standard deviation, min and max. "Worse beyond
-the run-to-run spread" means: the hybrid arm's mean is worse than the baseline's by more than
-the larger of the two arms' standard deviations (with one run there is no spread, and the
-verdict says so).
+As in the design's write-up and routing/sim_report.py: makespan is the last request's end minus
+the first one's send, output tok/s all output tokens over it, TTFT and E2E per request
+(bench/client.py) with percentiles interpolated linearly, requests per backend from the
+`x-tandem-backend` header. Across runs each metric gets its mean, sample standard deviation,
+min and max; "worse beyond the run-to-run spread" means worse than the baseline's mean by more
+than the larger of the two standard deviations (one run has no spread, and the verdict says so).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from tandem.routing.sim_report import percentile
+from tandem.routing import sim_report
 
 # metric -> True if higher is better
 METRICS: dict[str, bool] = {
@@ -31,6 +26,12 @@ METRICS: dict[str, bool] = {
     "e2e_p50_s": False,
     "e2e_p95_s": False,
 }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Every bench's percentile: linear between closest ranks, as routing/sim_report.py's; None
+    without values."""
+    return sim_report.percentile(values, q) if values else None
 
 
 @dataclass

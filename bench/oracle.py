@@ -1,31 +1,21 @@
 """The oracle for a benchmark cell: the best makespan over which requests go to the CPU.
 
-Measuring every split for real is far too slow (2^N assignments, each a full run), so the
-oracle comes from the what-if simulator, calibrated to the cell's own measurements:
+Measuring every split (2^N full runs) is far too slow, so the oracle comes from the what-if
+simulator calibrated to the cell's own measurements. The scenario is the cell as it ran (the
+backends, the rates file the router believed, the workload's arrivals and lengths and the
+prefix each backend reported reusable); each backend's rates are scaled by one factor so the
+simulation reproduces its measured time (the accelerator: the accelerator-only arm's mean
+makespan; a CPU backend: when it finished its requests in the hybrid runs that sent it any; a
+backend that got nothing keeps its profile, or shares the accelerator's factor when it is the
+same kind of device); `routing.oracle.find_oracle` then searches assignments (exhaustively up
+to 2^16, else locally, making the oracle's gain a lower bound), seeded with the hybrid's own.
 
-1. A route-sim scenario is built from the cell: the backends as they ran (ids, device kinds,
-   max_active), the rates file the clusters loaded (what the router believed), and the
-   workload's arrivals, prompt lengths, output lengths and the prefix each backend reported
-   reusable after seeding.
-2. Calibration, one number per backend: the simulated backend's rates (prefill, decode, the
-   whole batch table) are scaled by a factor so that the simulation reproduces the measured
-   time on that backend: for the accelerator, the accelerator-only arm's mean makespan; for a
-   CPU backend, the time at which it finished its requests in the hybrid runs that sent it any
-   (median over runs). A backend no run sent anything to keeps the profile's rates, unless it
-   is the same kind of device as the accelerator (the 2-core machine), which shares its factor.
-3. `routing.oracle.find_oracle` searches assignments on the calibrated scenario (exhaustively up
-   to 2^16 assignments, else by local search, which makes the oracle's gain a lower bound), with
-   the measured hybrid assignments among its seeds.
-
-Gains are fractions of the accelerator-only makespan, all in the same calibrated simulation, so
-run-to-run noise does not enter them: the oracle's gain `1 - oracle / accelerator-only`, the
-router's `1 - replay / accelerator-only`, where `replay` is the mean simulated makespan of the
-assignments the router really made in the hybrid runs (from the `x-tandem-backend` headers).
-The router's share of the attainable gain is `router gain / oracle gain`. A router that sent
-everything to the accelerator has a share of 0 whatever the measured makespans say; the
-measured gain (means over runs) is reported next to it, and the measured comparison with its
-run-to-run spread is what judges "not worse than accelerator-only". The oracle's makespan in
-seconds is the measured accelerator-only makespan times the simulated oracle's fraction.
+Gains are fractions of the accelerator-only makespan in the same calibrated simulation, so
+run-to-run noise does not enter them: the oracle's `1 - oracle / accelerator-only`, the
+router's `1 - replay / accelerator-only` with `replay` the simulated makespan of the assignments
+the router really made. The router's share is their ratio (0 for a router that offloaded
+nothing, whatever the measured makespans say); the measured comparison with its spread is what
+judges "not worse than accelerator-only".
 """
 
 from __future__ import annotations

@@ -1,34 +1,30 @@
-"""What int8 / int4 weights cost in accuracy: perplexity and top-1 agreement against float32.
+"""`tandem bench quant-accuracy`: what int8 / int4 weights cost in accuracy, perplexity and top-1
+agreement against float32.
 
-One fixed text (this repository's README, its first `--tokens` tokens under the model's
-tokenizer) goes through the engine's own model (packed, fused, quantized exactly as
-`LLMEngine` builds it) in one prefill; for each position we take the next-token
-distribution and report the perplexity of the text and how often the top-1 token equals
-float32's (teacher-forced, so one early difference does not cascade as in free decoding).
-
-A `-ggml` mode runs the linears on ggml's kernels (EngineConfig.cpu_kernels). Those compute a few
-rows the way decode does (activations quantized to Q8_0/Q8_1) but 16 rows and more through a
-float32 GEMM of the dequantized weights, so `--chunk 8` feeds the text 8 tokens at a time, each
-chunk attending to the cached ones before it: what decode's arithmetic costs.
-
-    python -m bench.quant_accuracy --modes float32 bfloat16 int8 int4 --out out/quant_accuracy.json
+This repository's README (its first `--tokens` tokens) goes through the engine's own model,
+quantized exactly as `LLMEngine` builds it, teacher-forced: the text's perplexity and how often
+the top-1 token equals the first mode's. ggml's kernels (`-ggml` modes) compute a few rows as
+decode does but 16 and more through a float32 GEMM, so `--chunk 8` feeds the text 8 tokens at a
+time over the cached context: what decode's arithmetic costs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
-import torch
+from bench._machine import stamp
+from bench.harness import make_engine, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def text_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+def text_logits(engine, ids: list[int], chunk: int | None = None):
     """float32 logits [T, vocab] of `ids` through the engine's model: one prompt, or `chunk`
     tokens at a time over the growing cached context."""
+    import torch
+
     from tandem.engine.attention.metadata import AttentionMetadata
 
     runner = engine.model_runner
@@ -49,14 +45,13 @@ def text_logits(engine, ids: list[int], chunk: int | None = None) -> torch.Tenso
 
 
 def measure(model: str, modes: list[str], num_tokens: int, threads: int, chunk: int | None = None) -> dict:
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
+    import torch
 
     text = (REPO / "README.md").read_text()
     results, reference = {}, None
     for mode in modes:
         dtype, _, kernels = mode.partition("-")
-        engine = LLMEngine(EngineConfig(model=model, dtype=dtype, cpu_kernels=kernels or "torch", num_threads=threads))
+        engine = make_engine(model, dtype=dtype, threads=threads, cpu_kernels=kernels or "torch")
         ids = engine.tokenizer.encode(text)[:num_tokens]
         logits = text_logits(engine, ids, chunk)
         logprobs = torch.log_softmax(logits[:-1], dim=-1)
@@ -71,20 +66,17 @@ def measure(model: str, modes: list[str], num_tokens: int, threads: int, chunk: 
     return {"model": model, "text": "README.md", "reference": modes[0], "chunk": chunk, "modes": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--modes", nargs="*", default=["float32", "bfloat16", "int8", "int4"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, help="feed the text this many tokens at a time (default: one prompt)")
     p.add_argument("--out")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     result = measure(args.model, args.modes, args.tokens, args.threads, args.chunk)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        write_json(Path(args.out), {**stamp(args.threads, "cpu"), **result})
+    return 0

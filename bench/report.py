@@ -1,16 +1,9 @@
-"""The benchmark report: markdown tables and PNG plots from a bench's JSON.
-
-Input is what `tandem bench seed|sweep` wrote: OUT/summary.json (meta, cells with per-arm means
-and spreads, comparisons, oracle) and OUT/runs/*.json (every request of every run). Output is
-one markdown file; plots go beside it, named after it:
-
-- `<name>-timeline.png`: for one run of each arm, every request as a bar on its backend's lane,
-  light from send to first text (queueing and prefill), dark from there to the end (decode);
-- `<name>-cdf-<cell>.png`: TTFT and E2E CDFs per arm, all runs pooled (seed report);
-- `<name>-gain.png`: per sweep cell, the hybrid's makespan gain next to the oracle's (sweep).
-
-The report is regenerated from the JSON at any time (`tandem bench report OUT --report X.md`),
-so the numbers in it are exactly the measured ones. matplotlib runs headless (Agg).
+"""The seed and sweep reports: markdown tables and PNG plots from a bench's JSON (OUT/summary.json
+and OUT/runs/*.json), regenerated at any time with `tandem bench report`, so every number is the
+measured one. Plots beside the markdown, named after it: `-timeline.png` (one run of each arm,
+every request a bar on its backend's lane, light to its first text, dark to its end),
+`-cdf-<cell>.png` (TTFT and E2E CDFs per arm, seed) and `-gain.png` (the hybrid's makespan gain
+next to the oracle's per cell, sweep).
 """
 
 from __future__ import annotations

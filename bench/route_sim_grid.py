@@ -1,39 +1,26 @@
-"""The multi-tenant routing grid in the simulator: every (tenants, prefix, rate, seed) cell, every
-arm, one JSON, one table and a plot of TTFT p95 against arrival rate.
+"""`tandem bench route-sim-grid`: the multi-tenant routing grid in the simulator, every (tenants,
+prefix, rate, seed) cell and every arm: one JSON, one table and a plot of TTFT p95 against rate.
 
-The live grid (`tandem bench tenants`) needs the 2-GPU machine; this one runs the same cells
-through routing's simulator API (`load_scenario` + `simulate`) on any CPU in about a minute, so
-a routing change is judged on all 36 cell-seeds, not on the one a test pins. The scenario is
-`docs/route-sim-examples/tenants-2gpu.yaml` (two GPUs with the H200's profiled rates); each
-backend's prefix cache holds `--cache-prefixes` prefixes (6: all of 4 tenants fit on one GPU,
-16 do not), as docs/routing.md's grid does.
-
-The verdict per cell-seed is the issue's: `cost` at least as good as the best other arm on
-TTFT p50, TTFT p95 and output tok/s, and its hit rate within 5 points of prefix-affinity's.
-A simulator run is exact, so "as good" allows only a rounding tolerance: 0.05 ms of TTFT and
-0.1% of throughput (below saturation every arm keeps up with the arrivals and throughput only
-restates the arrival rate).
-
-    python -m bench.route_sim_grid --out docs/benchmarks/route-sim-tenants-grid
-    python -m bench.route_sim_grid --num-requests 200 --out docs/benchmarks/route-sim-tenants-grid-200
-
-writes OUT.json (every summary), OUT.md (setup, tables, verdicts) and OUT.png; a hand-written
-OUT.notes.md beside it is kept at the top of OUT.md across re-renders.
+The live grid (`tandem bench tenants`) needs GPUs; this runs the same cells through routing's
+simulator on any CPU in about a minute, so a routing change is judged on every cell-seed. The
+scenario is docs/route-sim-examples/tenants-2gpu.yaml (two H200-profiled GPUs); each backend's
+prefix cache holds `--cache-prefixes` prefixes. The verdict per cell-seed: `cost` at least as
+good as the best other arm on TTFT p50, TTFT p95 and output tok/s, within a rounding tolerance
+(a simulator run is exact), and its hit rate within 5 points of prefix-affinity's. Writes
+OUT.json, OUT.md and OUT.png; a hand-written OUT.notes.md is kept atop OUT.md on re-renders.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench._machine import cpu_model, git_revision
+from bench._machine import stamp
+from bench.harness import floats, ints, write_json
 from tandem.routing.scenario import load_scenario
 from tandem.routing.sim_report import summarize
 from tandem.routing.simulator import simulate
@@ -188,7 +175,7 @@ def render_markdown(meta: dict[str, Any], cells: Sequence[dict[str, Any]], rows:
         f"- Machine: {meta['machine']['cpu_model']} ({meta['machine']['platform']}, Python "
         f"{meta['machine']['python']}); the simulator's times are simulated, not this machine's; "
         f"the grid took {meta['elapsed_s']:.0f} s of wall time here.",
-        f"- Code: {meta['git_revision']}; scenario `{spec['scenario']}` with each backend's prefix cache "
+        f"- Code: {meta['machine']['git_revision']}; scenario `{spec['scenario']}` with each backend's prefix cache "
         f"holding {spec['cache_prefixes']} prefixes; arms {', '.join(spec['arms'])}; seeds "
         f"{', '.join(map(str, spec['seeds']))}" + (f"; overrides {', '.join(spec['overrides'])}" if spec['overrides'] else "")
         + ".",
@@ -242,17 +229,14 @@ def plot_ttft_p95(rows: Sequence[dict[str, Any]], arms: Sequence[str], path: Pat
     return path
 
 
-def write_outputs(spec: GridSpec, cells: list[dict[str, Any]], out: Path, command: str, elapsed_s: float,
+def write_outputs(spec: GridSpec, cells: list[dict[str, Any]], out: Path, elapsed_s: float,
                   plot: bool = True) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
     rows = aggregate(cells)
     spec_dict = asdict(spec)
     spec_dict["scenario"] = _relative(spec.scenario)
-    meta = {"command": command, "elapsed_s": elapsed_s, "git_revision": git_revision(REPO),
-            "machine": {"cpu_model": cpu_model(), "platform": platform.platform(), "python": platform.python_version()},
-            "spec": spec_dict}
+    meta = {**stamp(), "elapsed_s": elapsed_s, "spec": spec_dict}
     json_path = out.with_suffix(".json")
-    json_path.write_text(json.dumps({"meta": meta, "cells": cells, "aggregate": rows}, indent=1) + "\n")
+    write_json(json_path, {"meta": meta, "cells": cells, "aggregate": rows})
     png = None
     if plot:
         title = f"route-sim (simulated, H200-profiled rates), {spec.num_requests} requests per cell-seed"
@@ -269,36 +253,27 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
-def _list(kind: type):
-    return lambda text: [kind(v) for v in text.split(",") if v.strip()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.route_sim_grid", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output prefix: writes OUT.json, OUT.md, OUT.png")
     parser.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO)
-    parser.add_argument("--tenants", type=_list(int), default=[4, 16])
-    parser.add_argument("--prefix-tokens", type=_list(int), default=[1024, 4096])
-    parser.add_argument("--arrival-rates", type=_list(float), default=[10.0, 40.0, 100.0])
-    parser.add_argument("--seeds", type=_list(int), default=[0, 1, 2])
+    parser.add_argument("--tenants", type=ints, default=[4, 16])
+    parser.add_argument("--prefix-tokens", type=ints, default=[1024, 4096])
+    parser.add_argument("--arrival-rates", type=floats, default=[10.0, 40.0, 100.0])
+    parser.add_argument("--seeds", type=ints, default=[0, 1, 2])
     parser.add_argument("--num-requests", type=int, default=600)
-    parser.add_argument("--arms", type=_list(str), default=list(DEFAULT_ARMS))
+    parser.add_argument("--arms", type=lambda text: text.split(","), default=list(DEFAULT_ARMS))
     parser.add_argument("--cache-prefixes", type=int, default=6, help="prefixes each backend's cache holds")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="extra scenario override for every cell, e.g. router.replication=null")
     parser.add_argument("--no-plot", action="store_true")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     spec = GridSpec(args.scenario, args.tenants, args.prefix_tokens, args.arrival_rates, args.seeds,
                     args.num_requests, args.arms, args.cache_prefixes, tuple(args.set))
     start = time.perf_counter()
     cells = run_grid(spec)
-    elapsed_s = time.perf_counter() - start
-    command = "python -m bench.route_sim_grid " + " ".join(sys.argv[1:] if argv is None else argv)
-    for path in write_outputs(spec, cells, args.out, command, elapsed_s, plot=not args.no_plot):
+    for path in write_outputs(spec, cells, args.out, time.perf_counter() - start, plot=not args.no_plot):
         print(f"wrote {path}")
     print("\n".join(verdict_lines(cells)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

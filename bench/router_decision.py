@@ -1,39 +1,27 @@
-"""Router decision latency with a deep backlog: running sums vs walking the queue.
+"""`tandem bench router-decision`: router decision latency with a deep backlog, running sums against
+walking the queue.
 
-Builds a Router over N backends (default: one accelerator, one CPU, the design's rates), routes
-`--num-pending` requests (default 1,000) of varied prompt length, cache hit and budget, and
-admits/advances some of them so the ledgers hold a realistic mix of active and queued work.
-Then it times `Router.route()` for `--num-decisions` new requests, one at a time with
-`time.perf_counter_ns`; after each timed decision the new request is forgotten (untimed) so
-the backlog stays at the same depth.
-
-It compares, in the same process on the same ledgers:
-  * every policy at the requested depth, and `cost` with an empty router and a 10x backlog:
-    the decision reads each ledger's running sums, so its cost should not depend on depth;
-  * "walk the queue": the same score computed by summing every pending request on every
-    backend at decision time, which is what the running sums avoid (a tenth as many decisions);
-  * "urgent vs batch": urgent requests placed among queued batch work past its starvation
-    bound, with a slot seen free on every backend, so their projected TTFT walks the ledger for
-    the request filling that slot and for an aged turn (routing/deadline.py).
-
-Prints a table (median, p99 and mean microseconds per decision) and writes JSON to `--out`
-(default out/router_decision.json). Run: python -m bench.router_decision
+A Router over N backends (default one accelerator and one CPU at the design's rates) holds
+`--num-pending` routed requests, some admitted and advanced; then `Router.route()` is timed for
+`--num-decisions` new requests, each forgotten afterwards so the depth stays. In one process,
+on the same ledgers: every policy; `cost` empty and at 10x the backlog (the running sums make
+depth free); "walk the queue", the same score summed over every pending request (what the sums
+avoid); and urgent requests among batch work past its starvation bound, whose projection walks
+the ledger (routing/deadline.py). Median, p99 and mean microseconds per decision.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from bench._machine import stamp
+from bench.harness import write_json
 from tandem.routing import POLICIES, BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
 
 SPEC_BACKENDS = [
@@ -153,30 +141,20 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_decision", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pending", type=int, default=1000)
     parser.add_argument("--num-decisions", type=int, default=20_000)
     parser.add_argument("--num-backends", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/router_decision.json"))
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     rows = run_all(args)
     print(f"Router decision latency, {args.num_backends} backends, {args.num_decisions} decisions per row")
     print(format_table(rows))
-    report = {
-        "benchmark": "router_decision",
-        "command": " ".join(["python", "-m", "bench.router_decision", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                    "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, {"benchmark": "router_decision", **stamp(),
+                          "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                          "rows": rows})
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
-"""Where one router actor stops keeping up: its CPU per placement and per backend report, by
-the number of backends.
+"""`tandem bench router-scaling`: where one router actor stops keeping up, its CPU per placement and
+per backend report, by the number of backends.
 
 The router actor (actors/router.py) does two kinds of work: place each request (hash its prompt's
 blocks, look every backend's prefix mirror up, score every backend, record the decision) and
@@ -10,28 +10,26 @@ class, in this process without Ray (a Ray call adds its own overhead on top), wi
 holding `--active` running requests each, and prompts of `--prompt-tokens` tokens that share a
 tenant's prefix. From the two costs it gives the router's CPU share at `--rate` placements/s
 with every backend busy (reporting every 20 ms), and the placement rate at which it reaches one
-core.
-
-    python -m bench.router_scaling --backends 16,32,64 --rate 2000
+core. A placement is timed through `place_many`, the batched path callers use.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from bench._machine import stamp
+from bench.harness import ints, write_json
 
 REPORT_INTERVAL_S = 0.02  # a busy backend's report interval (actors/backend.py's default)
 
 
 def build_router(num_backends: int, active: int, prompt_tokens: int, seed: int):
-    from tandem.actors.messages import BackendInfo
+    from tandem.actors.messages import BackendInfo, PlaceRequest
     from tandem.actors.router import RouterActor
 
     # round-robin while filling: `active` requests on every backend; no health checks (no actors to ping)
@@ -47,26 +45,28 @@ def build_router(num_backends: int, active: int, prompt_tokens: int, seed: int):
     placed: dict[str, list[str]] = {f"sim{i}": [] for i in range(num_backends)}
     for n in range(num_backends * active):
         prompt = rng.choice(prefixes) + [rng.randrange(3, 30000) for _ in range(64)]
-        record, _ = router._place(f"a{n}", prompt, 32, 1)
-        placed[record.backend_id].append(f"a{n}")
+        [placement] = router.place_many([(PlaceRequest(f"a{n}", prompt, 32),)])
+        placed[placement.backend_id].append(f"a{n}")
     loop.run_until_complete(router.set_policy("cost"))
     return router, loop, prefixes, placed
 
 
 def time_placements(router, loop, prefixes, num: int, seed: int) -> list[float]:
     """Placements on the actor's event loop, as the live actor makes them (its gauge exports
-    are batched on that loop, not made per decision)."""
+    are batched on that loop, not made per decision); each is forgotten afterwards, untimed."""
+    from tandem.actors.messages import PlaceRequest
+
     rng = random.Random(seed)
     prompts = [rng.choice(prefixes) + [rng.randrange(3, 30000) for _ in range(64)] for _ in range(num)]
 
     async def place_all() -> list[float]:
         samples = []
         for n, prompt in enumerate(prompts):
+            request = [(PlaceRequest(f"t{n}", prompt, 32),)]
             start = time.perf_counter_ns()
-            router._place(f"t{n}", prompt, 32, 1)
+            router.place_many(request)
             samples.append((time.perf_counter_ns() - start) / 1000)
-            router.router.forget(f"t{n}")
-            router.routed.pop(f"t{n}", None)
+            await router.forget(f"t{n}")
         return samples
 
     return loop.run_until_complete(place_all())
@@ -105,9 +105,8 @@ def row(num_backends: int, args: argparse.Namespace) -> dict:
             "max_placements_per_s": round(max_rate)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.router_scaling", description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="16,32,64", help="backend counts (default 16,32,64)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backends", type=ints, default=[16, 32, 64], help="backend counts (default 16,32,64)")
     parser.add_argument("--active", type=int, default=16, help="running requests per backend (default 16)")
     parser.add_argument("--prompt-tokens", type=int, default=2112, help="prompt tokens (default 2112)")
     parser.add_argument("--rate", type=float, default=2000.0, help="placements/s for the CPU share (default 2000)")
@@ -115,21 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-reports", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/router_scaling.json"))
-    args = parser.parse_args(argv)
-    rows = [row(int(n), args) for n in args.backends.split(",")]
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [row(n, args) for n in args.backends]
     print(f"| backends | place p50 / p99 us | report p50 / p99 us | reports/s (busy) | router core share at "
           f"{args.rate:g}/s | placements/s at one core |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['num_backends']} | {r['place_p50_us']} / {r['place_p99_us']} | {r['report_p50_us']} / "
               f"{r['report_p99_us']} | {r['reports_per_s']:g} | {r['core_share_at_rate']} | {r['max_placements_per_s']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python -m bench.router_scaling " + " ".join(argv or sys.argv[1:]),
-                                    "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
-                                    "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    write_json(args.out, {**stamp(), "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

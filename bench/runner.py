@@ -1,21 +1,15 @@
-"""Run a plan of benchmark cells over fresh clusters, grouped so that clusters are few, or
-over one reused cluster.
+"""Run a plan of benchmark cells over fresh clusters, grouped so that clusters are few, or over one
+reused cluster.
 
-A plan is a list of cells, each with how many runs it wants. A cluster's engines are fixed at
-start (policy, max_active), so cells are grouped by the accelerator's max_active; for each
-group, each run and each arm one fresh cluster is started (bench/harness.py) and every cell of
-the group that still wants that run is measured in it, one after another, each with its own
-prompts and seeded prefix. Groups run in plan order (the design's cells and the sweep's base
-first), all runs of a group before the next group, so a time budget that runs out leaves the
-most important cells complete. Arms alternate their order from run to run, so slow drift
-(thermal, other load) does not always favour the same arm.
-
-With `reuse`, the sweep's cells instead share one cluster started at the largest max_active
-(a fresh cluster costs 20-25 s on the H200, more than most cells take): before each
-measurement the cluster is reconfigured for the arm and max_active, and each arm gets its own
-prompts and seeded prefix (same shapes, different token ids; the same arrival times), so no
-arm finds another's KV blocks in the cache. Each run goes through every cell, arms alternating, before the next run.
-The design's cells (bench "seed") always get fresh clusters, as the design prescribes.
+A cluster's engines are fixed at start, so cells are grouped by the accelerator's max_active;
+for each group, run and arm one fresh cluster is started (bench/harness.py) and every cell of
+the group that still wants that run is measured in it, each with its own prompts and seeded
+prefix. Groups run in plan order (the design's cells and the sweep's base first), so a time
+budget that runs out leaves the most important cells complete; arms alternate their order from
+run to run, so slow drift does not favour one arm. With `reuse`, the sweep's cells share one
+cluster started at the largest max_active (a fresh one costs 20-25 s on the H200) and
+reconfigured before each measurement, each arm with its own prompts (same shapes and arrival
+times). The design's cells (bench "seed") always get fresh clusters, as the design prescribes.
 """
 
 from __future__ import annotations

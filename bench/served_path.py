@@ -1,158 +1,254 @@
-"""What serving through the Ray actors costs, against the engine's own speed in the same run.
+"""`tandem bench served-path`: what serving costs, against the engine's own speed in the same run.
 
-Serving adds work per request and per streamed message (the router, the backend front's
-hand-offs, the channel). Default mode: the same N concurrent requests (a) in-process through
-`LLMEngine` and (b) through `cluster.start(...)`'s driver API (router + backend actor + engine
-core on the serving path's channels, no HTTP), with output tok/s beside the in-process
-baseline.
-
-`--http` (the GPU mode, see bench/served_http.py): the in-process engine against the same
-workloads through `tandem serve`'s HTTP API with a streaming HTTP client, the ratio per row,
-single-request TTFT, and a request-rate capacity curve.
-
-    python -m bench.served_path                       # tiny model: the overhead dominates
-    python -m bench.served_path --model smollm2-135m --num-requests 8 --max-tokens 64
-    python3 -m bench.served_path --http --model qwen2.5-0.5b-random --device cuda --dtype bfloat16
+Serving adds work per request and per streamed message (the router, the backend's hand-offs, the
+channel, HTTP). The in-process engine, in a child process that exits before the server starts (so
+both see the device's whole memory), runs the same workloads as `tandem serve`'s HTTP API with a
+streaming client (sizes scale with `--scale`, for a CPU):
+- burst rows: 48 x (516 -> 128) at max_active 4 and 64, and 256 requests of prompts in
+  [64, 1024] and outputs in [32, 512] at 256 (bench/workload.py, ids from the model's
+  vocabulary); output tok/s from the first send to the last token, best of `--repeats` after a
+  warm-up, every repeat's rate and the ratio of the medians; the burst's TTFT p50 and max from
+  its start, and the client's own CPU share;
+- TTFT: one request at a time (516 -> 16), the median;
+- capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed rates from several
+  client processes: achieved rate, p50 and p99 latency per offered rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import tempfile
+import multiprocessing
+import random
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
-from bench._machine import machine_info, run_stamp
-from tandem.engine.config import EngineConfig
-from tandem.engine.sampling_params import SamplingParams
+from bench._machine import stamp
+from bench.client import post_streamed
+from bench.harness import burst, floats, make_engine, start_cluster, write_json
+from bench.workload import random_prompts, varied_requests
+
+VOCAB_HIGH = 20000  # token ids are drawn from [3, min(vocab, VOCAB_HIGH))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.served_path", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-llama-random", help="model preset (default tiny-llama-random)")
-    parser.add_argument("--num-requests", type=int, default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--prompt-tokens", type=int, default=40, help="prompt tokens per request (default 40)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per request, EOS ignored")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine (default 1)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per system; the best is reported")
-    parser.add_argument("--out", default="out/bench_served_path.json", help="JSON output path")
-    http = parser.add_argument_group("--http mode")
-    http.add_argument("--http", action="store_true", help="in-process engine vs tandem serve's HTTP API")
-    http.add_argument("--device", default="cpu", help="engine device (default cpu)")
-    http.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
-    http.add_argument("--scale", type=float, default=1.0,
-                      help="scale every size (requests, prompt and output lengths, max_active) for a small run")
-    http.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
-    http.add_argument("--capacity-rates", default="250,500,1000,1500",
-                      help="comma-separated request rates of short requests ('' to skip)")
-    http.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
-    http.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
-    http.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
-    http.add_argument("--ingress", choices=("auto", "direct", "proxy"), help="tandem serve --ingress (default auto)")
-    http.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
-    http.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
-    return parser.parse_args(argv)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of a cpu engine (default 1)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per system after a warm-up; the best counts")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_served_path.json"), help="JSON output path")
+    parser.add_argument("--device", default="cpu", help="engine device (default cpu)")
+    parser.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every size (requests, lengths, max_active)")
+    parser.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
+    parser.add_argument("--capacity-rates", type=floats, default=[250.0, 500.0, 1000.0, 1500.0],
+                        help="request rates of short requests ('' skips)")
+    parser.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
+    parser.add_argument("--capacity-clients", type=int, default=4, help="client processes for the capacity curve")
+    parser.add_argument("--http-replicas", type=int, default=0, help="Serve ingress replicas (0: the default)")
+    parser.add_argument("--ingress", choices=("auto", "direct", "proxy"), help="tandem serve --ingress (default auto)")
+    parser.add_argument("--max-pending", type=int, default=4096, help="the ingress's pending-request limit")
 
 
-def prompts(args: argparse.Namespace) -> list[list[int]]:
-    return [[3 + (i * 5 + j) % 250 for j in range(args.prompt_tokens)] for i in range(args.num_requests)]
+def run(args: argparse.Namespace) -> int:
+    write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, **run_http(args),
+                          **stamp(args.threads, args.device)})
+    return 0
 
 
-def params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+# -- in-process against HTTP -----------------------------------------------------------------------
+def workloads(scale: float, vocab: int) -> list[dict[str, Any]]:
+    def n(x: int) -> int:
+        return max(1, int(x * scale))
+
+    burst_prompts = random_prompts(n(48), n(516), seed=0, high=vocab)
+    mixed = varied_requests(n(256), (n(64), n(1024)), (n(32), n(512)), seed=1, high=vocab)
+    return [{"name": f"{n(48)} x ({n(516)} -> {n(128)}), max_active {ma}", "max_active": ma, "prompts": burst_prompts,
+             "max_tokens": [n(128)] * n(48)} for ma in (4, n(64))] + [
+        {"name": f"{n(256)} x ([{n(64)}, {n(1024)}] -> [{n(32)}, {n(512)}]), max_active {n(256)}",
+         "max_active": n(256), "prompts": [p for p, _ in mixed], "max_tokens": [m for _, m in mixed]}]
 
 
-def run_in_process(args: argparse.Namespace) -> float:
-    from tandem.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=args.model, max_active=args.num_requests, num_threads=args.threads))
-    best = 0.0
-    for rep in range(args.repeats + 1):  # the first run warms up
-        for i, ids in enumerate(prompts(args)):
-            engine.add_request(f"r{rep}-{i}", ids, params(args))
-        start, num_tokens = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-        if rep:
-            best = max(best, num_tokens / (time.perf_counter() - start))
-    return best
+def ttft_spread(firsts: list[float]) -> list[float]:
+    """A burst's time to first token, [p50, max] in ms from the burst's start: how long the last
+    request waited to be admitted is what a burst's throughput pays on top of the engine."""
+    firsts = sorted(firsts)
+    return [round(1e3 * firsts[len(firsts) // 2], 1), round(1e3 * firsts[-1], 1)] if firsts else [0.0, 0.0]
 
 
-def run_served(args: argparse.Namespace, tmp: Path) -> dict:
-    from tandem import cluster
+def in_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The in-process figures, in a child process: the server started next sizes its KV cache from
+    the device's free memory, and only a process's exit gives back everything an engine held."""
+    from concurrent.futures import ProcessPoolExecutor
 
-    tandem = cluster.start(model=args.model, backends=["cpu"], cpu_threads=args.threads,
-                           max_active=args.num_requests, serve_http=False, rates=str(tmp / "rates.json"),
-                           rates_cache=str(tmp / "rates-cache.json"), profile="never",
-                           routing_log=str(tmp / "routing.jsonl"), metrics_port=_free_port(),
-                           log=lambda line: None)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_in_process, args).result()
+
+
+def _in_process(args: argparse.Namespace) -> dict[str, Any]:
+    engine = make_engine(args.model, args.device, max(4, int(256 * args.scale)), args.dtype, args.threads)
+    vocab = min(engine.model_config.vocab_size, VOCAB_HIGH)
+    results: dict[str, Any] = {"vocab": vocab}
+    for w in workloads(args.scale, vocab):
+        engine.set_max_active(w["max_active"])
+        runs = [burst(engine, w["prompts"], w["max_tokens"], f"{rep}-{w['max_active']}") for rep in range(args.repeats + 1)]
+        best = max(runs[1:], key=lambda r: r["tok_s"])  # the first run warms up (graphs, allocator)
+        results[w["name"]] = {"best": best["tok_s"], "runs": [round(r["tok_s"], 1) for r in runs[1:]],
+                              "ttft": ttft_spread(best["ttft_s"]),
+                              "steps": [best["steps"], round(1e3 * best["wall_s"] / best["steps"], 3)]}
+    engine.set_max_active(4)
+    prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=2, high=vocab)
+    ttfts = [burst(engine, [p], 16, f"ttft-{i}")["ttft_s"][0] for i, p in enumerate(prompts)][2:]
+    results["ttft"] = statistics.median(ttfts)
+    return results
+
+
+def _body(model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, handle: Any) -> dict[str, Any]:
+    import aiohttp
+
+    results: dict[str, Any] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for w in workloads(args.scale, vocab):
+            await handle.set_max_active.remote(w["max_active"])
+            row = results[w["name"]] = {"best": 0.0, "runs": []}
+            for rep in range(args.repeats + 1):
+                start, cpu_start = time.time(), time.process_time()
+                done = await asyncio.gather(*(post_streamed(session, url, _body(model, ids, m))
+                                              for ids, m in zip(w["prompts"], w["max_tokens"])))
+                elapsed, cpu = time.time() - start, time.process_time() - cpu_start
+                if any(r["error"] or r["status"] != 200 for r in done):
+                    raise RuntimeError(f"a request failed: {next(r for r in done if r['error'] or r['status'] != 200)}")
+                rate = sum(r["tokens"] for r in done) / elapsed
+                if rep:  # the first burst warms up, as in-process
+                    row["runs"].append(round(rate, 1))
+                if rep and rate > row["best"]:  # the client's own CPU: near 100% means the client set the pace
+                    row.update(best=rate, client_cpu=round(cpu / elapsed, 2),
+                               ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
+                               sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
+        await handle.set_max_active.remote(4)
+        prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=3, high=vocab)
+        ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
+        results["ttft"] = statistics.median(ttfts[2:])
+    return results
+
+
+def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
+                     seed: int, queue: Any) -> None:
+    """One client process: requests at `rate`/s (evenly spaced) for `duration_s`; latencies out."""
+    import aiohttp
+
+    async def run() -> tuple[list[float], int]:
+        rng = random.Random(seed)
+        latencies: list[float] = []
+        errors = 0
+
+        async def one(session: Any, due: float) -> None:
+            nonlocal errors
+            body = {"model": model, "prompt": [rng.randrange(3, vocab) for _ in range(32)], "max_tokens": 1,
+                    "temperature": 0, "ignore_eos": True}
+            await asyncio.sleep(max(0.0, due - time.time()))
+            try:
+                async with session.post(url, json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        return
+            except aiohttp.ClientError:
+                errors += 1
+                return
+            latencies.append(time.time() - due)
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            await asyncio.gather(*(one(session, start_at + i / rate) for i in range(int(rate * duration_s))))
+        return latencies, errors
+
+    queue.put(asyncio.run(run()))
+
+
+def capacity(url: str, model: str, vocab: int, rate: float, duration_s: float, clients: int) -> dict[str, Any]:
+    """`clients` processes sending `rate` short requests/s in all for `duration_s`: completed,
+    errors, achieved rate and latency percentiles."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    start_at = time.time() + 2.0  # every client is up by then
+    procs = [ctx.Process(target=_capacity_client, args=(url, model, vocab, rate / clients, duration_s, start_at,
+                                                        k, queue)) for k in range(clients)]
+    for p in procs:
+        p.start()
+    latencies, errors = [], 0
+    for _ in procs:
+        lat, err = queue.get()
+        latencies, errors = latencies + lat, errors + err
+    for p in procs:
+        p.join()
+    latencies.sort()
+    done = len(latencies)
+    span = duration_s + (latencies[-1] if latencies else 0.0)
+    return {"offered_req_s": rate, "completed": done, "errors": errors,
+            "achieved_req_s": round(done / span, 1) if done else 0.0,
+            "p50_ms": round(1e3 * latencies[done // 2], 1) if done else None,
+            "p99_ms": round(1e3 * latencies[min(done - 1, int(done * 0.99))], 1) if done else None}
+
+
+def through_http(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
+    import ray
+
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    max_active = max(w["max_active"] for w in workloads(args.scale, vocab))
+    start = time.perf_counter()
+    tandem = start_cluster(model=args.model, backends=[{"device": kind, "dtype": args.dtype}], max_active=max_active,
+                           max_pending_requests=args.max_pending,
+                           **({"cpu_threads": args.threads} if kind == "cpu" else {}),
+                           **({"http_replicas": args.http_replicas} if args.http_replicas else {}),
+                           **({"ingress": args.ingress} if args.ingress else {}))
+    started_s = time.perf_counter() - start
+    handle = next(iter(tandem.backends.values()))
     try:
-        runs = [asyncio.run(_served_run(tandem, args)) for _ in range(args.repeats + 1)][1:]
+        url = f"{tandem.url}/v1/completions"
+        model = ray.get(handle.info.remote()).model_name
+        results = asyncio.run(http_rows(args, url, model, vocab, handle))
+        ray.get(handle.set_max_active.remote(max_active))
+        curve = []
+        for rate in args.capacity_rates:
+            curve.append(capacity(url, model, vocab, rate, args.capacity_seconds, args.capacity_clients))
+            print(f"  capacity {rate:>6.0f} req/s offered: {curve[-1]}", flush=True)
     finally:
         tandem.shutdown()
-    return max(runs, key=lambda r: r["output_tok_s"])
+    return results, curve, started_s
 
 
-async def _served_run(tandem, args: argparse.Namespace) -> dict:
-    async def one(ids: list[int]) -> tuple[int, int]:
-        num_tokens = num_messages = 0
-        async for out in tandem.agenerate(ids, params(args)):
-            num_tokens += len(out.new_token_ids)
-            num_messages += 1
-        return num_tokens, num_messages
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(ids) for ids in prompts(args)))
-    elapsed = time.perf_counter() - start
-    return {"output_tok_s": sum(t for t, _ in results) / elapsed,
-            "messages_per_request": sum(m for _, m in results) / len(results)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if args.http:
-        return main_http(args)
-    tmp = Path(tempfile.mkdtemp(prefix="tandem-served-"))
-    (tmp / "rates.json").write_text(json.dumps({"cpu": {"prefill_tok_s": 500.0, "decode_tok_s": 50.0}}))
-    baseline = run_in_process(args)
-    rows = [{"system": "in-process LLMEngine", "output_tok_s": baseline, "messages_per_request": None}]
-    rows.append({"system": "through actors, one channel per caller on the same-node wire", **run_served(args, tmp)})
-    print(f"{args.num_requests} x ({args.prompt_tokens} -> {args.max_tokens}), model {args.model}, "
-          f"{args.threads} engine thread(s), best of {args.repeats}")
-    print(f"{'system':<72} {'out tok/s':>10} {'vs engine':>10} {'msgs/req':>9}")
-    for row in rows:
-        msgs = "" if row["messages_per_request"] is None else f"{row['messages_per_request']:.0f}"
-        print(f"{row['system']:<72} {row['output_tok_s']:>10.0f} {row['output_tok_s'] / baseline:>9.2f}x {msgs:>9}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "machine": machine_info(args.threads),
-                               **run_stamp()}, indent=1) + "\n")
-    return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def main_http(args: argparse.Namespace) -> int:
-    from bench.served_http import run
-
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), **result, "machine": machine_info(args.threads, args.device),
-                               **run_stamp()}, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run_http(args: argparse.Namespace) -> dict[str, Any]:
+    engine = in_process(args)
+    http, curve, started_s = through_http(args, engine["vocab"])
+    rows = []
+    for name in (w["name"] for w in workloads(args.scale, engine["vocab"])):
+        e, h = engine[name], http[name]
+        rows.append({"workload": name, "in_process_tok_s": round(e["best"], 1), "http_tok_s": round(h["best"], 1),
+                     "ratio": round(h["best"] / e["best"], 3), "in_process_tok_s_runs": e["runs"],
+                     "http_tok_s_runs": h["runs"],  # the best alone flatters a noisy row
+                     "ratio_of_medians": round(statistics.median(h["runs"]) / statistics.median(e["runs"]), 3),
+                     "client_cpu": h.get("client_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
+                     "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent")})
+    ttft = {"workload": f"1 at a time ({max(1, int(516 * args.scale))} -> 16), median TTFT",
+            "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
+            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2)}
+    print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; cluster up in {started_s:.1f} s")
+    for r in rows:
+        print(f"{r['workload']:<58} engine {r['in_process_tok_s']:>8.0f} tok/s, HTTP {r['http_tok_s']:>8.0f} "
+              f"({r['ratio']:.2f}x, medians {r['ratio_of_medians']:.2f}x), client CPU {r['client_cpu'] or 0:.0%}; "
+              f"TTFT p50/max ms {r['ttft_p50_max_ms']['in_process']} | {r['ttft_p50_max_ms']['http']}; "
+              f"sent in {r['client_send_spread_ms']} ms")
+    print(f"{ttft['workload']}: engine {ttft['in_process_ms']:.2f} ms, HTTP {ttft['http_ms']:.2f} ms "
+          f"({ttft['difference_ms']:+.2f})")
+    for c in curve:
+        print(f"capacity {c['offered_req_s']:.0f} req/s offered: {c['achieved_req_s']:.0f} achieved, "
+              f"p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms, {c['errors']} errors")
+    return {"rows": rows, "ttft": ttft, "capacity": curve, "setup": {"cluster_start_s": round(started_s, 1)}}

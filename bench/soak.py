@@ -1,39 +1,14 @@
-"""`python -m bench.soak` / `tandem bench soak`: one server under mixed traffic for a long time;
-does it lose requests, leak memory or slow down?
+"""`tandem bench soak`: one server under mixed traffic for a long time; does it lose requests,
+leak memory or slow down?
 
-It starts `tandem serve [--model M] --port PORT FLAGS` as bench/serve_load.py does (its `Server`:
-own process group, console in OUT/STEM.log, ready when /health answers 200, stopped with Ctrl-C),
-then C concurrent clients (httpx, one asyncio loop) send the mix of bench/soak_traffic.py back to
-back for `--duration-s`. Optionally (`--kill-backend-at-s`) one backend's process is killed at
-that second, as a crash would end it, and Ray restarts it (`--kill-backend ID` picks which, by the
-pid its ready line in the server's console carries).
-
-Every `--interval-s` it records (bench/soak_probe.py): the resident memory and open file
-descriptors of each process of the server (the serve process and Ray's processes under it), GPU
-memory where nvidia-smi is present (the server's processes, or the device's whole use where
-nvidia-smi cannot see them from inside a container), the KV blocks in use per backend (/metrics), and the
-requests that finished in the interval with their outcomes and p50/p99 latency. Before the
-traffic and after it has drained it reads the KV gauges again at idle.
-
-The checks, each with its bound in the JSON (`--max-*` flags):
-- lost = 0 and hung = 0: every request got its answer, a 4xx it deserved, or a 429/503 (no
-  timeout, no byte-less wait of `--hang-s`, no dropped connection, no stray 5xx);
-- memory after warm-up: the server's RSS (idle pool workers aside) in the last interval minus
-  the second, and the least-squares slope over the intervals from the second on (MiB/min);
-  GPU memory in the last interval minus the second, where there is a GPU;
-- latency: p99 in the last interval within `--max-p99-growth` (20 %) of the second interval's;
-- idle KV: no block in use on any backend once the traffic has drained;
-- the server is still up at the end.
-The first interval is warm-up (Ray's worker pool, allocator arenas, grammar caches fill there),
-hence the second as reference. A check needs three intervals; with fewer it is skipped.
-
-Writes OUT/STEM.json (command, machine, settings, intervals, totals, checks), OUT/STEM.md (the
-table and the checks) and OUT/STEM.png (RSS, GPU memory and p99 over time; needs matplotlib).
-Exits 1 if a check fails, 2 if the server did not start, 3 if the bench itself broke (the
-report then carries its traceback). Example (a GPU box):
-
-    python -m bench.soak --model qwen2.5-0.5b-random --flags='--backends cuda,cpu' \\
-        --duration-s 1800 --kill-backend-at-s 900 --kill-backend cuda0 --out /tmp/soak
+It starts `tandem serve` (bench/harness.py's `Server`), then C clients send bench/soak_traffic.py's
+mix back to back for `--duration-s`, optionally killing one backend's process at
+`--kill-backend-at-s` as a crash would (Ray restarts it). Every `--interval-s` it records
+(bench/soak_probe.py) each server process's RSS and open fds, GPU memory, the KV blocks in use,
+and the interval's outcomes and p50/p99. bench/soak_report.py judges the run: nothing lost or
+hung, memory and p99 of the last interval against the second (the first is warm-up), no KV
+block in use at idle, the server still up. Writes OUT/STEM.json, .md and .png; exits 1 if a
+check fails, 2 if the server did not start, 3 if the bench broke (the report has the traceback).
 """
 
 from __future__ import annotations
@@ -44,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -53,8 +27,10 @@ from typing import Any
 import httpx
 
 from bench import soak_probe
-from bench.serve_load import Server, machine_facts, percentile
-from bench.soak_report import checks, markdown, write_json, write_report
+from bench._machine import command, machine_info
+from bench.harness import Server, served_model, write_json
+from bench.metrics import percentile
+from bench.soak_report import checks, markdown, write_report
 from bench.soak_traffic import KIND_WEIGHTS, OUTCOMES, Planner, Record, monotonic_clock, send, timeouts
 
 IDLE_POLL_S = 2.0
@@ -92,13 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the server's HTTP port (default 8000)")
     parser.add_argument("--start-timeout-s", type=float, default=600.0,
                         help="how long the server may take to answer /health 200 (default 600)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return parser
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -239,29 +208,13 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def served_card(url: str, api_key: str | None) -> tuple[str, int]:
-    with httpx.Client(base_url=url, timeout=30.0, headers=auth_headers(api_key)) as client:
-        response = client.get("/v1/models")
-    if response.status_code != 200:
-        raise RuntimeError(f"GET /v1/models answered {response.status_code}: {response.text[:300]}")
-    card = response.json()["data"][0]
-    if not card.get("max_model_len"):
-        raise RuntimeError("the server's /v1/models card has no max_model_len; this bench needs a Tandem that "
-                           "reports it")
-    return card["id"], int(card["max_model_len"])
-
-
-def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """The bench; `argv` (its own arguments) is recorded as the command, default from sys.argv."""
+def run(args: argparse.Namespace) -> int:
     if args.interval_s <= 0 or args.duration_s <= 0 or args.clients < 1:
         raise SystemExit("error: --duration-s and --interval-s must be positive and --clients at least 1")
-    if argv is None:
-        argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "soak"] else sys.argv[1:]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "command": redacted(shlex.join(["python", "-m", "bench.soak", *argv])),
-        "machine": machine_facts(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": redacted(command()), "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {k: (redacted(v) if k == "flags" else str(v) if isinstance(v, Path) else v)
                      for k, v in vars(args).items()
                      if not k.startswith("_") and k not in ("bench_command", "command", "api_key")},
@@ -271,7 +224,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return soak_and_report(args, report, out)
     except Exception:  # noqa: BLE001 -- the report says where the bench itself broke, and the exit code is 3
         report["error"] = traceback.format_exc()
-        write_json(report, out, args.stem)
+        write_json(out / f"{args.stem}.json", report)
         print(f"soak: the bench failed:\n{report['error']}", flush=True)
         return 3
 
@@ -279,7 +232,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 def soak_and_report(args: argparse.Namespace, report: dict[str, Any], out: Path) -> int:
     soak_a_server(args, report, out)
     if "error" in report["server"]:
-        write_json(report, out, args.stem)
+        write_json(out / f"{args.stem}.json", report)
         print(f"soak: the server did not serve: {report['server']['error']}; see {out / args.stem}.log", flush=True)
         return 2
     report["checks"] = checks(report, args)
@@ -303,9 +256,10 @@ def soak_a_server(args: argparse.Namespace, report: dict[str, Any], out: Path) -
             report["server"]["error"] = failure
             return
         try:
-            model, max_model_len = served_card(server.url, args.api_key)
-        except (RuntimeError, ValueError, KeyError, IndexError, httpx.HTTPError) as exc:
-            report["server"]["error"] = f"GET /v1/models: {exc}"
+            card = served_model(server.url, auth_headers(args.api_key))
+            model, max_model_len = card["id"], int(card["max_model_len"])
+        except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:
+            report["server"]["error"] = f"GET /v1/models (this bench needs the card's max_model_len): {exc}"
             return
         report.update(model=model, max_model_len=max_model_len)
         print(f"soak: up in {report['server']['start_s']} s, {model!r} (context {max_model_len}); "
@@ -317,11 +271,3 @@ def soak_a_server(args: argparse.Namespace, report: dict[str, Any], out: Path) -
     finally:
         report["server"]["stop"] = server.stop()
         report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,11 @@
-"""What the soak bench samples from a running server, outside it: each Tandem process's
-resident memory and open file descriptors, GPU memory, and the backends' KV blocks in use.
+"""What the soak bench samples from a running server, outside it: each Tandem process's resident
+memory and open file descriptors, GPU memory, and the backends' KV blocks in use.
 
-The processes are found by walking the process tree down from the `tandem serve` process the
-bench started: `ray.init` in that process starts Ray's own daemons as its children and the
-actors (backends, router, Serve's replicas) as their children, so the tree is the whole server
-and nothing else. psutil reads them where it is installed (Ray depends on it); else /proc
-(Linux). Ray names an actor's process `ray::<Class>` (and `ray::<Class>.<method>` while it runs
-a task), which gives each process a stable role across samples; `ray::IDLE` workers come and go
-with Ray's worker pool and are recorded but left out of the totals that the memory checks use.
-
-GPU memory comes from `nvidia-smi --query-compute-apps` filtered to the tree's pids, not from
-torch: this process must not hold a CUDA context of its own. KV blocks come from the server's
-Prometheus page (`/metrics`), whose gauges Ray refreshes every few seconds: `kv_cache_usage` is
-the fraction of blocks held by requests and `kv_cache_free_blocks` the rest, so the blocks in use
-are free x usage / (1 - usage).
+The processes are the tree under the `tandem serve` process (psutil): Ray's daemons and the
+actors all descend from it. Ray names an actor's process `ray::<Class>`, a stable role across
+samples; `ray::IDLE` pool workers come and go and are left out of the totals the checks use.
+GPU memory comes from nvidia-smi, so this process holds no CUDA context. KV blocks come from the
+server's /metrics: blocks in use = free x usage / (1 - usage).
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ from tandem.actors.metrics import BACKEND_METRICS
 
 IDLE_ROLE = "ray::IDLE"
 BACKEND_ROLE = "ray::BackendActor"
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _BACKEND_LABEL = re.compile(r'backend="([^"]*)"')
 _EXPORTED = {spec.name: spec.exported_name for spec in BACKEND_METRICS}
@@ -51,34 +42,13 @@ class ProcessSample:
 # -- the process tree --------------------------------------------------------------------------
 def process_tree(root_pid: int) -> list[int]:
     """`root_pid` and every descendant alive now."""
-    try:
-        import psutil
-    except ImportError:
-        return _proc_tree(root_pid)
+    import psutil
+
     try:
         root = psutil.Process(root_pid)
         return [root_pid] + [child.pid for child in root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-def _proc_tree(root_pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    if not Path(f"/proc/{root_pid}").exists():
-        return []
-    found, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def role_of(pid: int, root_pid: int, cmdline: list[str], parent_role: str | None = None) -> str:
@@ -103,17 +73,8 @@ def role_of(pid: int, root_pid: int, cmdline: list[str], parent_role: str | None
 
 def _read_process(pid: int) -> tuple[list[str], int, float, int] | None:
     """(cmdline, parent pid, RSS MiB, open fds) or None if it is gone or not ours to read."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-            return ([c for c in cmdline if c], ppid, rss_pages * _PAGE_SIZE / MIB,
-                    len(os.listdir(f"/proc/{pid}/fd")))
-        except (OSError, IndexError, ValueError):
-            return None
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():

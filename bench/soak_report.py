@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.harness import write_json
+
 MIN_INTERVALS = 3
 
 
@@ -102,7 +104,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"Command: `{report['command']}`", "",
              f"Server: `{report['server']['command']}`", "",
              f"Machine: {report['machine'].get('cpu_model')}, {report['machine'].get('cpus_usable')} usable CPUs, "
-             f"{report['machine'].get('gpus') or 'no GPU'}; git {report['machine'].get('git_revision')}; "
+             f"{report['machine'].get('gpu') or 'no GPU'}; git {report['machine'].get('git_revision')}; "
              f"{report['started']} to {report['finished']}.", "",
              "| interval (s) | done | ok | rejected | refused | hung up | hung | lost | p50 ms | p99 ms "
              "| RSS MiB | fds | GPU MiB | KV blocks in use |",
@@ -174,15 +176,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_json(report: dict[str, Any], out: Path, stem: str) -> Path:
-    """OUT/STEM.json: the report as it stands (a partial one, after a failure, too)."""
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return path
-
-
 def write_report(report: dict[str, Any], out: Path, stem: str) -> list[Path]:
-    paths = [write_json(report, out, stem), out / f"{stem}.md"]
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
+    write_json(paths[0], report)
     paths[1].write_text(markdown(report))
     if plot(report, out / f"{stem}.png"):
         paths.append(out / f"{stem}.png")

@@ -1,23 +1,11 @@
 """The soak bench's traffic: the kinds of request it mixes, and one request sent and judged.
 
-Each kind is what a production server meets from real clients, so a long run exercises every
-path that could leak or wedge: plain and streamed completions, several choices per request
-(`n`), structured outputs (a JSON schema), a forced tool call, prompts near the context limit,
-clients that hang up mid-stream, and malformed requests that must be refused with their 4xx.
-
-Every request ends in exactly one outcome, and the bench's first check is that none is `lost`
-or `hung`:
-- `ok`: the answer the kind asked for (200, a complete body or a stream ending in [DONE]);
-- `rejected`: a malformed request refused with the status it deserves;
-- `refused`: 429 (admission) or 503 (no backend can take it, or the stream's backend died: its
-  error event says `service_unavailable`), each a documented, retryable answer;
-- `hung_up`: the client hung up on purpose after reading what it wanted;
-- `hung`: no byte for `hang_s` seconds (httpx's connect/read timeout is exactly that);
-- `lost`: anything else (a dropped connection, a 5xx other than 503, a status the request did
-  not deserve, a stream cut without [DONE], an error event other than unavailability).
-
-Prompts are token ids in [3, 250) (every vocabulary has them) or short English for chat, drawn
-from a seeded `random.Random` per client, so a run's traffic is reproducible.
+Each kind is what a production server meets: plain and streamed completions, `n` choices, a JSON
+schema, a forced tool call, prompts near the context limit, clients that hang up mid-stream,
+and malformed requests that must get their 4xx. Every request ends in one outcome: `ok` (the
+answer asked for), `rejected` (a deserved 4xx), `refused` (429, or 503 / a
+`service_unavailable` error event: retryable), `hung_up` (on purpose), `hung` (no byte for
+`hang_s`) or `lost` (anything else). Prompts come from a seeded RNG per client.
 """
 
 from __future__ import annotations

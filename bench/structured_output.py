@@ -1,31 +1,15 @@
-"""Structured-output benchmark: what a JSON-schema constraint costs per decode step, against
+"""`tandem bench structured-output`: what a JSON-schema constraint costs per decode step, against
 unconstrained decoding of the same prompts, in the same run, on the same engine.
 
-Two parts, both at each batch size (default 4 and 64):
-
-* engine: B requests at once through `LLMEngine`, every one decoding exactly --max-tokens
-  tokens. Unconstrained rows ignore EOS; constrained rows follow `ENGINE_SCHEMA`, an array of at
-  least 30 objects that no request can finish within --max-tokens, so both runs take the same
-  number of steps with the same batch. Reported per decode step: wall time, and inside it the
-  time the sampler spent filling and applying the grammar masks (`apply_grammars`) and the
-  engine spent advancing the matchers (`OutputProcessor.advance_grammars`); decode tok/s. On
-  cuda the engine schedules asynchronously, and a step with grammar rows cannot (its mask needs
-  the previous step's token), so the unconstrained run is also done synchronously: the
-  difference between the two unconstrained rows is the price of the lost overlap, the rest is
-  the grammar's own.
-* mask: the grammar libraries alone (xgrammar, which Tandem uses, and llguidance when it is
-  installed), on the engine's tokenizer or --tokenizer DIR: B matchers walk a fixed valid
-  document of `MASK_SCHEMA` token by token, and each step's bitmask fill for all B rows is
-  timed (serially, and through llguidance's thread pool), then one bitmask applied to [B, vocab]
-  logits on the device (xgrammar's kernel and the torch reference).
-
-    python -m bench.structured_output                           # CPU, SmolLM2
-    python -m bench.structured_output --device cuda --model qwen2.5-0.5b-random --dtype bfloat16 \\
-        --tokenizer DIR_WITH_A_REAL_TOKENIZER
-
-Random-weight presets have a 259-token byte tokenizer, so their engine rows mask a tiny
-vocabulary: the mask part with --tokenizer is what shows a real vocabulary's cost there.
-Prints a table and writes JSON (--out).
+* engine: B requests at once, each decoding exactly --max-tokens tokens: unconstrained (EOS
+  ignored) or following `ENGINE_SCHEMA` (which none can finish in that many). Per decode step:
+  wall time, the time filling and applying grammar masks (`apply_grammars`) and accepting the
+  sampled tokens (`RequestGrammar.accept_token`), decode tok/s. On cuda a step with grammar rows
+  cannot be scheduled asynchronously, so the unconstrained run is done both ways: the
+  difference is the lost overlap, the rest the grammar's own.
+* mask: xgrammar alone on the engine's tokenizer or --tokenizer DIR (random presets have a
+  259-token byte vocabulary): B matchers walk a valid `MASK_SCHEMA` document, each step's fill
+  timed, then one bitmask applied to [B, vocab] logits (xgrammar's kernel and the torch one).
 """
 
 from __future__ import annotations
@@ -34,18 +18,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench._machine import machine_info, run_stamp
+from bench._machine import stamp
+from bench.harness import make_engine, sync_device, write_json
 from tandem.engine import structured_output
-from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import StructuredOutputParams, apply_token_bitmask, apply_token_bitmask_torch
+from tandem.engine.structured_output import (RequestGrammar, StructuredOutputParams, apply_token_bitmask,
+                                             apply_token_bitmask_torch)
 
 ENGINE_SCHEMA = {"type": "array", "minItems": 30, "items": {
     "type": "object", "required": ["name", "age", "city"],
@@ -81,12 +64,12 @@ class _Timer:
         return timed
 
 
-def _prompts(engine: LLMEngine, batch: int) -> list[list[int]]:
+def _prompts(engine, batch: int) -> list[list[int]]:
     return [engine.apply_chat_template([{"role": "user", "content": f"List {TOPICS[i % len(TOPICS)]} as JSON "
                                          f"(number {i}), with name, age and city."}]) for i in range(batch)]
 
 
-def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool, async_scheduling: bool) -> dict:
+def run_engine(engine, batch: int, max_tokens: int, constrained: bool, async_scheduling: bool) -> dict:
     """One run of `batch` requests; decode-step timings from the steps that prefilled nothing."""
     engine.async_scheduling = async_scheduling
     spec = StructuredOutputParams.from_json_schema(ENGINE_SCHEMA) if constrained else None
@@ -95,10 +78,9 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
     for i, prompt in enumerate(_prompts(engine, batch)):
         engine.add_request(f"r{i}", prompt, params)
     mask, accept = _Timer(), _Timer()
-    processor = engine.output_processor
-    original_apply, original_advance = structured_output.apply_grammars, processor.advance_grammars
+    original_apply, original_accept = structured_output.apply_grammars, RequestGrammar.accept_token
     structured_output.apply_grammars = mask.wrap(original_apply)
-    processor.advance_grammars = accept.wrap(original_advance)
+    RequestGrammar.accept_token = accept.wrap(original_accept)
     decode_steps, decode_s, num_tokens, reasons = 0, 0.0, 0, set()
     start = time.perf_counter()
     try:
@@ -112,8 +94,7 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
             num_tokens += sum(len(o.new_token_ids) for o in outputs)
             reasons.update(o.finish_reason for o in outputs if o.finished)
     finally:
-        structured_output.apply_grammars = original_apply
-        del processor.advance_grammars
+        structured_output.apply_grammars, RequestGrammar.accept_token = original_apply, original_accept
     wall = time.perf_counter() - start
     if num_tokens != batch * max_tokens or reasons != {"length"}:
         raise RuntimeError(f"expected {batch} x {max_tokens} tokens ending by length, got {num_tokens} ({reasons})")
@@ -125,7 +106,7 @@ def run_engine(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool
             "decode_tok_s": round(batch * 1e3 / step_ms, 1), "tok_s": round(num_tokens / wall, 1)}
 
 
-def engine_rows(engine: LLMEngine, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
+def engine_rows(engine, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
     modes = [(False, False), (True, False)]
     if engine.device.type == "cuda":
         modes.insert(0, (False, True))
@@ -143,71 +124,33 @@ def engine_rows(engine: LLMEngine, batches: list[int], max_tokens: int, repeats:
 
 
 # -- mask ------------------------------------------------------------------------------------
-def _xgrammar_matchers(tokenizer, vocab_size: int, batch: int, eos: list[int]):
+def mask_rows(tokenizer, vocab_size: int, eos: list[int], batches: list[int], device: torch.device) -> list[dict]:
     import xgrammar
 
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-    start = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(MASK_SCHEMA), any_whitespace=False, strict_mode=True)
-    compile_s = time.perf_counter() - start
-    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
-    return compile_s, matchers, lambda m, bitmask, i: m.fill_next_token_bitmask(bitmask, i), \
-        lambda m, t: m.accept_token(t), None
-
-
-def _llguidance_matchers(tokenizer, vocab_size: int, batch: int, eos: list[int]):
-    import llguidance
-    import llguidance.hf
-    import llguidance.torch
-
-    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos[0])
-    start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(MASK_SCHEMA, defaults={
-        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-    matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(batch)]
-    compile_s = (time.perf_counter() - start) / batch
-    executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
-
-    def fill_all(ms, bitmask):
-        llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(ms)], bitmask)
-
-    return compile_s, matchers, lambda m, bitmask, i: llguidance.torch.fill_next_token_bitmask(m, bitmask, i), \
-        lambda m, t: m.consume_token(t), fill_all
-
-
-def mask_rows(tokenizer, vocab_size: int, eos: list[int], batches: list[int], device: torch.device) -> list[dict]:
-    import importlib.util
-
     doc_ids = tokenizer.encode(json.dumps(MASK_DOCUMENT), add_special_tokens=False)
-    libraries = {"xgrammar": _xgrammar_matchers}
-    if importlib.util.find_spec("llguidance") is not None:
-        libraries["llguidance"] = _llguidance_matchers
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
     rows = []
     for batch in batches:
-        for name, make in libraries.items():
-            compile_s, matchers, fill, accept, fill_all = make(tokenizer, vocab_size, batch, eos)
-            bitmask = torch.full((batch, structured_output.bitmask_width(vocab_size)), -1, dtype=torch.int32)
-            serial, parallel = [], []
-            for token in doc_ids + [eos[0]]:
-                start = time.perf_counter()
-                for i, m in enumerate(matchers):
-                    fill(m, bitmask, i)
-                serial.append(time.perf_counter() - start)
-                if fill_all is not None:
-                    start = time.perf_counter()
-                    fill_all(matchers, bitmask)
-                    parallel.append(time.perf_counter() - start)
-                if not all(accept(m, token) for m in matchers):
-                    raise RuntimeError(f"{name} refused a token of the valid document")
-            row = {"library": name, "batch": batch, "vocab_size": vocab_size, "steps": len(serial),
-                   "compile_ms": round(1e3 * compile_s, 2), "fill_ms_mean": round(1e3 * statistics.mean(serial), 3),
-                   "fill_ms_p50": round(1e3 * statistics.median(serial), 3),
-                   "fill_ms_max": round(1e3 * max(serial), 3),
-                   "fill_par_ms_mean": round(1e3 * statistics.mean(parallel), 3) if parallel else None}
-            row.update(_apply_ms(bitmask, vocab_size, device))
-            rows.append(row)
-            print(_mask_line(row), flush=True)
+        start = time.perf_counter()
+        compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(
+            json.dumps(MASK_SCHEMA), any_whitespace=False, strict_mode=True)
+        compile_s = time.perf_counter() - start
+        matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
+        bitmask = torch.full((batch, structured_output.bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        fills = []
+        for token in doc_ids + [eos[0]]:
+            start = time.perf_counter()
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+            fills.append(time.perf_counter() - start)
+            if not all(m.accept_token(token) for m in matchers):
+                raise RuntimeError("xgrammar refused a token of the valid document")
+        row = {"library": "xgrammar", "batch": batch, "vocab_size": vocab_size, "steps": len(fills),
+               "compile_ms": round(1e3 * compile_s, 2), "fill_ms_mean": round(1e3 * statistics.mean(fills), 3),
+               "fill_ms_p50": round(1e3 * statistics.median(fills), 3), "fill_ms_max": round(1e3 * max(fills), 3),
+               **_apply_ms(bitmask, vocab_size, device)}
+        rows.append(row)
+        print(_mask_line(row), flush=True)
     return rows
 
 
@@ -220,18 +163,13 @@ def _apply_ms(bitmask: torch.Tensor, vocab_size: int, device: torch.device, repe
         times = []
         for _ in range(repeats):
             work = logits.clone()
-            _sync(device)
+            sync_device()
             start = time.perf_counter()
             fn(work, bitmask.to(device, non_blocking=True), rows)
-            _sync(device)
+            sync_device()
             times.append(time.perf_counter() - start)
         out[name] = round(1e3 * statistics.median(times), 3)
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -243,9 +181,8 @@ def _engine_line(r: dict) -> str:
 
 
 def _mask_line(r: dict) -> str:
-    par = f"{r['fill_par_ms_mean']:.3f}" if r["fill_par_ms_mean"] is not None else "-"
     return (f"  mask   B={r['batch']:<3} {r['library']:<11} fill mean {r['fill_ms_mean']:.3f}"
-            f" p50 {r['fill_ms_p50']:.3f} max {r['fill_ms_max']:.3f} par {par} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
+            f" p50 {r['fill_ms_p50']:.3f} max {r['fill_ms_max']:.3f} ms  apply kernel {r['apply_ms_kernel']:.3f} torch"
             f" {r['apply_ms_torch']:.3f} ms  compile {r['compile_ms']:.1f} ms")
 
 
@@ -265,8 +202,7 @@ def summary(engine: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -276,11 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="engine runs per row (the fastest is kept)")
     parser.add_argument("--tokenizer", help="a tokenizer directory for the mask part (default: the model's)")
     parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument("--out", default="structured-output.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path("structured-output.json"))
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
-                                    max_active=max(args.batch)))
+
+def run(args: argparse.Namespace) -> int:
+    engine = make_engine(args.model, args.device, max(args.batch), args.dtype, args.threads)
     print(f"{args.model} on {args.device} ({args.dtype}), torch threads {torch.get_num_threads()}", flush=True)
     engine_results = [] if args.skip_engine else engine_rows(engine, args.batch, args.max_tokens, args.repeats)
     if args.tokenizer:
@@ -292,17 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, vocab_size = engine.tokenizer, engine.grammar_compiler.vocab_size
         eos = list(engine.eos_token_ids)
     mask_results = mask_rows(tokenizer, vocab_size, eos, args.batch, engine.device)
-    result = {"load_average": os.getloadavg(), "stamp": run_stamp(),
-              "machine": machine_info(torch.get_num_threads(), args.device), "command": " ".join(sys.argv),
-              "args": vars(args), "engine": engine_results, "summary": summary(engine_results), "mask": mask_results}
+    result = {**stamp(torch.get_num_threads(), args.device), "load_average": os.getloadavg(),
+              "args": {k: str(v) for k, v in vars(args).items()}, "engine": engine_results,
+              "summary": summary(engine_results), "mask": mask_results}
     for line in result["summary"]:
         print(f"  B={line['batch']}: json_schema costs {line['overhead_ms_per_step']:+.2f} ms/step "
               f"({line['overhead_pct']:+.1f}%) against unconstrained decoding"
               + (f"; {line['overhead_vs_async_ms_per_step']:+.2f} ms ({line['overhead_vs_async_pct']:+.1f}%) "
                  "against the asynchronous unconstrained step" if "overhead_vs_async_pct" in line else ""))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,14 +1,8 @@
-"""From run records to cells: per-arm means and spreads, hybrid vs baseline, the oracle, routing.
-
-A *cell* is one workload setting; its run records (one per arm and run, see bench/harness.py)
-are grouped here into what the report shows:
-
-- per arm, the mean and spread of every metric over runs (bench/metrics.py);
-- for every other arm against the accelerator-only baseline: the relative change of each
-  metric and whether it is worse beyond the run-to-run spread;
-- the oracle and the router's share of its gain (bench/oracle.py), for the `cost` arm;
-- for each hybrid run, the routing decisions around the first request sent off the
-  accelerator (the design's worked example shows those).
+"""From run records to cells: per arm the mean and spread of every metric over runs
+(bench/metrics.py); every other arm against accelerator-only, each metric's change and whether it
+is worse beyond the run-to-run spread; the oracle and the router's share of its gain
+(bench/oracle.py); and the routing decisions around each hybrid run's first offload (the
+design's worked example shows those).
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Benchmark workloads: which prompts arrive when, and what each backend's cache is seeded with.
 
-A workload is plain data (token ids and arrival offsets), built from a seeded RNG so every arm
-and run of a cell sees exactly the same requests. Prompts are token-id lists, sent to the HTTP
-API as `prompt: [ids]`, so prompt lengths and shared prefixes are exact in tokens whatever the
-tokenizer. Ids are drawn from 32..126: printable ASCII in the byte tokenizer of the random
-presets, and ordinary tokens in SmolLM2's vocabulary, so the same workload runs on any preset.
-
-Two shapes here, and a third in bench/tenants.py (many tenants with shared prefixes):
-
-- `spec_workload`: the design's experiment. Every request has the same 516-token prompt; both
-  caches are seeded with the prompt's first 508 tokens, which leaves 31 full 16-token blocks
-  (496 tokens) reusable, the number the design's worked example reports.
-- `sweep_workload`: a shared prefix sized to a target cache-hit rate (rounded to whole blocks,
-  since only full blocks are cached: 96% of 516 is 496 tokens), then a suffix of its own per request, so each
-  request hits exactly the seeded prefix and nothing from the requests before it. Arrivals are
-  at a fixed interval or Poisson.
+The benches' request shapes live here (bench/tenants.py adds the multi-tenant one, bench/soak_traffic.py
+the soak's kinds of request), drawn from a seeded RNG so every arm and run of a cell sees the
+same requests. Prompts are token ids, so lengths and shared prefixes are exact whatever the
+tokenizer; ids 32..126 are printable ASCII in the random presets' byte tokenizer and ordinary
+SmolLM2 tokens. `spec_workload` is the design's experiment (identical 516-token prompts, caches
+seeded with the first 508: 31 reusable 16-token blocks); `sweep_workload` a seeded prefix of a
+target cache-hit rate in whole blocks plus a suffix per request; `varied_requests` lengths
+uniform in ranges (workload W: 512 requests, 64-2,048 prompt and 32-1,024 output tokens);
+`nanovllm_requests` nano-vllm's benchmark; `priority_mix` urgent requests among batch work.
 """
 
 from __future__ import annotations
@@ -174,3 +168,86 @@ class CellSpec:
         return sweep_workload(self.num_requests, self.prompt_tokens, self.max_tokens, self.cache_hit, arrivals,
                               token_seed, block_size, self.name,
                               {"arrival": self.arrival, "interval_s": self.interval_s, "rate_per_s": self.rate_per_s})
+
+
+def random_prompts(num: int, length: int, seed: int, low: int = 3, high: int = 250) -> list[list[int]]:
+    """`num` prompts of `length` random ids in [low, high): no two share a prefix."""
+    rng = random.Random(seed)
+    return [[rng.randrange(low, high) for _ in range(length)] for _ in range(num)]
+
+
+def shared_prefix_prompts(num: int, length: int, prefix: int, seed: int, low: int = 3,
+                          high: int = 250) -> list[list[int]]:
+    """`num` prompts of `length` ids whose first `prefix` are the same, the rest each its own."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(low, high) for _ in range(prefix)]
+    return [shared + [rng.randrange(low, high) for _ in range(length - prefix)] for _ in range(num)]
+
+
+W = (512, (64, 2048), (32, 1024))  # workload W: requests, prompt and output length ranges
+
+
+def varied_requests(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+                    scale: float = 1.0, max_model_len: int | None = None, low: int = 3,
+                    high: int = 250) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per request: lengths uniform in the ranges times `scale`, capped so
+    prompt + output fits `max_model_len`."""
+    rng = random.Random(seed)
+    ids = range(low, high)
+    requests = []
+    for _ in range(num):
+        num_prompt = rng.randint(int(prompt_range[0] * scale), int(prompt_range[1] * scale))
+        num_output = rng.randint(int(output_range[0] * scale), int(output_range[1] * scale))
+        if max_model_len is not None:
+            num_prompt = min(num_prompt, max_model_len - 1)
+            num_output = min(num_output, max_model_len - num_prompt)
+        requests.append((rng.choices(ids, k=num_prompt), num_output))
+    return requests
+
+
+def nanovllm_requests(num: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
+    """nano-vllm's bench.py: prompt lengths, then output lengths, each uniform in [100, 1024]."""
+    rng = random.Random(seed)
+    prompts = [rng.choices(range(3, 250), k=rng.randint(100, 1024)) for _ in range(num)]
+    return [(prompt, rng.randint(100, 1024)) for prompt in prompts]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Urgent requests (short, priority 0, a TTFT deadline) mixed among batch work (priority 1)."""
+
+    urgent_share: float = 0.2
+    deadline_ms: float = 500.0
+    urgent_prompt_tokens: int = 64
+    urgent_max_tokens: int = 16
+    batch_prompt_tokens: int = 256
+    batch_max_tokens: int = 128
+
+
+@dataclass
+class PriorityRequest:
+    index: int
+    arrival_s: float
+    urgent: bool
+    prompt: list[int]
+    max_tokens: int
+
+
+def priority_mix(rate_per_s: float, duration_s: float, traffic: Traffic, seed: int,
+                 prompts_of: str = "") -> list[PriorityRequest]:
+    """Poisson arrivals over `duration_s`; each request urgent with probability `urgent_share`.
+
+    Arrivals and classes come from `seed` alone, so every arm sees the same traffic; the prompts'
+    tokens also from the rate and `prompts_of` (the arm), because arms and rates run one after
+    another on one cluster and a prompt seen before would be a prefix-cache hit for the later one."""
+    rng = random.Random(seed)
+    tokens = random.Random(f"{seed}/{rate_per_s}/{prompts_of}")
+    requests, t = [], rng.expovariate(rate_per_s)
+    while t < duration_s:
+        urgent = rng.random() < traffic.urgent_share
+        num_prompt = traffic.urgent_prompt_tokens if urgent else traffic.batch_prompt_tokens
+        prompt = [tokens.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(num_prompt)]
+        max_tokens = traffic.urgent_max_tokens if urgent else traffic.batch_max_tokens
+        requests.append(PriorityRequest(len(requests), t, urgent, prompt, max_tokens))
+        t += rng.expovariate(rate_per_s)
+    return requests

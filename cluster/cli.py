@@ -19,7 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "route-sim": ("tandem.cluster.route_sim_cli", "replay a routing scenario through the what-if simulator"),
     "serve": ("tandem.cluster.serve_cli", "start the cluster and its OpenAI-compatible HTTP API"),
     "profile": ("tandem.cluster.profile_cli", "measure each backend's rates alone and write the router's rates file"),
-    "bench": ("bench.cli", "end-to-end benchmarks through the HTTP endpoint: seed experiment, sweep, tenants, soak, report"),
+    "bench": ("bench.cli", "the benchmarks: end to end through HTTP (seed, sweep, tenants, soak), and of the engine, "
+                           "the serving path and the router"),
 }
 
 

@@ -29,10 +29,10 @@ from tandem.engine.attention.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 
 # Launch settings (tiles of BLOCK_N context tokens, warps, pipeline stages, and how many
-# programs a decode launch aims for by splitting contexts), chosen on the H200 with
-# `python -m bench.attention_sweep` on workload W's shapes (256 decodes of 600-3,000-token
-# contexts, with and without a 1,500-token prompt; results in docs/benchmarks/throughput-h200.md,
-# "Attention retuned on W's shapes"). Each launch reads them, so a sweep can change them.
+# programs a decode launch aims for by splitting contexts), chosen on the H200 by a sweep on
+# workload W's shapes (256 decodes of 600-3,000-token contexts, with and without a 1,500-token
+# prompt; results and the sweep's commit in docs/benchmarks/throughput-h200.md, "Attention
+# retuned on W's shapes"). Each launch reads them, so a sweep can change them.
 DECODE_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 4096, "max_splits": 16}
 PREFILL_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 

@@ -1,4 +1,4 @@
-"""bench/deadlines.py for a few seconds on two CPU backends of a tiny random model (real Ray,
+"""`tandem bench deadlines` for a few seconds on two CPU backends of a tiny random model (real Ray,
 Serve, HTTP and engines), in a subprocess: the bench starts its own Ray instance, which must not
 meet the session cluster of tests/cluster. It checks that both arms replay the same workload,
 every request is answered (200, or 429 for an urgent one in the deadline arm only), the
@@ -10,15 +10,22 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from bench.deadlines import Outcome, Traffic, format_table, make_workload, request_body, summarize, timeline
+from bench.deadlines import Outcome, format_table, request_body, summarize
+from bench.workload import Traffic
+from bench.workload import priority_mix as make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 RATES = {"prefill_tok_s": 2000.0, "decode_tok_s": 200.0}
+
+
+def outcome(index, urgent, send_s, status=0, first_text_s=None, end_s=None, num_output_tokens=0,
+            projected_ttft_s=None, **kw):
+    return Outcome(index, send_s, status=status, first_text_s=first_text_s, end_s=end_s,
+                   num_output_tokens=num_output_tokens, projected_ttft_s=projected_ttft_s, urgent=urgent, **kw)
 
 
 def test_workload_mix_and_bodies_are_seeded_and_per_arm():
@@ -43,9 +50,9 @@ def test_workload_mix_and_bodies_are_seeded_and_per_arm():
 
 def test_summary_figures():
     traffic = Traffic(deadline_ms=500)
-    outcomes = [Outcome(0, True, 0.0, 200, 0.2, 0.5, 4, 0.1, backend="cpu0"),
-                Outcome(1, True, 1.0, 200, 1.9, 2.0, 4, 0.5, backend="cpu1"),
-                Outcome(2, True, 2.0, 429, None, 2.01), Outcome(3, False, 0.5, 200, 0.9, 4.5, 40, 0.3, backend="cpu0")]
+    outcomes = [outcome(0, True, 0.0, 200, 0.2, 0.5, 4, 0.1, backend="cpu0"),
+                outcome(1, True, 1.0, 200, 1.9, 2.0, 4, 0.5, backend="cpu1"),
+                outcome(2, True, 2.0, 429, None, 2.01), outcome(3, False, 0.5, 200, 0.9, 4.5, 40, 0.3, backend="cpu0")]
     s = summarize(outcomes, traffic)
     assert (s["num_urgent"], s["num_batch"], s["num_refused"], s["num_failed"]) == (3, 1, 1, 0)
     assert abs(s["urgent_within_deadline"] - 1 / 3) < 1e-12  # 0.2 s met, 0.9 s missed, one refused
@@ -61,9 +68,9 @@ def test_summary_figures():
 
 
 def test_the_table_says_where_the_client_fell_behind():
-    late = Outcome(0, False, 0.4, 200, 0.5, 0.9, 8, 0.1, send_lag_s=0.3)
+    late = outcome(0, False, 0.4, 200, 0.5, 0.9, 8, 0.1, send_lag_s=0.3)
     rows = [{"arm": "fcfs", "rate_per_s": rate, **summarize(outcomes, Traffic())}
-            for rate, outcomes in ((1.0, [Outcome(0, False, 0.0, 200, 0.1, 0.5, 8, 0.1)]), (9.0, [late]))]
+            for rate, outcomes in ((1.0, [outcome(0, False, 0.0, 200, 0.1, 0.5, 8, 0.1)]), (9.0, [late]))]
     table = format_table(rows)
     assert "the client sent late" in table and "fcfs 9/s" in table and "fcfs 1/s" not in table.split("late")[-1]
 
@@ -72,7 +79,7 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
     rates = tmp_path / "rates.json"
     rates.write_text(json.dumps({"cpu": RATES}))
     out = tmp_path / "deadlines.json"
-    command = [sys.executable, "-m", "bench.deadlines", "--model", "tiny-llama-random", "--backends", "cpu,auto",
+    command = [sys.executable, "-m", "tandem.cluster.cli", "bench", "deadlines", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--max-active", "2", "--rates", str(rates), "--loads", "4",
                "--duration-s", "2", "--urgent-lengths", "16,4", "--batch-lengths", "64,16", "--urgent-share", "0.3",
                "--deadline-ms", "2000", "--seed", "3", "--client-procs", "2", "--routing-log", str(tmp_path / "routing.jsonl"),
@@ -120,18 +127,3 @@ def test_a_run_the_routing_log_does_not_cover_keeps_its_figures_and_says_why(tmp
     assert covered["replayed_ttft_p50_s"] > 0 and covered["ttft_p50_s"] == 0.25
     assert "no placed decision in that --window" in replayed(log, (first + 60, first + 61), [])["replay_error"]
     assert "replay_error" in replayed(tmp_path / "missing.jsonl", (0, 1), [])
-
-
-def test_timeline_bins_a_run_by_arrival_and_shows_the_client_lag():
-    traffic = Traffic()
-    workload = make_workload(4.0, 3.0, traffic, seed=1, prompts_of="fcfs")
-    late = {r.index for r in workload if r.arrival_s >= 2.0}  # the client falls 0.4 s behind in the third second
-    requests = [asdict(Outcome(r.index, r.urgent, r.arrival_s + (0.4 if r.index in late else 0.0), 200,
-                               r.arrival_s + 1.0, r.arrival_s + 2.0)) for r in workload]
-    report = {"traffic": asdict(traffic), "duration_s": 3.0, "seed": 1, "runs": []}
-    rows = timeline(report, {"arm": "fcfs", "rate_per_s": 4.0, "requests": requests})
-    assert [row["from_s"] for row in rows] == sorted({float(int(r.arrival_s)) for r in workload})
-    assert sum(row["num_requests"] for row in rows) == len(workload)
-    assert [round(row["client_lag_max_s"], 6) for row in rows] == [0.0] * (len(rows) - 1) + [0.4]
-    ttft = {round(t, 6) for row in rows for t in (row["urgent_ttft_p50_s"], row["batch_ttft_p50_s"]) if t is not None}
-    assert ttft <= {1.0, 0.6}  # first text 1 s after the scheduled arrival: 0.6 s after a send 0.4 s late

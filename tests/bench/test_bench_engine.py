@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from bench.engine import build_prompts, main, percentile
+from bench.engine import build_prompts, percentile
+from tandem.cluster.cli import main
 
 
 def test_prompts_share_exactly_the_prefix():
@@ -27,7 +28,7 @@ def test_percentile_interpolates():
 
 def test_bench_engine_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    main(["--model", "tiny-llama-random", "--num-requests", "2", "--prompt-tokens", "40",
+    main(["bench", "engine", "--model", "tiny-llama-random", "--num-requests", "2", "--prompt-tokens", "40",
           "--prefix-tokens", "32", "--max-tokens", "4", "--threads", "1", "--no-progress",
           "--out", str(out)])
     result = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""Smoke test of `python -m bench.served_path` at toy sizes: it runs and writes its rows.
+"""Smoke test of `tandem bench served-path` at toy sizes: it runs and writes its rows.
 In a subprocess, because the cluster tests hold a Ray instance in this process."""
 
 import json
@@ -9,26 +9,13 @@ import sys
 import pytest
 
 
-def test_served_path_bench_writes_a_row_per_system(tmp_path):
-    out = tmp_path / "served.json"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--num-requests", "2", "--max-tokens", "4",
-                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["system"] for r in rows] == ["in-process LLMEngine",
-                                           "through actors, one channel per caller on the same-node wire"]
-    assert all(r["output_tok_s"] > 0 for r in rows)
-
-
-def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
-    """The GPU mode's code path on the CPU (tiny model, a twentieth of the sizes): the rows, the
-    burst TTFT spreads, the admission stages and the TTFT parts come out, so it does not rot
-    between GPU runs."""
+def test_served_path_runs_every_row_at_toy_scale(tmp_path):
+    """The GPU bench's code path on the CPU (tiny model, a twentieth of the sizes): the rows and the
+    burst TTFT spreads come out, so it does not rot between GPU runs."""
     out = tmp_path / "served-http.json"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bench.served_path", "--http", "--model", "tiny-llama-random",
-                           "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
+    proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "bench", "served-path", "--model",
+                           "tiny-llama-random", "--device", "cpu", "--dtype", "float32", "--threads", "1", "--scale", "0.05",
                            "--repeats", "1", "--ttft-requests", "2", "--capacity-rates", "", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,11 +29,6 @@ def test_served_path_http_mode_runs_every_row_at_toy_scale(tmp_path):
         assert row["ratio_of_medians"] > 0
         for p50, worst in row["ttft_p50_max_ms"].values():
             assert 0 < p50 <= worst
-        stages = row["admission_stages_mean_ms"]  # read back from the server's own metrics
-        assert "route" in stages and ({"to_engine", "prefill", "back"} <= set(stages) or "admit" in stages), stages
-        assert {"to_backend", "to_core"} <= set(stages), stages  # the backend stamps the add's hops
-        for steps, mean_ms in row["engine_steps_mean_ms"].values():  # in-process, and scraped behind HTTP
-            assert steps > 0 and mean_ms > 0
+        steps, mean_ms = row["in_process_steps_mean_ms"]
+        assert steps > 0 and mean_ms > 0
     assert result["ttft"]["http_ms"] > 0
-    assert set(result["ttft"]["parts_ms"]) == {"ping", "router_ping", "core_call", "place", "admit",
-                                                     "first_output"}

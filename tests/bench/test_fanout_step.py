@@ -1,17 +1,18 @@
-"""bench.fanout_step runs the real fan-out on a few steps and reports every pair it was asked."""
+"""`tandem bench fanout-step` runs the real fan-out on a few steps and reports every pair it was asked."""
 
 from __future__ import annotations
 
 import json
 
-from bench.fanout_step import _Sink, main, measure, measure_caller
+from bench.fanout_step import _Sink, measure, measure_caller
+from tandem.cluster.cli import main
 
 
 def test_the_report_has_every_pair_and_round(tmp_path):
     assert measure(num_outputs=8, num_channels=2, num_steps=3, step_s=0.0) > 0
     out = tmp_path / "fanout.json"
     assert measure_caller(num_streams=4, steps_per_read=2, num_reads=2) > 0
-    assert main(["--outputs", "4,8", "--channels", "1,2", "--steps", "4", "--rounds", "2", "--step-ms", "0",
+    assert main(["bench", "fanout-step", "--outputs", "4,8", "--channels", "1,2", "--steps", "4", "--rounds", "2", "--step-ms", "0",
                  "--caller-streams", "2,3", "--steps-per-read", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(c["streams"], len(c["rounds_us"])) for c in report["caller"]] == [(2, 2), (3, 2)]

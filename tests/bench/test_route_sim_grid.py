@@ -3,7 +3,8 @@ and the per-cell verdict on hand-made summaries."""
 
 import json
 
-from bench.route_sim_grid import main, verdict
+from bench.route_sim_grid import verdict
+from tandem.cluster.cli import main
 
 
 def arm(p50_ms, p95_ms, tok_s, hit=0.9):
@@ -13,7 +14,7 @@ def arm(p50_ms, p95_ms, tok_s, hit=0.9):
 
 def test_a_small_grid_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "grid"
-    assert main(["--out", str(out), "--tenants", "4", "--prefix-tokens", "1024", "--arrival-rates", "10,40",
+    assert main(["bench", "route-sim-grid", "--out", str(out), "--tenants", "4", "--prefix-tokens", "1024", "--arrival-rates", "10,40",
                  "--seeds", "0", "--num-requests", "40"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(c["tenants"], c["rate_per_s"], c["seed"]) for c in report["cells"]] == [(4, 10.0, 0), (4, 40.0, 0)]

@@ -1,4 +1,4 @@
-"""bench/serve_load.py: its workloads, its summary arithmetic, its client against a canned SSE
+"""`tandem bench serve-load`: its workloads, its summary arithmetic, its client against a canned SSE
 server (no Ray), and (slow) the whole bench against a real `tandem serve` on CPU."""
 
 from __future__ import annotations
@@ -14,70 +14,35 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_load import (
-    FIXED_MAX_TOKENS,
-    FIXED_PROMPT_LEN,
-    NANOVLLM_RANGE,
-    default_client_procs,
-    default_num_requests,
-    fixed_workload,
-    make_workload,
-    nanovllm_workload,
-    w_workload,
-    parse_config,
-    percentile,
-    run_load,
-    split_clients,
-    startup_lines,
-    summarize,
-)
+from bench.harness import Server
+from bench.serve_load import default_client_procs, make_workload, parse_config, run_load, split_clients, startup_lines, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- workloads -----------------------------------------------------------------------------------
-def test_fixed_workload_shape_and_ids():
-    reqs = fixed_workload(300)
-    assert len(reqs) == 300
-    assert all(len(p) == FIXED_PROMPT_LEN and m == FIXED_MAX_TOKENS for p, m in reqs)
+def test_fixed_workload_shape_ids_and_counts():
+    reqs = make_workload("fixed", 4)
+    assert len(reqs) == 256 and len(make_workload("fixed", 256)) == 1024  # max(256, 4 C)
+    assert all(len(p) == 516 and m == 128 for p, m in reqs)
     assert all(3 <= t < 250 for p, _ in reqs for t in p)
-    assert len({tuple(p) for p, _ in reqs}) == 300  # each its own prompt: no prefix-cache help
-
-
-def test_w_workload_ranges_count_and_seed():
-    reqs = w_workload()
-    assert len(reqs) == 512
-    assert all(64 <= len(p) <= 2048 and 32 <= m <= 1024 for p, m in reqs)
-    assert w_workload() == reqs
-
-
-def test_nanovllm_workload_ranges_count_and_seed():
-    reqs = nanovllm_workload()
-    low, high = NANOVLLM_RANGE
-    assert len(reqs) == 256
-    assert all(low <= len(p) <= high and low <= m <= high for p, m in reqs)
-    assert all(3 <= t < 250 for p, _ in reqs for t in p)
-    # Spread over the range, not stuck at one value.
-    assert min(len(p) for p, _ in reqs) < 200 and max(len(p) for p, _ in reqs) > 900
-    assert min(m for _, m in reqs) < 200 and max(m for _, m in reqs) > 900
-    assert nanovllm_workload() == reqs  # seeded: the same every run
-    assert nanovllm_workload(seed=1) != reqs
-    assert nanovllm_workload(10) == nanovllm_workload(10)
-
-
-def test_fixed_workload_is_deterministic():
-    assert fixed_workload(5, 16, 4) == fixed_workload(5, 16, 4)
-    assert fixed_workload(5, 16, 4, seed=1) != fixed_workload(5, 16, 4)
-
-
-def test_request_counts_and_overrides():
-    assert default_num_requests("fixed", 4) == 256
-    assert default_num_requests("fixed", 64) == 256
-    assert default_num_requests("fixed", 256) == 1024
-    assert default_num_requests("nanovllm", 256) == 256
-    assert len(make_workload("fixed", 256)) == 1024
+    assert len({tuple(p) for p, _ in reqs}) == 256  # each its own prompt: no prefix-cache help
     small = make_workload("fixed", 4, num_requests=8, prompt_len=32, max_tokens=8)
     assert len(small) == 8 and all(len(p) == 32 and m == 8 for p, m in small)
+    assert small == make_workload("fixed", 4, num_requests=8, prompt_len=32, max_tokens=8)
+
+
+def test_w_and_nanovllm_workloads_ranges_counts_and_seed():
+    w = make_workload("w", 64)
+    assert len(w) == 512 and all(64 <= len(p) <= 2048 and 32 <= m <= 1024 for p, m in w)
+    assert make_workload("w", 64) == w
+    nano = make_workload("nanovllm", 64)
+    assert len(nano) == 256 and all(100 <= len(p) <= 1024 and 100 <= m <= 1024 for p, m in nano)
+    assert all(3 <= t < 250 for p, _ in nano for t in p)
+    # Spread over the range, not stuck at one value.
+    assert min(len(p) for p, _ in nano) < 200 and max(len(p) for p, _ in nano) > 900
+    assert min(m for _, m in nano) < 200 and max(m for _, m in nano) > 900
+    assert make_workload("nanovllm", 64) == nano
     assert len(make_workload("nanovllm", 64, num_requests=12)) == 12
     with pytest.raises(ValueError):
         make_workload("sharegpt", 4)
@@ -106,19 +71,10 @@ def test_startup_lines_skip_noise():
            "\nUserWarning: something\nerror: --backends: unknown device\ntandem: Ctrl-C stops the server\n")
     assert startup_lines(log) == ["tandem: starting m", "error: --backends: unknown device",
                                   "tandem: Ctrl-C stops the server"]
+    assert Server.UP_LINE in log
 
 
 # -- summary arithmetic ----------------------------------------------------------------------------
-def test_percentile_nearest_rank():
-    values = list(range(1, 21))  # 1..20
-    assert percentile(values, 50) == 10
-    assert percentile(values, 95) == 19
-    assert percentile(values, 100) == 20
-    assert percentile([3.0], 95) == 3.0
-    assert percentile([5, 1, 4, 2, 3], 50) == 3  # unsorted in
-    assert percentile([], 50) is None
-
-
 def _record(sent, e2e, ttft=None, status=200, tokens=0, error=None):
     return {"sent": sent, "e2e": e2e, "ttft": ttft, "status": status, "tokens": tokens, "error": error}
 
@@ -139,8 +95,8 @@ def test_summary_counts_rates_and_percentiles():
     # First send at 100.0, last finish at 100.5 + 3.0 = 103.5: 3.5 s; tokens of every request.
     assert s["wall_s"] == 3.5 and s["output_tokens"] == 320
     assert s["output_tok_s"] == round(320 / 3.5, 1)
-    # TTFT and E2E over the requests that succeeded only.
-    assert s["ttft_p50_ms"] == 200.0 and s["ttft_p95_ms"] == 300.0
+    # TTFT and E2E over the requests that succeeded only (percentiles interpolate linearly).
+    assert s["ttft_p50_ms"] == 200.0 and s["ttft_p95_ms"] == 290.0
     assert s["e2e_p50_s"] == 2.0
     assert s["error_samples"] == ["ServerDisconnectedError: x", "stream error: {}", "HTTP 500: boom"]
 
@@ -234,7 +190,7 @@ def test_bench_against_a_real_server(tmp_path):
     flags = (f"--backends cpu --cpu-threads 1 --http-replicas 1 --profile never --rates {rates} "
              f"--warmup-tokens 0 --metrics-port {_free_port()}")
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "bench.serve_load", "--model", "tiny-llama-random", "--config", f"tiny={flags}",
+    command = [sys.executable, "-m", "tandem.cluster.cli", "bench", "serve-load", "--model", "tiny-llama-random", "--config", f"tiny={flags}",
                "--workload", "fixed", "--clients", "4", "--num-requests", "8", "--prompt-len", "32",
                "--max-tokens", "8", "--port", str(_free_port()), "--start-timeout-s", "120", "--out", str(out)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
