@@ -83,7 +83,8 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[s
              f"max_active {s.get('max_active')} on accelerators, {s.get('cpu_max_active')} on cpu backends"]
     backends = max((r["cluster"]["backends"] for r in runs), key=len) if runs else []
     for b in backends:
-        lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {b['threads']} torch threads, "
+        threads = f"{b['threads']} torch thread{'s' if b['threads'] != 1 else ''}"
+        lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {threads}, "
                      f"max_active {b['max_active']}")
     router = next((r["cluster"].get("router") for r in runs if r["cluster"].get("router")), None)
     if router:
