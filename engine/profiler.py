@@ -100,26 +100,27 @@ def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: in
 
 
 def measure_prefill_table(engine: Any, repeats: int = 3, seed: int = 2) -> dict[int, float]:
-    """Aggregate prefill tok/s of one step by its size: 512 tokens, a quarter and all of the
-    engine's step budget (`max_num_batched_tokens`), each a step of fresh 512-token prompts (a
-    long step is several prompts, as under load), median of `repeats`. The rates' one prefill
-    rate is the first size's."""
+    """Aggregate prefill tok/s of one step by its size: 64 tokens (a prefix hit's suffix, where a
+    step's fixed cost dominates), 512, a quarter and all of the engine's step budget
+    (`max_num_batched_tokens`); a step over 512 tokens is several 512-token prompts, as under
+    load. Median of `repeats`; the rates' one prefill rate is the 512-token step's."""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
     budget = engine.config.resolved_max_num_batched_tokens
     prompt_len = min(512, engine.max_model_len - 2, budget)
-    sizes = sorted({prompt_len, max(prompt_len, budget // 4 // prompt_len * prompt_len),
+    sizes = sorted({min(64, prompt_len), prompt_len, max(prompt_len, budget // 4 // prompt_len * prompt_len),
                     max(prompt_len, budget // prompt_len * prompt_len)})
     table = {}
     for size in sizes:
-        num_prompts = max(1, min(size // prompt_len, engine.config.max_active))
+        length = min(size, prompt_len)
+        num_prompts = max(1, min(size // length, engine.config.max_active))
         runs = []
         for i in range(max(1, repeats) + 1):  # the first is untimed: kernels and graphs for this shape
-            prompts = [[rng.randrange(3, num_tokens) for _ in range(prompt_len)] for _ in range(num_prompts)]
+            prompts = [[rng.randrange(3, num_tokens) for _ in range(length)] for _ in range(num_prompts)]
             (tokens, seconds), _ = _run(engine, prompts, max_tokens=1)
             if i:
                 runs.append(tokens / seconds)
-        table[num_prompts * prompt_len] = round(_median(runs), 3)
+        table[num_prompts * length] = round(_median(runs), 3)
     engine.drain_progress()
     return table
 

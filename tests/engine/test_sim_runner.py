@@ -139,5 +139,5 @@ def test_the_prefill_table_measured_on_a_sim_engine_is_the_one_it_runs_with():
                                     max_num_batched_tokens=8192),
                        step_time=lambda p, d, c: p / (10000 if p <= 512 else 40000))
     table = measure_prefill_table(engine, repeats=1)
-    assert sorted(table) == [512, 2048, 8192]
+    assert sorted(table) == [64, 512, 2048, 8192]
     assert table[512] == pytest.approx(10000, rel=0.15) and table[2048] == pytest.approx(40000, rel=0.15)
