@@ -207,9 +207,9 @@ class EngineCore:
         first after an idle spell), and a call's wall time is not its step's: the engine's own
         measure is (its share of the wall from launch, or from the previous step's end), and
         the router's calibration must see only finished steps, each with its own time."""
-        if self.num_tokens_done() == num_tokens_before:
-            return None
         st = self.engine.get_stats()
+        if st.num_prompt_tokens_total + st.num_generation_tokens_total == num_tokens_before:
+            return None
         # (prefill tokens, decode tokens, batch size, seconds): the router's online calibration.
         return StepTiming(st.step_prefill_tokens, st.step_decode_tokens, st.step_decode_tokens or num_outputs,
                           st.step_time_s)

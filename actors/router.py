@@ -311,8 +311,8 @@ class RouterActor:
         """Bring the pending gauges (and the last decision's estimated cost per backend) up to
         date within `PENDING_EXPORT_S`: one update for all the decisions and reports of that time,
         not one per request on the decision path (a scrape every few seconds sees only the latest
-        value anyway; per decision, a gauge per backend cost 0.35 ms of the router's 1.1 ms at 64
-        backends)."""
+        value anyway, and a gauge per backend per decision costs the router in proportion to its
+        backends: docs/benchmarks/router-scaling-2core.md)."""
         if self._pending_export is not None:
             return
         try:
