@@ -164,5 +164,11 @@ def test_tandem_profile_measures_two_identical_cpu_backends_once(tmp_path, capsy
     if "not stored in the profile cache" in printed:  # busy cores: a noisy measurement is not kept
         assert stored == {}
         return
-    assert list(stored) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 2)]
-    assert stored[profile_key("tiny-llama-random", "cpu", "float32", 1, 2)]["spread"]["repeats"] == 3
+    # keyed by the kernels `auto` runs on this machine: ggml's graph once an earlier test built ggml, else torch
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model.ggml_kernels import auto_kernels
+
+    kernels = auto_kernels(EngineConfig(model="tiny-llama-random", device="cpu"))[0]
+    key = profile_key("tiny-llama-random", "cpu", "float32", 1, 2, cpu_kernels=kernels)
+    assert list(stored) == [key]
+    assert stored[key]["spread"]["repeats"] == 3
