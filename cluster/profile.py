@@ -32,7 +32,7 @@ from typing import Any
 from tandem.cluster.config import ConfigError
 from tandem.engine.profiler import ENGINE_SPEED_VERSION
 
-RATE_FIELDS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch")  # routing's RateProfile
+RATE_FIELDS = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch", "reload_tok_s")  # routing's RateProfile
 MAX_SPREAD = 0.10  # repeats, or a re-profile of the same device, should agree within 10%
 # What a noisy measurement's warning adds, for `tandem serve` (cluster/launcher.py) and `tandem profile`.
 NOT_STORED_SERVE = ("not stored in the profile cache, so these rates serve this run only; measure again once "

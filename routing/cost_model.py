@@ -39,6 +39,14 @@ weight were chosen on route-sim's tenants grid, where the term makes `cost` at l
 every other arm in more cell-seeds; the counts, and the variants tried, are in docs/routing.md,
 "The queue term".
 
+The host tier. A backend with a host-memory KV tier (its rates carry `reload_tok_s`) may hold
+part of a prompt's prefix in host memory, evicted from the device but not lost: the run of blocks
+right after its device hit. Those tokens cost their copy back to the device, `num_host_cached /
+reload_tok_s` (`BackendScore.reload_term_s`), not zero as a device hit does and not a prefill as
+a miss does. Wherever a term counts the new request's prefill (the ledger's frozen estimate, the
+queue term, the TTFT projection), a host hit counts as the prefill tokens that take as long
+(`prefill_equivalent`). Without `reload_tok_s` a host hit is priced as a miss.
+
 Shared devices. With the router's `device_shares` on, a backend that shares its device with
 others is scored at its rates divided by its share, the number of engines that would be busy
 there with the new request (routing/device_share.py); every term built on the rates (prefill,
@@ -46,6 +54,8 @@ decode, queue, recompute) sees the divided rates. Off, or without devices, the s
 """
 
 from __future__ import annotations
+
+import math
 
 from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.decision import BackendScore
@@ -70,12 +80,18 @@ def score_backend(
     max_tokens: int,
     num_inflight_cached_tokens: int = 0,
     device_share: int = 1,
+    num_host_cached_tokens: int = 0,
 ) -> BackendScore:
     """Score one backend for a new request with `num_cached_tokens` of its prompt reusable there
-    (the larger of what the backend reported and what requests in flight to it will cache), at
-    1/`device_share` of its rates (routing/device_share.py)."""
+    (the larger of what the backend reported and what requests in flight to it will cache) and
+    the next `num_host_cached_tokens` in its host tier, at 1/`device_share` of its rates
+    (routing/device_share.py)."""
     num_cached_tokens = min(max(0, num_cached_tokens), num_prompt_tokens)
-    num_prefill_tokens = ledger.num_prefill_tokens + num_prompt_tokens - num_cached_tokens
+    num_host_cached_tokens = min(max(0, num_host_cached_tokens), num_prompt_tokens - num_cached_tokens)
+    if rates.reload_tok_s is None:
+        num_host_cached_tokens = 0  # no tier to reload from: the tokens are a miss
+    num_uncached = num_prompt_tokens - num_cached_tokens - num_host_cached_tokens
+    num_prefill_tokens = ledger.num_prefill_tokens + num_uncached
     num_existing_decode_tokens = ledger.num_decode_tokens
     if new_token_ratio != 1.0:
         num_existing_decode_tokens = new_token_ratio * num_existing_decode_tokens
@@ -83,6 +99,9 @@ def score_backend(
     decode_rate = decode_rate_for(rates, spec.max_active, len(ledger) + 1) / device_share
     prefill_tok_s = rates.prefill_tok_s / device_share
     prefill_term_s = num_prefill_tokens / prefill_tok_s
+    reload_term_s = 0.0
+    if num_host_cached_tokens:
+        reload_term_s = num_host_cached_tokens / (rates.reload_tok_s / device_share)
     decode_term_s = num_decode_tokens / decode_rate
     if rates.is_batch_aware:
         batch_size = max(1, min(spec.max_active, len(ledger) + 1))
@@ -95,7 +114,7 @@ def score_backend(
         num_decode_tokens=num_decode_tokens,
         prefill_term_s=prefill_term_s,
         decode_term_s=decode_term_s,
-        score_s=prefill_term_s + decode_term_s,
+        score_s=prefill_term_s + reload_term_s + decode_term_s,
         num_active=ledger.num_active,
         num_queued=ledger.num_queued,
         max_active=spec.max_active,
@@ -103,7 +122,17 @@ def score_backend(
         prefill_tok_s=prefill_tok_s,
         decode_tok_s=decode_rate,
         num_inflight_cached_tokens=num_inflight_cached_tokens,
+        num_host_cached_tokens=num_host_cached_tokens,
+        reload_term_s=reload_term_s,
     )
+
+
+def prefill_equivalent(num_uncached: int, num_host_cached: int, rates: RateProfile) -> int:
+    """The prefill tokens that take as long as computing `num_uncached` tokens and reloading
+    `num_host_cached` from the host tier (a host hit costs `prefill / reload` of a miss)."""
+    if not num_host_cached or rates.reload_tok_s is None:
+        return num_uncached + num_host_cached
+    return num_uncached + math.ceil(num_host_cached * rates.prefill_tok_s / rates.reload_tok_s)
 
 
 def queue_term_s(num_uncached_tokens: int, prefill_tok_s: float, num_queued: int, weight: float) -> float:

@@ -35,6 +35,8 @@ class BackendScore:
     replication_term_s: float = 0.0  # instead, where a copy of that prefix is an investment (< 0 once it pays)
     queue_term_s: float = 0.0  # the new request's prefill x the requests queued here, which it delays
     projected_ttft_s: float = 0.0  # the new request's time to first token here (routing/deadline.py)
+    num_host_cached_tokens: int = 0  # the prefix after the device hit that the host tier holds here
+    reload_term_s: float = 0.0  # copying those tokens back to the device (routing/cost_model.py, the host tier)
 
     @property
     def rank_s(self) -> float:

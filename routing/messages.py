@@ -33,7 +33,9 @@ class RouteRequest:
     value); `ttft_deadline_s`, if set, is the longest time to first token the caller accepts:
     the router places the request only where its projection meets it (routing/deadline.py).
     `arrival_s` is when it arrived on the router's clock (monotonic seconds); the ledger keeps
-    it so that projections can tell which queued requests age past a starvation bound."""
+    it so that projections can tell which queued requests age past a starvation bound.
+    `num_host_cached_tokens` maps backend_id -> the tokens right after that reusable prefix
+    which the backend's host-memory KV tier holds (routing/cost_model.py, the host tier)."""
 
     req_id: str
     num_prompt_tokens: int
@@ -44,6 +46,8 @@ class RouteRequest:
     priority: int = 0
     ttft_deadline_s: float | None = None
     arrival_s: float | None = None
+    # backend_id -> tokens after its reusable prefix that its host-memory KV tier holds
+    num_host_cached_tokens: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.ttft_deadline_s is not None and not self.ttft_deadline_s > 0:
@@ -52,11 +56,11 @@ class RouteRequest:
             raise ValueError(f"num_prompt_tokens must be >= 0 (got {self.num_prompt_tokens})")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0 (got {self.max_tokens})")
-        for backend_id, num_cached in self.num_cached_tokens.items():
-            if num_cached < 0:
-                raise ValueError(
-                    f"num_cached_tokens[{backend_id!r}] must be >= 0 (got {num_cached})"
-                )
+        for name, counts in (("num_cached_tokens", self.num_cached_tokens),
+                             ("num_host_cached_tokens", self.num_host_cached_tokens)):
+            for backend_id, num_cached in counts.items():
+                if num_cached < 0:
+                    raise ValueError(f"{name}[{backend_id!r}] must be >= 0 (got {num_cached})")
         if self.block_hashes and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 when block_hashes are given (got {self.block_size})")
         if len(self.block_hashes) * self.block_size > self.num_prompt_tokens:

@@ -38,10 +38,15 @@ class RateProfile:
     prefill_tok_s: float
     decode_tok_s: float
     decode_tok_s_by_batch: dict[int, float] | None = None
+    # Prompt tokens per second a host-memory KV tier copies back to the device (its bandwidth over
+    # the KV bytes of one token). None: no host tier, so a host-tier hit is priced as a miss.
+    reload_tok_s: float | None = None
 
     def __post_init__(self) -> None:
         _require_positive("prefill_tok_s", self.prefill_tok_s)
         _require_positive("decode_tok_s", self.decode_tok_s)
+        if self.reload_tok_s is not None:
+            _require_positive("reload_tok_s", self.reload_tok_s)
         if self.decode_tok_s_by_batch is not None:
             if not self.decode_tok_s_by_batch:
                 raise ValueError("decode_tok_s_by_batch must be None or non-empty")
@@ -145,9 +150,10 @@ class RateProfileModel(BaseModel):
     prefill_tok_s: float = Field(gt=0)
     decode_tok_s: float = Field(gt=0)
     decode_tok_s_by_batch: dict[int, float] | None = None
+    reload_tok_s: float | None = Field(default=None, gt=0)
 
     def to_profile(self) -> RateProfile:
-        return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch)
+        return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch, self.reload_tok_s)
 
 
 def validate_rate_profile(model: RateProfileModel, field_path: str) -> RateProfile:

@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
-from tandem.routing.cost_model import pending_seconds, queue_term_s, score_backend
+from tandem.routing.cost_model import pending_seconds, prefill_equivalent, queue_term_s, score_backend
 from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
 from tandem.routing.device_share import device_shares
@@ -181,6 +181,7 @@ class Router:
         shares = self._shares()
         for backend_id, state in self._backends.items():
             num_cached = request.num_cached_tokens.get(backend_id, 0)
+            num_host_end = num_cached + request.num_host_cached_tokens.get(backend_id, 0)  # the host run's end
             num_inflight = 0
             if request.block_hashes and state.inflight.hash_to_count:
                 num_inflight = state.inflight.num_cached_tokens(
@@ -189,15 +190,22 @@ class Router:
             s = score_backend(
                 state.spec, state.rates, state.ledger, state.ratio.ratio,
                 request.num_prompt_tokens, num_cached, request.max_tokens, num_inflight,
-                shares.get(backend_id, 1),
+                shares.get(backend_id, 1), max(0, num_host_end - num_cached),
             )
-            num_uncached = request.num_prompt_tokens - s.num_cached_tokens
+            num_uncached = self._new_prefill_tokens(request, s, state.rates)
             s.queue_term_s = queue_term_s(num_uncached, s.prefill_tok_s, s.num_queued, self._queue_weight)
             s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
                                                   request.priority, num_uncached, request.arrival_s)
             scores.append(s)
         self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
+
+    @staticmethod
+    def _new_prefill_tokens(request: RouteRequest, s: BackendScore, rates: RateProfile) -> int:
+        """The new request's prefill on the backend `s` scores, its host-tier hit counted as the
+        prefill tokens that take as long as reloading it (routing/cost_model.py)."""
+        num_uncached = request.num_prompt_tokens - s.num_cached_tokens - s.num_host_cached_tokens
+        return prefill_equivalent(num_uncached, s.num_host_cached_tokens, rates)
 
     def _prefix_key(self, request: RouteRequest) -> int | None:
         """The request's prefix key as replication counts it (None without replication)."""
@@ -217,13 +225,22 @@ class Router:
         for s in scores:
             if s.num_cached_tokens >= top:
                 continue
-            missing_s = (top - s.num_cached_tokens) / s.prefill_tok_s
+            missing_s = self._missing_s(s, top)
             if s.device_kind in holder_kinds and self._invests(s, num_seen, holder_wait_s):
                 config = self._prefix_stats.config
                 num_waiting = 1 + s.num_active + s.num_queued
                 s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
             else:
                 s.recompute_term_s = self._recompute_weight * missing_s
+
+    def _missing_s(self, s: BackendScore, top: int) -> float:
+        """Seconds for the backend `s` scores to make up the `top - its hit` tokens of the prefix
+        that a routable backend holds: what its host tier holds of them is reloaded, the rest
+        computed."""
+        num_missing = top - s.num_cached_tokens
+        num_host = min(s.num_host_cached_tokens, num_missing)
+        reload_s = num_host * s.reload_term_s / s.num_host_cached_tokens if num_host else 0.0
+        return (num_missing - num_host) / s.prefill_tok_s + reload_s
 
     def _invests(self, s: BackendScore, num_seen: int, holder_wait_s: float) -> bool:
         """Whether copying the prefix to this backend counts as an investment. A copy whose
@@ -254,15 +271,15 @@ class Router:
                                        {b: s.num_cached_tokens for b, s in scores.items()})
             if scores[backend_id].num_cached_tokens < max(s.num_cached_tokens for s in routable):
                 self._prefix_stats.note_copy()
+        state = self._backends[backend_id]
         entry = LedgerEntry(
             req_id=request.req_id,
             num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=request.max_tokens,
-            num_prefill_tokens_est=request.num_prompt_tokens - scores[backend_id].num_cached_tokens,
+            num_prefill_tokens_est=self._new_prefill_tokens(request, scores[backend_id], state.rates),
             priority=request.priority,
             arrival_s=request.arrival_s,
         )
-        state = self._backends[backend_id]
         state.ledger.add_queued(entry)
         if self._inflight_prefixes:
             state.inflight.add(request.req_id, request.block_hashes)
