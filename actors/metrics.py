@@ -122,6 +122,8 @@ ROUTER_METRICS = (
     MetricSpec("tandem_router_realised_completion_seconds", HISTOGRAM, "Decision to finish, as observed.", B, LATENCY_BUCKETS_S),
     MetricSpec("tandem_router_completion_ratio", HISTOGRAM, "Realised over estimated completion time.", B, RATIO_BUCKETS),
     MetricSpec("tandem_router_mirrored_cached_blocks", GAUGE, "Blocks in the router's mirror of each backend's prefix cache.", B),
+    MetricSpec("tandem_router_mirrored_host_blocks", GAUGE,
+               "Blocks in the router's mirror of each backend's host-memory KV tier (held there only).", B),
     MetricSpec("tandem_router_backends_alive", GAUGE, "Backends currently routable.", ()),
     MetricSpec("tandem_router_backend_failures", COUNTER, "Backends dropped from routing after a failure.", B),
     MetricSpec("tandem_router_reroutes", COUNTER, "Requests routed again after their backend failed.", B),

@@ -246,7 +246,9 @@ class RouterActor:
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         request = routing.RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
                                        tuple(hashes[block_size]), block_size, priority, ttft_deadline_s,
-                                       arrival_s=time.monotonic())
+                                       arrival_s=time.monotonic(),
+                                       num_host_cached_tokens=self._num_host_cached(hashes, len(prompt_token_ids),
+                                                                                    num_cached))
         try:
             record = self.router.route(request)
         except routing.NoBackendError as exc:
@@ -275,6 +277,13 @@ class RouterActor:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
                 for backend_id, b in self.backends.items()}
 
+    def _num_host_cached(self, hashes: dict[int, list[int]], num_tokens: int,
+                         num_cached: dict[str, int]) -> dict[str, int]:
+        """Per backend with a host tier, the prefix its host tier holds after its device hit."""
+        return {backend_id: n for backend_id, b in self.backends.items() if b.cache.host
+                and (n := b.cache.num_host_cached_tokens(hashes[b.info.block_size], num_tokens,
+                                                         num_cached[backend_id]))}
+
     async def forget(self, req_id: str) -> bool:
         """The caller gave up on a request before its backend reported it finished (its client
         went away, or it failed). The pending gauges follow the ledger at once: they would
@@ -291,7 +300,8 @@ class RouterActor:
         needs to replay the request (its lengths and its prompt's block hashes). The first line
         that scores a backend after it (re)joined also carries its whole rate profile under
         `rates`, the batch table included, so a replay decodes in batches as the backend does."""
-        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens, "attempt": attempt,
+        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens,
+                "host_cache_answers": request.num_host_cached_tokens, "attempt": attempt,
                 "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
                 "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
         unlogged = [backend_id for backend_id in record["per_backend"] if backend_id not in self._rates_logged]
@@ -338,10 +348,10 @@ class RouterActor:
 
     # -- progress ----------------------------------------------------------------------------
     async def report(self, backend_id: str, instance_id: str, progress: list[Any],
-                     steps: list[StepTiming] = (), cache_changes: dict[int, bool] | None = None) -> int:
+                     steps: list[StepTiming] = (), cache_changes: dict[int, int] | None = None) -> int:
         """A backend's batch of `engine.outputs.RequestProgress` (absolute counts), of its
-        steps' `StepTiming`s, and of its prefix-cache index changes (block hash -> published or
-        evicted)."""
+        steps' `StepTiming`s, and of its prefix-cache index changes (block hash -> the tier that
+        now holds it, actors/cache_mirror.py)."""
         backend = self.backends.get(backend_id)
         if backend is None or backend.info.instance_id != instance_id:
             return 0
@@ -349,6 +359,9 @@ class RouterActor:
             backend.cache.apply(cache_changes)
             self.metrics.set("tandem_router_mirrored_cached_blocks", len(backend.cache.cached),
                              tags={"backend": backend_id})
+            if backend.cache.host:
+                self.metrics.set("tandem_router_mirrored_host_blocks", len(backend.cache.host),
+                                 tags={"backend": backend_id})
         for step in steps:
             if step.elapsed_s > 0:
                 self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
