@@ -19,6 +19,7 @@ Example file::
         count: all          # one per free GPU (cuda: 2 is two cuda backends, sharing a GPU if there is one)
         # max_active: 128         # None: by device (cpu 4, a GPU 256 split among its engines)
         # gpu_memory_share: 0.45  # cuda: this engine's share of its GPU's memory
+        # kv_host_memory_gb: 32   # cuda: host memory for KV blocks evicted from the GPU (0: off)
     port: 8000
     routing_log: routing.jsonl   # off unless set
 
@@ -70,6 +71,10 @@ class BackendConfig(BaseModel):
     # cuda: this engine's share of its GPU's total memory; None: gpu_memory_utilization split
     # among the engines on that GPU (cluster/plan.py)
     gpu_memory_share: float | None = Field(default=None, gt=0, le=1)
+    # cuda and sim backends: GiB of host memory that keep prefix-cache blocks evicted from the
+    # device, reloaded instead of recomputed (engine/kv_cache/host_tier.py); 0: off. None: the
+    # cluster's kv_host_memory_gb.
+    kv_host_memory_gb: float | None = Field(default=None, ge=0)
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
     # Opt-in: it helps on some CPUs and hurts badly on others, so it is measured, not assumed.
     cpu_compile: bool = False
@@ -88,6 +93,9 @@ class BackendConfig(BaseModel):
             raise ValueError(f"gpu_memory_share is a share of a GPU's memory, for cuda backends, not {self.device}")
         if self.profile is not None and self.device != "sim":
             raise ValueError(f"profile is the device a sim backend emulates, not a setting of {self.device}")
+        if self.kv_host_memory_gb and self.device in ("cpu", "mps"):
+            raise ValueError(f"kv_host_memory_gb is a host-memory tier below a device's KV cache; a {self.device} "
+                             "backend's cache already lives in host memory: drop it or set it on a cuda backend")
         if self.cpu_compile and self.device != "cpu":
             raise ValueError(f"cpu_compile (torch.compile'd CPU decode) is for cpu backends, not {self.device}; "
                              "set it on a backend with device: cpu")
@@ -127,6 +135,10 @@ class TandemConfig(BaseModel):
     # among the engines that share it, mps 32).
     max_active: int | None = Field(default=None, ge=1)
     gpu_memory_utilization: float = Field(default=DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1)
+    # GiB of host memory per cuda backend for its KV tier (BackendConfig.kv_host_memory_gb); None:
+    # cuda backends share a quarter of the RAM available at start (cluster/plan.py), sim
+    # backends have none; 0: off everywhere.
+    kv_host_memory_gb: float | None = Field(default=None, ge=0)
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)

@@ -64,6 +64,7 @@ class BackendPlan:
     engines_per_gpu: int = 1  # cuda: how many engines share this backend's GPU
     gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
     max_num_batched_tokens: int | None = None  # None: the cluster's (a sim backend: its profile's)
+    kv_host_memory_gb: float = 0.0  # cuda, sim: the host-memory KV tier (EngineConfig.kv_host_memory_gb); 0: none
     sim_profile: dict | None = None  # sim: the profiled device it emulates (routing/step_time.py's SimProfile)
     sim_profile_name: str | None = None  # sim: that profile as configured (a shipped name or a file)
 
@@ -91,6 +92,38 @@ def gpu_memory_shares(backends: list[tuple[BackendConfig, str]], per_gpu: int,
     return shares
 
 
+# The share of the RAM available at start that cuda backends' host KV tiers take together when
+# the config does not size them: room for the prefixes a GPU evicts, leaving the rest to Ray, the
+# serving processes, pinned staging and the CPU backends.
+HOST_TIER_RAM_SHARE = 0.25
+
+
+def host_tier_gb(config: TandemConfig, backend: BackendConfig, device: str, num_cuda: int,
+                 available_gb: float) -> float:
+    """A backend's host KV tier in GiB: its own setting, else the cluster's, else (cuda only)
+    `HOST_TIER_RAM_SHARE` of the available RAM split among the cuda backends."""
+    if device not in ("cuda", "sim"):
+        return 0.0
+    for setting in (backend.kv_host_memory_gb, config.kv_host_memory_gb):
+        if setting is not None:
+            return float(setting)
+    if device == "sim":
+        return 0.0  # an emulated device's host memory is not this machine's: asked for, never assumed
+    return round(HOST_TIER_RAM_SHARE * available_gb / max(1, num_cuda), 2)
+
+
+def available_ram_gb() -> float:
+    """RAM available for new allocations (Linux's MemAvailable), in GiB; 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return 0.0
+
+
 def resolve_auto(num_free_gpus: int, mps_available: bool) -> tuple[str, str]:
     if num_free_gpus > 0:
         return "cuda", "auto -> cuda (the Ray cluster has a free GPU)"
@@ -100,9 +133,12 @@ def resolve_auto(num_free_gpus: int, mps_available: bool) -> tuple[str, str]:
 
 
 def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
-                  num_cores: int | None = None) -> list[BackendPlan]:
+                  num_cores: int | None = None, available_gb: float | None = None) -> list[BackendPlan]:
     num_cores = num_cores or os.cpu_count() or 1
     resolved = _resolve_devices(config.backends, num_gpus, mps_available)
+    num_cuda = sum(device == "cuda" for _, device, _ in resolved)
+    if available_gb is None:
+        available_gb = available_ram_gb() if num_cuda else 0.0
     num_cpu = sum(device == "cpu" for _, device, _ in resolved)
     # serving, and each accelerator's step loop (a sim's mostly sleeps: it reserves no core)
     num_reserved = 1 + sum(device not in ("cpu", "sim") for _, device, _ in resolved)
@@ -122,6 +158,7 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             threads=threads, max_active=backend.max_active or config.max_active or default_max_active(device, sharing),
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
             engines_per_gpu=sharing, gpu_memory_share=share,
+            kv_host_memory_gb=host_tier_gb(config, backend, device, num_cuda, available_gb),
             **(cpu_settings(config, backend, backend_id) if device == "cpu" else {"dtype": backend.dtype})))
         if device == "sim":
             plans[-1] = sim_settings(plans[-1], config, backend)

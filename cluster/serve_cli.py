@@ -113,6 +113,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     advanced = parser.add_argument_group("advanced")
     advanced.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                           help="share of each GPU's memory its engines use together (default 0.9)")
+    advanced.add_argument("--kv-host-memory-gb", type=float, metavar="GIB",
+                          help="host memory per cuda backend for KV blocks its GPU evicts, reloaded instead of "
+                               "recomputed (default: a quarter of free RAM, shared; 0: off)")
     advanced.add_argument("--sim-profile", metavar="NAME|FILE",
                           help="the device sim backends emulate: a shipped profile (default "
                                f"{DEFAULT_SIM_PROFILE}) or a `tandem profile` file")
@@ -125,6 +128,7 @@ def load_config(args: argparse.Namespace, **extra: object) -> TandemConfig:
     config = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
     overrides = dict(model=args.model, max_active=args.max_active, cpu_threads=args.cpu_threads,
                      gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                     kv_host_memory_gb=getattr(args, "kv_host_memory_gb", None),
                      sim_profile=getattr(args, "sim_profile", None),
                      sim_time_scale=getattr(args, "sim_time_scale", None), **extra)
     if args.backends:

@@ -164,3 +164,26 @@ def test_a_sim_profile_is_for_sim_backends_and_parse_backends_reads_sim_colon_pr
         TandemConfig.validated({"backends": [{"device": "cpu", "profile": "m2-cpu-qwen2.5-0.5b"}]})
     with pytest.raises(ConfigError, match="neither a shipped profile"):
         plan_backends(TandemConfig.validated({"backends": [{"device": "sim", "profile": "nope"}]}), 0, False)
+
+
+def test_cuda_backends_share_a_quarter_of_the_available_ram_as_their_host_kv_tier():
+    config = TandemConfig(backends=parse_backends("cuda*2,cpu"))
+    plans = plan_backends(config, num_gpus=1, mps_available=False, num_cores=16, available_gb=128.0)
+    assert [p.kv_host_memory_gb for p in plans] == [16.0, 16.0, 0.0]
+
+
+def test_the_host_kv_tier_is_set_per_backend_or_for_the_cluster_and_0_turns_it_off():
+    config = TandemConfig(kv_host_memory_gb=0, backends=[{"device": "cuda", "kv_host_memory_gb": 8},
+                                                         {"device": "cuda"}, {"device": "sim"}])
+    plans = plan_backends(config, num_gpus=2, mps_available=False, num_cores=16, available_gb=128.0)
+    assert [p.kv_host_memory_gb for p in plans] == [8.0, 0.0, 0.0]
+    sims = plan_backends(TandemConfig(backends=parse_backends("sim*2")), 0, False, 4, available_gb=128.0)
+    assert [p.kv_host_memory_gb for p in sims] == [0.0, 0.0]  # an emulated device's RAM is never assumed
+    asked = plan_backends(TandemConfig(kv_host_memory_gb=2, backends=parse_backends("sim")), 0, False, 4)
+    assert asked[0].kv_host_memory_gb == 2.0
+
+
+@pytest.mark.parametrize("device", ["cpu", "mps"])
+def test_a_host_kv_tier_on_a_backend_whose_cache_is_in_host_memory_is_refused(device):
+    with pytest.raises(ConfigError, match="kv_host_memory_gb"):
+        TandemConfig.validated({"backends": [{"device": device, "kv_host_memory_gb": 4}]})
