@@ -76,3 +76,35 @@ class InflightPrefixes:
         if not self.hash_to_count:
             return 0
         return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, self.__contains__)
+
+
+def leading_runs(index: dict[int, int], block_hashes: Sequence[int], start: int, max_blocks: int,
+                 candidates: int) -> list[tuple[int, int]]:
+    """`num_cached_prefix_tokens` for many holders at once, from an inverted index (block hash ->
+    bitmask of the holders that have it): for the holders in the bitmask `candidates`, the run of
+    blocks each holds from block `start` on, stopping before block `max_blocks`. Returns
+    `(holders, num_blocks)` pairs, one per run length > 0 (a holder in no pair has a run of 0).
+    One walk over the prompt's blocks with bit operations, instead of one walk per holder."""
+    runs: list[tuple[int, int]] = []
+    alive = candidates
+    get = index.get
+    end = min(max_blocks, len(block_hashes))
+    i = start
+    while i < end and alive:
+        held = alive & get(block_hashes[i], 0)
+        if held != alive:
+            if i > start:
+                runs.append((alive & ~held, i - start))
+            alive = held
+        i += 1
+    if alive and i > start:
+        runs.append((alive, i - start))
+    return runs
+
+
+def bits(mask: int):
+    """The positions of the set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
