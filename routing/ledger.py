@@ -95,6 +95,7 @@ class Ledger:
         self.num_decode_tokens = 0  # sum of num_decode_tokens_left()
         self.num_active = 0
         self.queued_by_priority: dict[int, WorkAhead] = {}  # queued entries' sums per class
+        self.version = 0  # counts changes to the sums, so a reader can tell they are unchanged
 
     @property
     def num_queued(self) -> int:
@@ -175,6 +176,7 @@ class Ledger:
         return True
 
     def _add(self, entry: LedgerEntry, sign: int) -> None:
+        self.version += 1
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
         self.num_decode_tokens += sign * entry.num_decode_tokens_left()
         self.num_active += sign * (entry.status == ACTIVE)
