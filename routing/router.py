@@ -116,6 +116,7 @@ class Router:
         self._inflight_index: dict[int, int] = {}
         self._free_positions: list[int] = []
         self._next_position = 0
+        self._num_cordoned = 0  # backends cordoned now
         self.reference_scoring = False  # True: score each backend through score_backend (the spec)
         self._req_to_backend: dict[str, str] = {}
         for spec in backends:
@@ -149,6 +150,7 @@ class Router:
             self._req_to_backend.pop(entry.req_id, None)
         state.inflight.leave_index()
         self._free_positions.append(state.position)
+        self._num_cordoned = sum(state.cordoned for state in self._backends.values())
         return removed
 
     def set_policy(self, policy: str) -> None:
@@ -160,6 +162,7 @@ class Router:
         new requests (like `kubectl cordon`); a benchmark's accelerator-only arm on a machine
         without an accelerator cordons the other backends."""
         self._state(backend_id).cordoned = cordoned
+        self._num_cordoned = sum(state.cordoned for state in self._backends.values())
 
     def set_max_active(self, backend_id: str, max_active: int) -> None:
         """The backend now runs at most `max_active` requests at once (its ledger is kept)."""
@@ -319,7 +322,7 @@ class Router:
             s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
                                                   request.priority, num_uncached, request.arrival_s)
             scores.append(s)
-        self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
+        self._add_prefix_terms_reference(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
 
     @staticmethod
@@ -335,10 +338,8 @@ class Router:
             return None
         return prefix_key(request, self._prefix_stats.config.num_prefix_blocks)
 
-    def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
-        """Charge each backend that lacks part of a prefix a routable backend holds: the
-        recompute term (routing/policies.py says why), or, where a copy is an investment, the
-        replication term (routing/replication.py)."""
+    def _add_prefix_terms_reference(self, scores: list[BackendScore], num_seen: int) -> None:
+        """`_add_prefix_terms` through `_missing_s` and `_invests`, the spec it keeps to."""
         routable = [s for s in scores if not self._backends[s.backend_id].cordoned]
         top = max((s.num_cached_tokens for s in routable), default=0)
         holders = [s for s in routable if s.num_cached_tokens == top]
@@ -354,6 +355,44 @@ class Router:
                 s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
             else:
                 s.recompute_term_s = self._recompute_weight * missing_s
+
+    def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
+        """Charge each backend that lacks part of a prefix a routable backend holds: the
+        recompute term (routing/policies.py says why), or, where a copy is an investment, the
+        replication term (routing/replication.py). `_missing_s` and `_invests`, inlined."""
+        routable = self._routable(scores)
+        top = max((s.num_cached_tokens for s in routable), default=0)
+        holders = [s for s in routable if s.num_cached_tokens == top]
+        holder_kinds = {s.device_kind for s in holders}
+        holder_wait_s = min((s.prefill_term_s for s in holders if _has_free_slot(s)), default=math.inf)
+        recompute_weight = self._recompute_weight
+        stats = self._prefix_stats
+        if num_seen > 0:  # only then can a copy be an investment (and there are stats)
+            may_copy_slowly = stats.may_copy_slowly()
+            replication_divisor = stats.config.future_factor * num_seen
+        for s in scores:
+            num_cached = s.num_cached_tokens
+            if num_cached >= top:
+                continue
+            num_missing = top - num_cached
+            num_host = s.num_host_cached_tokens
+            if num_host > num_missing:
+                num_host = num_missing
+            reload_s = num_host * s.reload_term_s / s.num_host_cached_tokens if num_host else 0.0
+            missing_s = (num_missing - num_host) / s.prefill_tok_s + reload_s
+            if (num_seen > 0 and s.device_kind in holder_kinds and s.num_active + s.num_queued < s.max_active
+                    and not stats.under_pressure(s.backend_id)
+                    and (s.prefill_term_s <= holder_wait_s or may_copy_slowly)):
+                num_waiting = 1 + s.num_active + s.num_queued
+                s.replication_term_s = missing_s * (num_waiting / replication_divisor - 1)
+            else:
+                s.recompute_term_s = recompute_weight * missing_s
+
+    def _routable(self, scores: list[BackendScore]) -> list[BackendScore]:
+        """`scores` of the backends not cordoned (the list itself when none is)."""
+        if not self._num_cordoned:
+            return scores
+        return [s for s in scores if not self._backends[s.backend_id].cordoned]
 
     def _missing_s(self, s: BackendScore, top: int) -> float:
         """Seconds for the backend `s` scores to make up the `top - its hit` tokens of the prefix
@@ -382,8 +421,9 @@ class Router:
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
             )
         key = self._prefix_key(request)
-        scores = {s.backend_id: s for s in self._score(request, key)}
-        routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
+        score_list = self._score(request, key)
+        scores = {s.backend_id: s for s in score_list}
+        routable = self._routable(score_list)
         if request.ttft_deadline_s is None:
             backend_id = self._policy.choose(routable, request)
         else:
