@@ -61,6 +61,7 @@ from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, In
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 
 PENDING_EXPORT_S = 0.05
+_NOT_RUNNING = frozenset({"finished", "waiting", "preempted"})  # the statuses _events_for reads
 HEALTH_CHECK_MISSES = 3  # pings timed out in a row before a live-but-silent backend leaves routing
 
 logger = logging.getLogger("tandem.router")
@@ -396,13 +397,22 @@ class RouterActor:
             if step.elapsed_s > 0:
                 self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
                                          step.elapsed_s)
+        from tandem.routing import RunningProgress
+
         events = []
         now = time.time()
+        routed = self.routed
         for p in progress:
-            events.extend(self._events_for(p))
+            status = p.status
+            if status in _NOT_RUNNING:
+                events.extend(self._events_for(p))
+            else:  # what _events_for gives, as one item the ledger applies at once
+                events.append(RunningProgress(p.req_id, p.num_computed_prompt_tokens, p.num_output_tokens))
             if p.num_output_tokens > 0:
-                self._record_first_token(backend_id, p.req_id, now)
-            if p.status == "finished":
+                seen = routed.get(p.req_id)
+                if seen is not None and not seen.first_token_seen:
+                    self._record_first_token(backend_id, p.req_id, now)
+            if status == "finished":
                 self._record_finished(backend_id, p.req_id)
         applied = self.router.on_progress(backend_id, events)
         self._export_pending()

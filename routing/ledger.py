@@ -175,6 +175,20 @@ class Ledger:
         self._add(entry, +1)
         return True
 
+    def apply_running(self, entry: LedgerEntry, num_computed_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Apply an "admitted", a "prefill" and a "generated" report to `entry` (one of this
+        ledger's), as `apply` would one after the other; nothing at all when they change nothing
+        (the sums, and `version`, stay as they are)."""
+        computed = max(entry.num_computed_prompt_tokens or 0, min(num_computed_prompt_tokens, entry.num_prompt_tokens))
+        output = max(entry.num_output_tokens, num_output_tokens)
+        if entry.status == ACTIVE and computed == entry.num_computed_prompt_tokens and output == entry.num_output_tokens:
+            return
+        self._add(entry, -1)
+        entry.status = ACTIVE
+        entry.num_computed_prompt_tokens = computed
+        entry.num_output_tokens = output
+        self._add(entry, +1)
+
     def _add(self, entry: LedgerEntry, sign: int) -> None:
         self.version += 1
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()

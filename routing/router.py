@@ -38,7 +38,7 @@ from tandem.routing.device_share import device_shares
 from tandem.routing.errors import DeadlineRefusedError, NoBackendError
 from tandem.routing.inflight import InflightPrefixes, bits, leading_runs
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
-from tandem.routing.messages import ProgressEvent, RouteRequest
+from tandem.routing.messages import ProgressEvent, RouteRequest, RunningProgress
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
 from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy, prefix_key
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
@@ -469,8 +469,9 @@ class Router:
 
     # --- progress ---------------------------------------------------------------------------
 
-    def on_progress(self, backend_id: str, events: Iterable[ProgressEvent]) -> int:
-        """Apply a batch of reports from `backend_id`; returns how many matched a request.
+    def on_progress(self, backend_id: str, events: Iterable[ProgressEvent | RunningProgress]) -> int:
+        """Apply a batch of reports from `backend_id`; returns how many matched a request (a
+        `RunningProgress` counts as the three events it stands for).
 
         Reports from an unknown (e.g. already removed) backend, or about requests this
         backend's ledger does not hold, are ignored: they are late, not wrong.
@@ -480,9 +481,18 @@ class Router:
             return 0
         num_applied = 0
         num_decode_steps = 0  # the largest token gain of any request in this batch
+        ledger = state.ledger
+        entries = ledger.entries
         for event in events:
-            entry = state.ledger.entries.get(event.req_id)
+            entry = entries.get(event.req_id)
             if entry is None:
+                continue
+            if type(event) is RunningProgress:  # admitted + prefill + generated, at once
+                gain = event.num_output_tokens - entry.num_output_tokens
+                if gain > num_decode_steps:
+                    num_decode_steps = gain
+                ledger.apply_running(entry, event.num_computed_prompt_tokens, event.num_output_tokens)
+                num_applied += 3
                 continue
             if event.kind == messages.GENERATED:
                 num_decode_steps = max(num_decode_steps, event.value - entry.num_output_tokens)
