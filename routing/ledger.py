@@ -181,7 +181,16 @@ class Ledger:
         (the sums, and `version`, stay as they are)."""
         computed = max(entry.num_computed_prompt_tokens or 0, min(num_computed_prompt_tokens, entry.num_prompt_tokens))
         output = max(entry.num_output_tokens, num_output_tokens)
-        if entry.status == ACTIVE and computed == entry.num_computed_prompt_tokens and output == entry.num_output_tokens:
+        if entry.status == ACTIVE:
+            if computed == entry.num_computed_prompt_tokens and output == entry.num_output_tokens:
+                return
+            # active before and after: the sums move by the change in what it has left
+            prefill_left, decode_left = entry.num_prefill_tokens_left(), entry.num_decode_tokens_left()
+            entry.num_computed_prompt_tokens = computed
+            entry.num_output_tokens = output
+            self.num_prefill_tokens += entry.num_prefill_tokens_left() - prefill_left
+            self.num_decode_tokens += entry.num_decode_tokens_left() - decode_left
+            self.version += 1
             return
         self._add(entry, -1)
         entry.status = ACTIVE
