@@ -14,6 +14,12 @@ device, 2: only its host memory, 0: neither); the mirror keeps the two sets apar
 prompt with its device hit and the run of host-tier blocks right after it, which is what the
 engine reloads instead of computing (routing/cost_model.py prices each). What the mirror cannot know yet, the prefixes of requests the router has just sent to a
 backend, the pure router counts itself (routing/inflight.py) from the block hashes it is given.
+
+A placement asks every backend's mirror, so the router also keeps the mirrors inverted
+(`MirrorIndex`: block hash -> bitmask of the backends holding it, one map per tier) and answers
+all backends from one walk over the prompt's blocks (`MirrorIndex.answers`). Each `CacheMirror`
+keeps its own sets too: they are the reference its per-backend answers give, and what a backend
+that leaves takes out of the index.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 from tandem.engine.kv_cache.manager import num_cached_prefix_tokens
+from tandem.routing.inflight import bits, leading_runs
 
 
 # A block hash's state in a backend's report: the best tier that holds it.
@@ -29,14 +36,20 @@ EVICTED, ON_DEVICE, ON_HOST = 0, 1, 2
 
 
 class CacheMirror:
-    def __init__(self, block_size: int, cached_hashes: Iterable[int] = ()) -> None:
+    def __init__(self, block_size: int, cached_hashes: Iterable[int] = (), index: MirrorIndex | None = None) -> None:
         self.block_size = block_size
         self.cached: set[int] = set(cached_hashes)  # on the device
         self.host: set[int] = set()  # only in the host tier
+        self.index = index  # the router's inverted index this mirror is part of, if any
+        self.bit = 0  # this mirror's bit there
+        if index is not None:
+            self.bit = index.join(self)
 
     def apply(self, changes: dict[int, int]) -> None:
         """Block hashes by the tier that now holds them (ON_DEVICE, ON_HOST or EVICTED; True and
         False read as ON_DEVICE and EVICTED), latest state per hash."""
+        if self.index is not None:
+            self.index.apply(self, changes)
         for block_hash, tier in changes.items():
             if tier == ON_DEVICE:
                 self.cached.add(block_hash)
@@ -47,6 +60,12 @@ class CacheMirror:
             else:
                 self.cached.discard(block_hash)
                 self.host.discard(block_hash)
+
+    def leave(self) -> None:
+        """Take this mirror out of its index (its backend left routing)."""
+        if self.index is not None:
+            self.index.leave(self)
+            self.index = None
 
     def num_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int) -> int:
         return num_cached_prefix_tokens(block_hashes, num_tokens, self.block_size, self.cached.__contains__)
@@ -60,6 +79,85 @@ class CacheMirror:
         end = num_cached_prefix_tokens(block_hashes[first:], num_tokens - num_cached, self.block_size,
                                        self.host.__contains__)
         return end
+
+
+class MirrorIndex:
+    """Every backend's mirror inverted: block hash -> bitmask of the mirrors holding it, one map
+    for the device tier and one for the host tier. Mirrors get a bit when they join (a bit freed
+    by a mirror that left is reused) and update the index as they apply their backend's reports."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, int] = {}
+        self.host: dict[int, int] = {}
+        self._free: list[int] = []  # bit positions freed by mirrors that left
+        self._next = 0
+
+    def join(self, mirror: CacheMirror) -> int:
+        position = self._free.pop() if self._free else self._next
+        if position == self._next:
+            self._next += 1
+        bit = 1 << position
+        for block_hash in mirror.cached:
+            self.device[block_hash] = self.device.get(block_hash, 0) | bit
+        for block_hash in mirror.host:
+            self.host[block_hash] = self.host.get(block_hash, 0) | bit
+        return bit
+
+    def leave(self, mirror: CacheMirror) -> None:
+        bit = mirror.bit
+        for tier, hashes in ((self.device, mirror.cached), (self.host, mirror.host)):
+            for block_hash in hashes:
+                _clear(tier, block_hash, bit)
+        self._free.append(bit.bit_length() - 1)
+
+    def apply(self, mirror: CacheMirror, changes: dict[int, int]) -> None:
+        """`mirror`'s changes (as `CacheMirror.apply`), before the mirror applies them to its sets."""
+        bit, device, host = mirror.bit, self.device, self.host
+        for block_hash, tier in changes.items():
+            on_device, on_host = tier == ON_DEVICE, tier == ON_HOST
+            if on_device != (block_hash in mirror.cached):
+                if on_device:
+                    device[block_hash] = device.get(block_hash, 0) | bit
+                else:
+                    _clear(device, block_hash, bit)
+            if on_host != (block_hash in mirror.host):
+                if on_host:
+                    host[block_hash] = host.get(block_hash, 0) | bit
+                else:
+                    _clear(host, block_hash, bit)
+
+    def answers(self, block_hashes: Sequence[int], num_tokens: int, block_size: int,
+                candidates: int) -> tuple[dict[int, int], dict[int, int]]:
+        """For the mirrors in the bitmask `candidates` (all of block size `block_size`), what
+        `CacheMirror.num_cached_tokens` and `num_host_cached_tokens` answer, as {bit position:
+        tokens} for the nonzero answers only."""
+        if block_size < 1:
+            return {}, {}
+        max_blocks = (num_tokens - 1) // block_size
+        runs = leading_runs(self.device, block_hashes, 0, max_blocks, candidates)
+        device_hits: dict[int, int] = {}
+        for holders, num_blocks in runs:
+            for position in bits(holders):
+                device_hits[position] = num_blocks * block_size
+        host_hits: dict[int, int] = {}
+        if self.host:
+            # A host run starts where the device run stopped: one walk per distinct device hit.
+            missed = candidates
+            for holders, _ in runs:
+                missed &= ~holders
+            for holders, start in ((missed, 0), *((h, n) for h, n in runs)):
+                for host_holders, num_blocks in leading_runs(self.host, block_hashes, start, max_blocks, holders):
+                    for position in bits(host_holders):
+                        host_hits[position] = num_blocks * block_size
+        return device_hits, host_hits
+
+
+def _clear(tier: dict[int, int], block_hash: int, bit: int) -> None:
+    mask = tier.get(block_hash, 0) & ~bit
+    if mask:
+        tier[block_hash] = mask
+    else:
+        tier.pop(block_hash, None)
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_sizes: Iterable[int]) -> dict[int, list[int]]:

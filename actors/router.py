@@ -53,13 +53,15 @@ from typing import Any
 import msgspec
 
 from tandem.actors import wire
-from tandem.actors.cache_mirror import CacheMirror, prompt_block_hashes
+from tandem.actors.cache_mirror import CacheMirror, MirrorIndex
 from tandem.actors.detached import detached
 from tandem.actors.messages import BackendInfo, Decision, Placement, PlaceRequest, StepTiming
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, InvalidRequestError
+from tandem.engine.kv_cache.hashing import hash_request_blocks
 
 PENDING_EXPORT_S = 0.05
+_NOT_RUNNING = frozenset({"finished", "waiting", "preempted"})  # the statuses _events_for reads
 HEALTH_CHECK_MISSES = 3  # pings timed out in a row before a live-but-silent backend leaves routing
 
 logger = logging.getLogger("tandem.router")
@@ -108,6 +110,9 @@ class RouterActor:
         self.policy = self.router.policy
         self.health_check_period_s = health_check_period_s
         self.backends: dict[str, _Backend] = {}
+        self.mirrors = MirrorIndex()  # every backend's prefix mirror inverted, for one walk per prompt
+        self._bit_owner: dict[int, str] = {}  # mirror bit position -> backend
+        self._mirror_bits: dict[int, int] = {}  # block size -> bitmask of the backends' mirrors of that size
         self.known_rates: dict[str, dict[str, Any]] = dict(rates_by_backend or {})
         self.routed: dict[str, _Routed] = {}
         self.metrics = Recorder(ROUTER_METRICS)
@@ -141,8 +146,10 @@ class RouterActor:
         self._rates_logged.discard(info.backend_id)
         self.router.add_backend(BackendSpec(info.backend_id, info.routing_kind, profile, info.max_active,
                                             info.shared_device or None, info.max_priority_wait_s))
-        self.backends[info.backend_id] = _Backend(info, handle, profile,
-                                                  CacheMirror(info.block_size, cached_hashes))
+        mirror = CacheMirror(info.block_size, cached_hashes, self.mirrors)
+        self.backends[info.backend_id] = _Backend(info, handle, profile, mirror)
+        self._bit_owner[mirror.bit.bit_length() - 1] = info.backend_id
+        self._mirror_bits[info.block_size] = self._mirror_bits.get(info.block_size, 0) | mirror.bit
         logger.warning("router: backend %s (%s, instance %s) %s routing", info.backend_id, info.device,
                        info.instance_id, "rejoined" if info.reconstructed else "joined")
         self._export_membership()
@@ -158,7 +165,16 @@ class RouterActor:
         return True
 
     def _drop(self, backend_id: str, reason: str) -> None:
-        self.backends.pop(backend_id, None)
+        backend = self.backends.pop(backend_id, None)
+        if backend is not None:
+            mirror = backend.cache
+            del self._bit_owner[mirror.bit.bit_length() - 1]
+            remaining = self._mirror_bits[mirror.block_size] & ~mirror.bit
+            if remaining:
+                self._mirror_bits[mirror.block_size] = remaining
+            else:
+                del self._mirror_bits[mirror.block_size]
+            mirror.leave()
         self._misses.pop(backend_id, None)
         removed = self.router.remove_backend(backend_id)
         for req_id in (*removed.queued, *removed.active):
@@ -239,16 +255,14 @@ class RouterActor:
                priority: int = 0, ttft_deadline_s: float | None = None) -> tuple[Any, _Backend]:
         from tandem import routing
 
-        hashes = prompt_block_hashes(prompt_token_ids, (b.info.block_size for b in self.backends.values()))
-        num_cached = self._num_cached(hashes, len(prompt_token_ids))
+        hashes = {block_size: hash_request_blocks(prompt_token_ids, block_size) for block_size in self._mirror_bits}
+        num_cached, num_host_cached = self._cache_answers(hashes, len(prompt_token_ids))
         if not self.backends:
             raise BackendUnavailableError("no backend is alive")
         block_size = min(hashes)  # the finest block size keys prefix-affinity and the in-flight prefixes
         request = routing.RouteRequest(req_id, len(prompt_token_ids), max_tokens, num_cached,
                                        tuple(hashes[block_size]), block_size, priority, ttft_deadline_s,
-                                       arrival_s=time.monotonic(),
-                                       num_host_cached_tokens=self._num_host_cached(hashes, len(prompt_token_ids),
-                                                                                    num_cached))
+                                       arrival_s=time.monotonic(), num_host_cached_tokens=num_host_cached)
         try:
             record = self.router.route(request)
         except routing.NoBackendError as exc:
@@ -272,6 +286,23 @@ class RouterActor:
         if self._log is not None and exc.record is not None:
             self._log_decision(time.time(), exc.record.to_dict(), request, attempt)
         self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
+
+    def _cache_answers(self, hashes: dict[int, list[int]], num_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Every backend's device hit (all backends, in routing order) and host-tier run (only the
+        backends with one), from the inverted mirror: the same answers as `_num_cached` and
+        `_num_host_cached`, the per-backend reference."""
+        num_cached = dict.fromkeys(self.backends, 0)
+        host_hits: dict[str, int] = {}
+        owner = self._bit_owner
+        for block_size, candidates in self._mirror_bits.items():
+            device, host = self.mirrors.answers(hashes[block_size], num_tokens, block_size, candidates)
+            for position, n in device.items():
+                num_cached[owner[position]] = n
+            for position, n in host.items():
+                host_hits[owner[position]] = n
+        if host_hits:  # in routing order, as the reference gives them
+            host_hits = {backend_id: host_hits[backend_id] for backend_id in self.backends if backend_id in host_hits}
+        return num_cached, host_hits
 
     def _num_cached(self, hashes: dict[int, list[int]], num_tokens: int) -> dict[str, int]:
         return {backend_id: b.cache.num_cached_tokens(hashes[b.info.block_size], num_tokens)
@@ -366,13 +397,22 @@ class RouterActor:
             if step.elapsed_s > 0:
                 self.router.observe_step(backend_id, step.prefill_tokens, step.decode_tokens, step.batch_size,
                                          step.elapsed_s)
+        from tandem.routing import RunningProgress
+
         events = []
         now = time.time()
+        routed = self.routed
         for p in progress:
-            events.extend(self._events_for(p))
+            status = p.status
+            if status in _NOT_RUNNING:
+                events.extend(self._events_for(p))
+            else:  # what _events_for gives, as one item the ledger applies at once
+                events.append(RunningProgress(p.req_id, p.num_computed_prompt_tokens, p.num_output_tokens))
             if p.num_output_tokens > 0:
-                self._record_first_token(backend_id, p.req_id, now)
-            if p.status == "finished":
+                seen = routed.get(p.req_id)
+                if seen is not None and not seen.first_token_seen:
+                    self._record_first_token(backend_id, p.req_id, now)
+            if status == "finished":
                 self._record_finished(backend_id, p.req_id)
         applied = self.router.on_progress(backend_id, events)
         self._export_pending()

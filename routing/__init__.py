@@ -10,7 +10,7 @@ from tandem.routing.backend_spec import BackendSpec
 from tandem.routing.decision import BackendScore, DecisionRecord
 from tandem.routing.errors import ConfigError, DeadlineRefusedError, NoBackendError
 from tandem.routing.ledger import Ledger, LedgerEntry
-from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest
+from tandem.routing.messages import EVENT_KINDS, ProgressEvent, RouteRequest, RunningProgress
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
 from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard, make_policy
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate, load_rate_profiles
@@ -38,6 +38,7 @@ __all__ = [
     "RemovedRequests",
     "ReplicationConfig",
     "RouteRequest",
+    "RunningProgress",
     "Router",
     "SpillGuard",
     "calibrate",

@@ -95,6 +95,7 @@ class Ledger:
         self.num_decode_tokens = 0  # sum of num_decode_tokens_left()
         self.num_active = 0
         self.queued_by_priority: dict[int, WorkAhead] = {}  # queued entries' sums per class
+        self.version = 0  # counts changes to the sums, so a reader can tell they are unchanged
 
     @property
     def num_queued(self) -> int:
@@ -174,7 +175,31 @@ class Ledger:
         self._add(entry, +1)
         return True
 
+    def apply_running(self, entry: LedgerEntry, num_computed_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Apply an "admitted", a "prefill" and a "generated" report to `entry` (one of this
+        ledger's), as `apply` would one after the other; nothing at all when they change nothing
+        (the sums, and `version`, stay as they are)."""
+        computed = max(entry.num_computed_prompt_tokens or 0, min(num_computed_prompt_tokens, entry.num_prompt_tokens))
+        output = max(entry.num_output_tokens, num_output_tokens)
+        if entry.status == ACTIVE:
+            if computed == entry.num_computed_prompt_tokens and output == entry.num_output_tokens:
+                return
+            # active before and after: the sums move by the change in what it has left
+            prefill_left, decode_left = entry.num_prefill_tokens_left(), entry.num_decode_tokens_left()
+            entry.num_computed_prompt_tokens = computed
+            entry.num_output_tokens = output
+            self.num_prefill_tokens += entry.num_prefill_tokens_left() - prefill_left
+            self.num_decode_tokens += entry.num_decode_tokens_left() - decode_left
+            self.version += 1
+            return
+        self._add(entry, -1)
+        entry.status = ACTIVE
+        entry.num_computed_prompt_tokens = computed
+        entry.num_output_tokens = output
+        self._add(entry, +1)
+
     def _add(self, entry: LedgerEntry, sign: int) -> None:
+        self.version += 1
         self.num_prefill_tokens += sign * entry.num_prefill_tokens_left()
         self.num_decode_tokens += sign * entry.num_decode_tokens_left()
         self.num_active += sign * (entry.status == ACTIVE)

@@ -11,6 +11,7 @@ arrives late, twice, or out of order cannot corrupt the ledger: the ledger keeps
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # ProgressEvent kinds.
 ADMITTED = "admitted"  # queued -> active (the backend's scheduler took it)
@@ -88,3 +89,13 @@ class ProgressEvent:
             raise ValueError(f"unknown ProgressEvent kind {self.kind!r}; expected one of {EVENT_KINDS}")
         if self.value < 0:
             raise ValueError(f"ProgressEvent value must be >= 0 (got {self.value})")
+
+
+class RunningProgress(NamedTuple):
+    """A running request's report as one item: the "admitted", "prefill" (`num_computed_prompt_tokens`)
+    and "generated" (`num_output_tokens`) events it stands for, applied at once (and counted as
+    three). A busy backend resends every running request's absolute counts with each report."""
+
+    req_id: str
+    num_computed_prompt_tokens: int
+    num_output_tokens: int

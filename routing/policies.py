@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -80,10 +81,13 @@ class Policy(Protocol):
         ...
 
 
+_rank = operator.attrgetter("rank_s")
+
+
 def _lowest_score(scores: Sequence[BackendScore], policy: str) -> str:
     if not scores:
         raise NoBackendError(f"policy {policy!r} has no eligible backend for this request")
-    return min(scores, key=lambda s: s.rank_s).backend_id
+    return min(scores, key=_rank).backend_id
 
 
 def _least_loaded(scores: Sequence[BackendScore]) -> BackendScore:
@@ -114,10 +118,14 @@ class CostPolicy:
         self.guard = guard or SpillGuard()
 
     def choose(self, scores: Sequence[BackendScore], request: RouteRequest | None = None) -> str:
-        best = min(scores, key=lambda s: s.rank_s) if scores else None
+        if not scores:
+            return _lowest_score(scores, self.name)  # raises
+        best = min(scores, key=_rank)
+        if best.device_kind != "cpu":
+            return best.backend_id
         accelerators = [s for s in scores if s.device_kind != "cpu"]
-        if best is None or best.device_kind != "cpu" or not accelerators:
-            return _lowest_score(scores, self.name)
+        if not accelerators:
+            return best.backend_id
         best_accelerator = min(accelerators, key=lambda s: s.rank_s)
         return best.backend_id if self.guard.permits(best, best_accelerator) else best_accelerator.backend_id
 

@@ -96,7 +96,7 @@ class _PrefixEntry:
     num_seen: int = 0
     block_hashes: Sequence[int] = ()  # the last request's, to tell how much the next one shares
     block_size: int = 0
-    reusable: dict[str, int] = field(default_factory=dict)  # backend -> tokens that request could reuse
+    reusable: dict[str, int] = field(default_factory=dict)  # backend -> tokens that request could reuse (> 0)
 
 
 class PrefixStats:
@@ -136,8 +136,14 @@ class PrefixStats:
         shared = 0
         if entry.block_size == block_size:
             shared = num_shared_tokens(entry.block_hashes, block_hashes, block_size)
-        for backend_id, num_tokens in reusable.items():
-            if num_tokens < min(entry.reusable.get(backend_id, 0), shared):
-                self.pressure_at[backend_id] = self.num_decisions
+        if shared:
+            # A backend lost part of the prefix if it can reuse less of it than before, where
+            # the two requests share it; one that could reuse none before lost nothing, so only
+            # the previous request's nonzero answers are kept and looked at.
+            for backend_id, num_before in entry.reusable.items():
+                num_tokens = reusable.get(backend_id)
+                if num_tokens is not None and num_tokens < min(num_before, shared):
+                    self.pressure_at[backend_id] = self.num_decisions
         entry.num_seen += 1
-        entry.block_hashes, entry.block_size, entry.reusable = block_hashes, block_size, dict(reusable)
+        entry.block_hashes, entry.block_size = block_hashes, block_size
+        entry.reusable = {backend_id: n for backend_id, n in reusable.items() if n}

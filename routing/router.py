@@ -30,14 +30,15 @@ from typing import Iterable, Sequence
 
 from tandem.routing import messages
 from tandem.routing.backend_spec import BackendSpec
-from tandem.routing.cost_model import pending_seconds, prefill_equivalent, queue_term_s, score_backend
+from tandem.routing.cost_model import (decode_rate_for, pending_seconds, prefill_equivalent, queue_term_s,
+                                       score_backend)
 from tandem.routing.deadline import projected_ttft_s, split_by_deadline
 from tandem.routing.decision import BackendScore, DecisionRecord
 from tandem.routing.device_share import device_shares
 from tandem.routing.errors import DeadlineRefusedError, NoBackendError
-from tandem.routing.inflight import InflightPrefixes
+from tandem.routing.inflight import InflightPrefixes, bits, leading_runs
 from tandem.routing.ledger import ACTIVE, Ledger, LedgerEntry
-from tandem.routing.messages import ProgressEvent, RouteRequest
+from tandem.routing.messages import ProgressEvent, RouteRequest, RunningProgress
 from tandem.routing.new_token_ratio import NewTokenRatio, NewTokenRatioConfig
 from tandem.routing.policies import PrefixAffinityConfig, SpillGuard, make_policy, prefix_key
 from tandem.routing.rates import CalibrationConfig, RateProfile, calibrate
@@ -74,6 +75,9 @@ class _BackendState:
     ratio: NewTokenRatio
     inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
     cordoned: bool = False  # scored (for the log) but given no new requests
+    position: int = 0  # its bit in the router's inflight index
+    base_key: tuple | None = None  # what `base` was computed from (see Router._base)
+    base: tuple | None = None
 
 
 class Router:
@@ -106,6 +110,14 @@ class Router:
         self._new_token_ratio_config = new_token_ratio
         self._calibration = calibration
         self._backends: dict[str, _BackendState] = {}  # kept in preference order
+        # Every backend's in-flight blocks inverted: block hash -> bitmask of the backends
+        # (`_BackendState.position`) holding them, so a request's in-flight hits on all backends
+        # come from one walk over its blocks (`_inflight_hits`).
+        self._inflight_index: dict[int, int] = {}
+        self._free_positions: list[int] = []
+        self._next_position = 0
+        self._num_cordoned = 0  # backends cordoned now
+        self.reference_scoring = False  # True: score each backend through score_backend (the spec)
         self._req_to_backend: dict[str, str] = {}
         for spec in backends:
             self.add_backend(spec)
@@ -119,7 +131,10 @@ class Router:
     def add_backend(self, spec: BackendSpec) -> None:
         if spec.backend_id in self._backends:
             raise ValueError(f"backend {spec.backend_id!r} is already registered")
-        state = _BackendState(spec, spec.rates, Ledger(), NewTokenRatio(self._new_token_ratio_config))
+        position = self._free_positions.pop() if self._free_positions else self._next_position
+        self._next_position = max(self._next_position, position + 1)
+        state = _BackendState(spec, spec.rates, Ledger(), NewTokenRatio(self._new_token_ratio_config),
+                              InflightPrefixes(self._inflight_index, 1 << position), position=position)
         states = [*self._backends.values(), state]
         states.sort(key=lambda s: s.spec.preference_key())
         self._backends = {s.spec.backend_id: s for s in states}
@@ -133,6 +148,9 @@ class Router:
         for entry in state.ledger.entries.values():
             (removed.active if entry.status == ACTIVE else removed.queued).append(entry.req_id)
             self._req_to_backend.pop(entry.req_id, None)
+        state.inflight.leave_index()
+        self._free_positions.append(state.position)
+        self._num_cordoned = sum(state.cordoned for state in self._backends.values())
         return removed
 
     def set_policy(self, policy: str) -> None:
@@ -144,6 +162,7 @@ class Router:
         new requests (like `kubectl cordon`); a benchmark's accelerator-only arm on a machine
         without an accelerator cordons the other backends."""
         self._state(backend_id).cordoned = cordoned
+        self._num_cordoned = sum(state.cordoned for state in self._backends.values())
 
     def set_max_active(self, backend_id: str, max_active: int) -> None:
         """The backend now runs at most `max_active` requests at once (its ledger is kept)."""
@@ -177,6 +196,112 @@ class Router:
                              {b: len(s.ledger) for b, s in self._backends.items()})
 
     def _score(self, request: RouteRequest, key: int | None) -> list[BackendScore]:
+        """Every backend's score, as `_score_reference` computes it (the same values, to the bit),
+        without a call per backend: the request-independent part of each backend's terms is kept
+        until its ledger, rates, ratio or share changes (`_base`), and the in-flight hits of all
+        backends come from one walk over the request's blocks."""
+        if self.reference_scoring:
+            return self._score_reference(request, key)
+        scores = []
+        shares = self._shares()
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.max_tokens
+        priority = request.priority
+        cached_answers = request.num_cached_tokens
+        host_answers = request.num_host_cached_tokens
+        inflight_hits = self._inflight_hits(request)
+        queue_weight = self._queue_weight
+        for backend_id, state in self._backends.items():
+            share = shares.get(backend_id, 1) if shares else 1
+            ledger = state.ledger
+            base_key = (ledger.version, state.rates, state.ratio.ratio, share, state.spec)
+            base = state.base
+            if state.base_key != base_key:
+                base = state.base = self._base(state, share)
+                state.base_key = base_key
+            (num_prefill_pending, existing_decode, decode_rate, prefill_tok_s, reload_rate, batch_size,
+             num_active, num_queued, max_active, ratio, device_kind, max_queued_priority, ttft_tail) = base
+            num_cached = cached_answers.get(backend_id, 0)
+            num_host_end = num_cached + host_answers.get(backend_id, 0) if host_answers else num_cached
+            num_inflight = inflight_hits.get(state.position, 0) if inflight_hits else 0
+            if num_inflight > num_cached:
+                num_cached = num_inflight
+            # score_backend
+            num_host = num_host_end - num_cached
+            if num_host < 0:
+                num_host = 0
+            if num_cached > num_prompt:
+                num_cached = num_prompt
+            if num_host > num_prompt - num_cached:
+                num_host = num_prompt - num_cached
+            if reload_rate is None:
+                num_host = 0
+            num_uncached = num_prompt - num_cached - num_host
+            num_prefill_tokens = num_prefill_pending + num_uncached
+            num_decode_tokens = existing_decode + max_tokens
+            prefill_term_s = num_prefill_tokens / prefill_tok_s
+            reload_term_s = num_host / reload_rate if num_host else 0.0
+            decode_term_s = num_decode_tokens / decode_rate
+            if batch_size:
+                decode_term_s = max(decode_term_s, max_tokens * batch_size / decode_rate)
+            # the new request's prefill as the queue term and the TTFT projection count it
+            if num_host:
+                num_uncached = prefill_equivalent(num_uncached, num_host, state.rates)
+            if max_queued_priority is None or max_queued_priority <= priority:
+                # nothing queued here is less urgent: no slot filling or aging (routing/deadline.py)
+                projected = (num_prefill_pending + num_uncached) / state.rates.prefill_tok_s
+                if ttft_tail is not None:
+                    projected = projected + ttft_tail
+            else:
+                projected = projected_ttft_s(state.spec, state.rates, ledger, ratio, priority, num_uncached,
+                                             request.arrival_s)
+            scores.append(BackendScore(
+                backend_id, device_kind, num_cached, num_prefill_tokens, num_decode_tokens, prefill_term_s,
+                decode_term_s, prefill_term_s + reload_term_s + decode_term_s, num_active, num_queued, max_active,
+                ratio, prefill_tok_s, decode_rate, num_inflight, 0.0, 0.0,
+                queue_weight * num_queued * num_uncached / prefill_tok_s, projected, num_host, reload_term_s))
+        self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
+        return scores
+
+    @staticmethod
+    def _base(state: _BackendState, share: int) -> tuple:
+        """The part of a backend's terms that does not depend on the request, computed as
+        `score_backend` and `projected_ttft_s` compute it."""
+        spec, rates, ledger, ratio = state.spec, state.rates, state.ledger, state.ratio.ratio
+        num_requests = len(ledger)
+        existing_decode = ledger.num_decode_tokens
+        if ratio != 1.0:
+            existing_decode = ratio * existing_decode
+        decode_rate = decode_rate_for(rates, spec.max_active, num_requests + 1) / share
+        reload_rate = None if rates.reload_tok_s is None else rates.reload_tok_s / share
+        batch_size = max(1, min(spec.max_active, num_requests + 1)) if rates.is_batch_aware else 0
+        # routing/deadline.py's slot wait with nothing less urgent queued: what runs ahead is all of it
+        ttft_tail = None
+        num_to_finish = num_requests - spec.max_active + 1
+        if num_to_finish > 0:
+            drain_s = ratio * ledger.num_decode_tokens / decode_rate_for(rates, spec.max_active, num_requests)
+            ttft_tail = drain_s * num_to_finish / num_requests
+        return (ledger.num_prefill_tokens, existing_decode, decode_rate, rates.prefill_tok_s / share, reload_rate,
+                batch_size, ledger.num_active, ledger.num_queued, spec.max_active, ratio, spec.device_kind,
+                max(ledger.queued_by_priority, default=None), ttft_tail)
+
+    def _inflight_hits(self, request: RouteRequest) -> dict[int, int] | None:
+        """Each backend's in-flight hit (`InflightPrefixes.num_cached_tokens`) by its position,
+        nonzero ones only; None when there are none."""
+        if not request.block_hashes or not self._inflight_index:
+            return None
+        block_size = request.block_size
+        max_blocks = (request.num_prompt_tokens - 1) // block_size
+        everyone = (1 << self._next_position) - 1
+        hits = {}
+        for holders, num_blocks in leading_runs(self._inflight_index, request.block_hashes, 0, max_blocks, everyone):
+            for position in bits(holders):
+                hits[position] = num_blocks * block_size
+        return hits
+
+    def _score_reference(self, request: RouteRequest, key: int | None) -> list[BackendScore]:
+        """`_score` one backend at a time through `score_backend`, `projected_ttft_s` and the
+        in-flight prefixes' own lookup: the spec `_score` keeps to (tests hold them equal)."""
         scores = []
         shares = self._shares()
         for backend_id, state in self._backends.items():
@@ -197,7 +322,7 @@ class Router:
             s.projected_ttft_s = projected_ttft_s(state.spec, state.rates, state.ledger, state.ratio.ratio,
                                                   request.priority, num_uncached, request.arrival_s)
             scores.append(s)
-        self._add_prefix_terms(scores, 0 if key is None else self._prefix_stats.num_seen(key))
+        self._add_prefix_terms_reference(scores, 0 if key is None else self._prefix_stats.num_seen(key))
         return scores
 
     @staticmethod
@@ -213,10 +338,8 @@ class Router:
             return None
         return prefix_key(request, self._prefix_stats.config.num_prefix_blocks)
 
-    def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
-        """Charge each backend that lacks part of a prefix a routable backend holds: the
-        recompute term (routing/policies.py says why), or, where a copy is an investment, the
-        replication term (routing/replication.py)."""
+    def _add_prefix_terms_reference(self, scores: list[BackendScore], num_seen: int) -> None:
+        """`_add_prefix_terms` through `_missing_s` and `_invests`, the spec it keeps to."""
         routable = [s for s in scores if not self._backends[s.backend_id].cordoned]
         top = max((s.num_cached_tokens for s in routable), default=0)
         holders = [s for s in routable if s.num_cached_tokens == top]
@@ -232,6 +355,44 @@ class Router:
                 s.replication_term_s = missing_s * (num_waiting / (config.future_factor * num_seen) - 1)
             else:
                 s.recompute_term_s = self._recompute_weight * missing_s
+
+    def _add_prefix_terms(self, scores: list[BackendScore], num_seen: int) -> None:
+        """Charge each backend that lacks part of a prefix a routable backend holds: the
+        recompute term (routing/policies.py says why), or, where a copy is an investment, the
+        replication term (routing/replication.py). `_missing_s` and `_invests`, inlined."""
+        routable = self._routable(scores)
+        top = max((s.num_cached_tokens for s in routable), default=0)
+        holders = [s for s in routable if s.num_cached_tokens == top]
+        holder_kinds = {s.device_kind for s in holders}
+        holder_wait_s = min((s.prefill_term_s for s in holders if _has_free_slot(s)), default=math.inf)
+        recompute_weight = self._recompute_weight
+        stats = self._prefix_stats
+        if num_seen > 0:  # only then can a copy be an investment (and there are stats)
+            may_copy_slowly = stats.may_copy_slowly()
+            replication_divisor = stats.config.future_factor * num_seen
+        for s in scores:
+            num_cached = s.num_cached_tokens
+            if num_cached >= top:
+                continue
+            num_missing = top - num_cached
+            num_host = s.num_host_cached_tokens
+            if num_host > num_missing:
+                num_host = num_missing
+            reload_s = num_host * s.reload_term_s / s.num_host_cached_tokens if num_host else 0.0
+            missing_s = (num_missing - num_host) / s.prefill_tok_s + reload_s
+            if (num_seen > 0 and s.device_kind in holder_kinds and s.num_active + s.num_queued < s.max_active
+                    and not stats.under_pressure(s.backend_id)
+                    and (s.prefill_term_s <= holder_wait_s or may_copy_slowly)):
+                num_waiting = 1 + s.num_active + s.num_queued
+                s.replication_term_s = missing_s * (num_waiting / replication_divisor - 1)
+            else:
+                s.recompute_term_s = recompute_weight * missing_s
+
+    def _routable(self, scores: list[BackendScore]) -> list[BackendScore]:
+        """`scores` of the backends not cordoned (the list itself when none is)."""
+        if not self._num_cordoned:
+            return scores
+        return [s for s in scores if not self._backends[s.backend_id].cordoned]
 
     def _missing_s(self, s: BackendScore, top: int) -> float:
         """Seconds for the backend `s` scores to make up the `top - its hit` tokens of the prefix
@@ -260,8 +421,9 @@ class Router:
                 f"request {request.req_id!r} is already pending on {self._req_to_backend[request.req_id]!r}"
             )
         key = self._prefix_key(request)
-        scores = {s.backend_id: s for s in self._score(request, key)}
-        routable = [s for s in scores.values() if not self._backends[s.backend_id].cordoned]
+        score_list = self._score(request, key)
+        scores = {s.backend_id: s for s in score_list}
+        routable = self._routable(score_list)
         if request.ttft_deadline_s is None:
             backend_id = self._policy.choose(routable, request)
         else:
@@ -307,8 +469,9 @@ class Router:
 
     # --- progress ---------------------------------------------------------------------------
 
-    def on_progress(self, backend_id: str, events: Iterable[ProgressEvent]) -> int:
-        """Apply a batch of reports from `backend_id`; returns how many matched a request.
+    def on_progress(self, backend_id: str, events: Iterable[ProgressEvent | RunningProgress]) -> int:
+        """Apply a batch of reports from `backend_id`; returns how many matched a request (a
+        `RunningProgress` counts as the three events it stands for).
 
         Reports from an unknown (e.g. already removed) backend, or about requests this
         backend's ledger does not hold, are ignored: they are late, not wrong.
@@ -318,9 +481,18 @@ class Router:
             return 0
         num_applied = 0
         num_decode_steps = 0  # the largest token gain of any request in this batch
+        ledger = state.ledger
+        entries = ledger.entries
         for event in events:
-            entry = state.ledger.entries.get(event.req_id)
+            entry = entries.get(event.req_id)
             if entry is None:
+                continue
+            if type(event) is RunningProgress:  # admitted + prefill + generated, at once
+                gain = event.num_output_tokens - entry.num_output_tokens
+                if gain > num_decode_steps:
+                    num_decode_steps = gain
+                ledger.apply_running(entry, event.num_computed_prompt_tokens, event.num_output_tokens)
+                num_applied += 3
                 continue
             if event.kind == messages.GENERATED:
                 num_decode_steps = max(num_decode_steps, event.value - entry.num_output_tokens)
