@@ -63,6 +63,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     wall = (max(r["sent"] + r["e2e"] for r in records) - min(r["sent"] for r in records)) if records else 0.0
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
     e2es = [r["e2e"] for r in ok]
+    # one stream's decode speed: its tokens after the first over the time after the first
+    streams = [(r["tokens"] - 1) / (r["e2e"] - r["ttft"]) for r in ok
+               if r["ttft"] is not None and r["tokens"] > 1 and r["e2e"] > r["ttft"]]
     samples: list[str] = []
     for r in errors:
         text = r["error"] or f"HTTP {r['status']}"
@@ -71,7 +74,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"num_requests": len(records), "ok": len(ok), "refused_429": refused, "errors": len(errors),
             "output_tokens": tokens, "wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 1) if wall > 0 else 0.0,
             "ttft_p50_ms": _round(percentile(ttfts, 50), 1, 1e3), "ttft_p95_ms": _round(percentile(ttfts, 95), 1, 1e3),
-            "e2e_p50_s": _round(percentile(e2es, 50), 3), "error_samples": samples}
+            "e2e_p50_s": _round(percentile(e2es, 50), 3), "stream_tok_s_p50": _round(percentile(streams, 50), 1),
+            "error_samples": samples}
 
 
 def _round(value: float | None, digits: int, scale: float = 1.0) -> float | None:
@@ -217,7 +221,7 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 TABLE_HEADER = (f"{'config':<16} {'workload':<9} {'C':>5} {'P':>2} {'N':>5} {'ok':>5} {'429':>5} {'err':>4} "
-                f"{'tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'E2E p50':>8}")
+                f"{'tok/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'E2E p50':>8} {'stream':>7}")
 
 
 def table_row(row: dict[str, Any]) -> str:
@@ -226,7 +230,7 @@ def table_row(row: dict[str, Any]) -> str:
     return (f"{row['config']:<16} {row['workload']:<9} {row['clients']:>5} {row['client_procs']:>2} "
             f"{row['num_requests']:>5} {row['ok']:>5} {row['refused_429']:>5} {row['errors']:>4} "
             f"{row['output_tok_s']:>9.1f} {_fmt(row['ttft_p50_ms'], '.1f'):>7}ms {_fmt(row['ttft_p95_ms'], '.1f'):>7}ms "
-            f"{_fmt(row['e2e_p50_s'], '.2f'):>7}s")
+            f"{_fmt(row['e2e_p50_s'], '.2f'):>7}s {_fmt(row.get('stream_tok_s_p50'), '.1f'):>7}")
 
 
 def run(args: argparse.Namespace) -> int:
