@@ -55,15 +55,17 @@ PROGRESS_INTERVAL_S = 0.02
 MAX_CONSECUTIVE_FAILURES = 3
 
 
-def sim_step_time(engine_kwargs: dict[str, Any]) -> Any:
-    """The step-time model of a sim backend, from the profile the plan passes with its engine's
-    settings (`sim_profile`, taken out of them: the engine knows no profiles); None otherwise."""
+def sim_timing(engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The step time and the host KV tier's reload time of a sim backend, from the profile the
+    plan passes with its engine's settings (`sim_profile`, taken out of them: the engine knows no
+    profiles); None for either that does not apply."""
     profile = engine_kwargs.pop("sim_profile", None)
     if profile is None:
-        return None
+        return None, None
     from tandem.routing.step_time import sim_profile_from_dict
 
-    return sim_profile_from_dict(profile).step_time().step_s
+    model = sim_profile_from_dict(profile).step_time()
+    return model.step_s, (model.reload_s if model.host_reload_tok_s is not None else None)
 
 
 def run_core(conn: Any, backend_id: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
@@ -101,8 +103,8 @@ class EngineCore:
         self.parent_pid = parent_pid
         start = time.perf_counter()
         engine_kwargs = dict(engine_kwargs)
-        step_time = sim_step_time(engine_kwargs)
-        self.engine = LLMEngine(EngineConfig(**engine_kwargs), step_time=step_time)
+        step_time, reload_time = sim_timing(engine_kwargs)
+        self.engine = LLMEngine(EngineConfig(**engine_kwargs), step_time=step_time, reload_time=reload_time)
         self.added: list[tuple[str, int, float]] = []
         self.refused: list[tuple[str, BaseException]] = []
         self.replies: list[CallReply] = []

@@ -188,14 +188,15 @@ class EngineCoreOutputs(_Message, tag="outs"):
     """What one engine step (or one batch of commands while idle) tells the front, the control
     plane: the answers to the control calls applied since the last message, the requests that
     finished, the router's progress (each changed request's absolute counts), the step's
-    timing, the prefix cache's published (True) and evicted (False) block hashes, and the
-    stats. The requests' tokens and text go to their callers' channels, not here."""
+    timing, the prefix cache's block hashes whose KV tier changed (1 on the device, 2 only in the
+    host tier, 0 nowhere: engine/kv_cache/manager.py), and the stats. The requests' tokens and
+    text go to their callers' channels, not here."""
 
     replies: list[CallReply] = []
     finished: list[FinishedRequest] = []
     progress: list[RequestProgress] = []
     step: StepTiming | None = None
-    cache_changes: dict[int, bool] = {}
+    cache_changes: dict[int, int] = {}
     stats: StatsTotals | None = None
 
 

@@ -30,7 +30,7 @@ class ProgressReporter:
         self.totals = StatsTotals(0, 0, 0.0, 0, 0, 0, 0, 0, 0)  # the counters' last values
         self._progress: dict[str, Any] = {}
         self._steps: list[Any] = []
-        self._cache_changes: dict[int, bool] = {}
+        self._cache_changes: dict[int, int] = {}
         self._last_report = 0.0
 
     def on_step(self, message: EngineCoreOutputs) -> None:

@@ -33,7 +33,7 @@ import math
 import random
 from collections import deque
 
-from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.manager import TIER_DEVICE, KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
@@ -59,8 +59,7 @@ class EngineSimBackend:
         self.reporter = reporter
         self._changes: dict[int, bool] = {}
         self._engine_to_route_hash: dict[int, int] = {}
-        kv = KVCacheManager(num_kv_blocks, block_size, on_evict=lambda h: self._changed(h, False),
-                            on_publish=lambda h: self._changed(h, True))
+        kv = KVCacheManager(num_kv_blocks, block_size, on_change=self._changed)
         self.scheduler = Scheduler(SchedulerConfig(max_active, max_num_batched_tokens, block_size, num_kv_blocks),
                                    kv, clock=lambda: self.now)
         self.pending: deque[SimJob] = deque()  # enqueued, arriving later (the oracle enqueues ahead)
@@ -170,10 +169,12 @@ class EngineSimBackend:
         ids.extend(rng.randrange(3, 1 << 30) for _ in range(job.num_prompt_tokens - len(ids)))
         return ids
 
-    def _changed(self, engine_hash: int, cached: bool) -> None:
+    def _changed(self, engine_hash: int, state: int) -> None:
+        """A block's KV tier changed: route-sim hears published (True) or evicted (False); this
+        backend has no host tier."""
         route_hash = self._engine_to_route_hash.get(engine_hash)
         if route_hash is not None:
-            self._changes[route_hash] = cached
+            self._changes[route_hash] = state == TIER_DEVICE
 
 
 def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):

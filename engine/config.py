@@ -69,6 +69,11 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb, else the memory share
     kv_cache_memory_gb: float | None = None  # None: cuda from gpu_memory_share, else 1 GiB
+    # A second KV tier in host memory (pinned on cuda) that keeps the prefix-cache blocks the
+    # device evicts, to reload instead of recompute (engine/kv_cache/host_tier.py). Its size in
+    # blocks, else in GiB (converted with the device cache's bytes per block); 0 and 0: no tier.
+    kv_host_blocks: int = 0
+    kv_host_memory_gb: float = 0.0
     # cuda: the share of the device's total memory this engine may use (weights, activations, KV);
     # None: engine/memory.py's default, clamped to what is free (an engine made on its own). The
     # cluster sets it for each engine it plans, and then a share the device cannot give is an error.
@@ -104,6 +109,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_share must be in (0, 1], got {self.gpu_memory_share}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.kv_host_blocks < 0:
+            raise ValueError(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
+        if not self.kv_host_memory_gb >= 0:
+            raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.kv_host_memory_gb}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.max_priority_wait_s >= 0:
@@ -144,6 +153,12 @@ class EngineConfig:
     def kv_cache_from_share(self) -> bool:
         """True when the KV cache is sized from the GPU's memory share, not a fixed size."""
         return self.device_type == "cuda" and self.kv_cache_memory_gb is None and self.num_kv_blocks is None
+
+    def resolved_kv_host_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of the host KV tier (0: none): `kv_host_blocks`, else `kv_host_memory_gb` worth."""
+        if self.kv_host_blocks:
+            return self.kv_host_blocks
+        return int(self.kv_host_memory_gb * (1 << 30)) // bytes_per_block
 
     @property
     def resolved_kv_cache_bytes(self) -> int:

@@ -61,7 +61,7 @@ from tandem.engine.reporting import CacheChanges, EngineReporter
 from tandem.engine.sampler import SamplingRow
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.engine.sim_runner import SIM_DEVICE, SimModelRunner, StepTime, sim_token_space
+from tandem.engine.sim_runner import SIM_DEVICE, ReloadTime, SimModelRunner, StepTime, sim_token_space
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.tokenizer import encode_chat, encode_prompt
 
@@ -99,14 +99,18 @@ def _resolved(cfg: EngineConfig) -> EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, step_time: StepTime | None = None, **overrides) -> None:
-        """`step_time` times the steps of a `sim` device (engine/sim_runner.py); other devices run
-        the model and take none."""
+    def __init__(self, config: EngineConfig | None = None, step_time: StepTime | None = None,
+                 reload_time: ReloadTime | None = None, **overrides) -> None:
+        """`step_time` times the steps of a `sim` device (engine/sim_runner.py), and `reload_time`
+        its host KV tier's reloads (without one a sim engine has no host tier); other devices run
+        the model and take neither."""
         self.config = _resolved(config or EngineConfig(**overrides))
         cfg = self.config
         self.is_sim = cfg.device_type == SIM_DEVICE
         if self.is_sim != (step_time is not None):
             raise ValueError("a sim device needs a step_time model, and only a sim device takes one")
+        if reload_time is not None and not self.is_sim:
+            raise ValueError("only a sim device takes a reload_time model")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
@@ -124,16 +128,17 @@ class LLMEngine:
         self.max_model_len = min(loaded.model_config.max_position_embeddings,
                                  cfg.max_model_len or MAX_DEFAULT_MODEL_LEN)
         num_blocks = self._num_kv_blocks()
+        num_host_blocks = self._num_kv_host_blocks(reload_time)
         self.max_active_limit = cfg.max_active  # what the KV pool and CUDA graphs were sized for
         cache_changes = CacheChanges()
-        self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_evict=cache_changes.on_evict,
-                                               on_publish=cache_changes.on_publish)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_change=cache_changes.on_change,
+                                               num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks,
                             cfg.max_priority_wait_s),
             self.kv_cache_manager,
         )
-        self.model_runner = self._make_model_runner(loaded, num_blocks, step_time)
+        self.model_runner = self._make_model_runner(loaded, num_blocks, num_host_blocks, step_time, reload_time)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device_kind in ("cuda", SIM_DEVICE))
         self.grammar_compiler = GrammarCompiler(
@@ -143,15 +148,15 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # aborts' last outputs, for the next step
         self._fault_injector: Callable[[str, str | None], None] | None = None
 
-    def _make_model_runner(self, loaded: LoadedModel, num_blocks: int,
-                           step_time: StepTime | None) -> ModelRunner | SimModelRunner:
+    def _make_model_runner(self, loaded: LoadedModel, num_blocks: int, num_host_blocks: int,
+                           step_time: StepTime | None, reload_time: ReloadTime | None) -> ModelRunner | SimModelRunner:
         cfg = self.config
         if self.is_sim:
-            return SimModelRunner(step_time, sim_token_space(loaded))
+            return SimModelRunner(step_time, sim_token_space(loaded), reload_time, cfg.block_size)
         return ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size, cfg.attention_backend,
                            cfg.max_active, self.max_model_len, cfg.enforce_eager, cfg.pack_cpu_weights,
                            cfg.resolved_max_num_batched_tokens, cfg.cpu_compile,
-                           ggml_graph=cfg.cpu_kernels == "ggml-graph")
+                           ggml_graph=cfg.cpu_kernels == "ggml-graph", num_host_blocks=num_host_blocks)
 
     def _make_parts(self, tokenizer: Any, cache_changes: CacheChanges) -> None:
         """The parts along a request's life (module doc). `changed` is the requests whose progress
@@ -204,6 +209,17 @@ class LLMEngine:
         # cache; more only costs memory and Python objects.
         by_need = 4 * cfg.max_active * cdiv(self.max_model_len, cfg.block_size)
         return int(min(by_memory, by_need)) + 1  # + the null block
+
+    def _num_kv_host_blocks(self, reload_time: ReloadTime | None) -> int:
+        """The host KV tier's blocks (0: none). A sim engine has one only with a reload rate."""
+        cfg = self.config
+        if not (cfg.kv_host_blocks or cfg.kv_host_memory_gb):
+            return 0
+        if self.is_sim and reload_time is None:
+            logger.warning("sim engine: no host reload rate (host_reload_tok_s) in its profile, so no host KV tier")
+            return 0
+        return cfg.resolved_kv_host_blocks(ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size,
+                                                                           self.dtype))
 
     def _kv_bytes_from_share(self) -> int:
         """The KV cache a cuda engine gets from its share of the device (engine/memory.py),
@@ -275,6 +291,8 @@ class LLMEngine:
             outputs.extend(self._finish(self._in_flight))
             self._in_flight = None
         sched = self.scheduler.schedule()
+        if sched.is_empty:  # its KV copies still run: the caches' indexes already count them done
+            self.model_runner.apply_kv_transfers(sched.kv_transfers)
         launched = None if sched.is_empty else self._launch(sched)
         if self._in_flight is not None:  # the previous step ran while this one was planned
             outputs.extend(self._finish(self._in_flight))
@@ -296,6 +314,7 @@ class LLMEngine:
         if failed:
             sched = self._without_failed(sched, failed)
             if sched.is_empty:
+                self.model_runner.apply_kv_transfers(sched.kv_transfers)
                 return None
         num_decode = sched.num_decode_tokens
         num_prefill = sched.num_scheduled_tokens - num_decode
@@ -369,10 +388,12 @@ class LLMEngine:
         """Every block hash in the prefix cache now (a snapshot for a new mirror)."""
         return list(self.kv_cache_manager.block_pool.cached_blocks)
 
-    def drain_cache_changes(self) -> dict[int, bool]:
-        """Block hashes published (True) or evicted (False) since the last call, latest state
-        per hash. Applied in order to a snapshot, they let a router mirror this cache's index
-        and answer prefix-hit queries without a round trip to this engine."""
+    def drain_cache_changes(self) -> dict[int, int]:
+        """Block hashes whose tier changed since the last call, latest state per hash: 1 held on
+        the device (published), 2 held only in the host KV tier, 0 held nowhere (1 and 0 are the
+        True and False of a cache without a host tier). Applied in order to a snapshot, they let
+        a router mirror this cache's index and answer prefix-hit queries without a round trip to
+        this engine."""
         return self.reporter.cache_changes.drain()
 
     def drain_progress(self) -> list[RequestProgress]:

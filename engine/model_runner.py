@@ -1,6 +1,7 @@
 """Runs one scheduled step on the device: build the flat batch, forward, sample.
 
-The runner owns everything with tensors: the model, the paged KV cache tensors, and the
+The runner owns everything with tensors: the model, the paged KV cache tensors (and a host KV
+tier's, whose copies it runs before each step's forward: engine/kv_host_cache.py), and the
 translation from the scheduler's plain-Python decisions (request, number of tokens) into
 `input_ids`, `positions`, `slot_mapping` and `block_tables`. Inputs are built on the host in
 one go and copied with a single transfer per tensor (from pinned memory on cuda, so the copy
@@ -29,7 +30,9 @@ import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.host_tensors import to_device
+from tandem.engine.kv_cache.host_tier import KVTransfers
 from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_host_cache import HostKVCache
 from tandem.engine.model.loader import LoadedModel
 from tandem.engine.request import PLACEHOLDER_TOKEN
 from tandem.engine.sampler import LogprobsTensors, Sampler, SamplingRow
@@ -83,7 +86,7 @@ class ModelRunner:
                  num_blocks: int, block_size: int, attention_backend: str = "torch",
                  max_num_seqs: int = 4, max_model_len: int = 2048, enforce_eager: bool = False,
                  pack_cpu_weights: bool = True, max_num_batched_tokens: int = 0, cpu_compile: bool = False,
-                 ggml_graph: bool = False) -> None:
+                 ggml_graph: bool = False, num_host_blocks: int = 0) -> None:
         self.model = loaded.model
         self.model_config = loaded.model_config
         self.device = device
@@ -91,6 +94,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(loaded.sampling_vocab_size)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        # The host KV tier's tensors (engine/kv_host_cache.py); None without a host tier.
+        self.host_kv_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks else None
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.graph_runner = None
         self.mixed_graph_runner = None
@@ -242,8 +247,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, kv_manager: KVCacheManager,
                rows: dict[str, SamplingRow]) -> StepHandle:
-        """Enqueue the forward and the sampling; the handle's ids are in the order of the
-        scheduled requests that complete their prompt."""
+        """Enqueue the step's KV copies between tiers, the forward and the sampling; the handle's
+        ids are in the order of the scheduled requests that complete their prompt."""
+        if sched.kv_transfers is not None:
+            self.apply_kv_transfers(sched.kv_transfers)
         sample_reqs = [s.request.req_id for s in sched.scheduled if s.completes_prefill]
         if self._replays_decode_graph(sched) or self._runs_cpu_decode(sched):
             logits = (self._execute_decode_graph(sched, kv_manager) if self.graph_runner is not None
@@ -262,6 +269,14 @@ class ModelRunner:
         self._last_sampled = out.sampled_token_ids
         self._last_rows = {r: i for i, r in enumerate(sample_reqs)}
         return StepHandle(out.sampled_token_ids, out.logprobs)
+
+    def apply_kv_transfers(self, transfers: KVTransfers | None) -> None:
+        """Enqueue copies between the KV cache's tiers (a step's, before its forward; or alone,
+        for a step whose requests all left it)."""
+        if transfers is not None:
+            if self.host_kv_cache is None:
+                raise RuntimeError("KV transfers for a runner without a host KV tier")
+            self.host_kv_cache.apply(transfers)
 
     def _execute_eager(self, sched: SchedulerOutput, kv_manager: KVCacheManager) -> torch.Tensor | None:
         """The flat varlen forward; logits at each sampling request's last token (None if none)."""

@@ -102,7 +102,7 @@ class OutputProcessor:
                 self.changed[req_id] = request
             append(RequestOutput(req_id, new_token_ids, text, finished, status.finish_reason if finished else None,
                                  Usage(prompt_len, len(output_ids) - request.num_pending_tokens,
-                                       max(request.num_cached_tokens, 0)),
+                                       max(request.num_cached_tokens, 0), request.num_host_cached_tokens),
                                  request.arrival_time, request.first_scheduled_time, request.first_token_time,
                                  request.finished_time))
         return outputs
@@ -154,7 +154,8 @@ class OutputProcessor:
         self.changed[req_id] = request
         return RequestOutput(
             req_id, [], "", True, request.status.finish_reason,
-            Usage(request.num_prompt_tokens, request.num_resolved_output_tokens, max(request.num_cached_tokens, 0)),
+            Usage(request.num_prompt_tokens, request.num_resolved_output_tokens, max(request.num_cached_tokens, 0),
+                  request.num_host_cached_tokens),
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time)
 
     def fail(self, request: Request, exc: BaseException, point: str, num_kept: int | None = None) -> None:
@@ -175,7 +176,8 @@ class OutputProcessor:
         self.changed[req_id] = request
         self.failed_outputs.append(RequestOutput(
             req_id, [], "", True, FINISH_REASON_ERROR,
-            Usage(request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0)),
+            Usage(request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0),
+                  request.num_host_cached_tokens),
             request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finished_time))
 
     def take_failed_outputs(self) -> list[RequestOutput]:

@@ -22,7 +22,8 @@ import msgspec
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens the prefix cache supplied, from either KV tier
+    host_cached_tokens: int = 0  # the part of cached_tokens reloaded from the host KV tier
 
     @property
     def total_tokens(self) -> int:
@@ -95,7 +96,7 @@ class EngineStats:
     num_total_blocks: int
     kv_cache_usage: float  # fraction of blocks in use by requests
     prefix_cache_queries: int  # prompt tokens looked up since start
-    prefix_cache_hits: int  # prompt tokens that hit since start
+    prefix_cache_hits: int  # prompt tokens that hit since start, in either KV tier
     num_preemptions: int
     # Last step.
     step_time_s: float = 0.0
@@ -106,4 +107,10 @@ class EngineStats:
     decode_time_s: float = 0.0
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0
+    # The host KV tier (engine/kv_cache/host_tier.py); all 0 without one.
+    prefix_cache_host_hits: int = 0  # prompt tokens that hit in the host tier since start
+    kv_host_offloaded_blocks: int = 0  # blocks copied device -> host since start
+    kv_host_reloaded_blocks: int = 0  # blocks copied host -> device since start
+    num_host_used_blocks: int = 0
+    num_host_total_blocks: int = 0
     requests: list[RequestProgress] = field(default_factory=list)

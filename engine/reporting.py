@@ -5,19 +5,19 @@ keeps a ledger of each backend's requests, a cost model of its steps and a mirro
 prefix-cache index. So each is cheap to read and says only what changed: a step's size and
 time and running totals (`get_stats`); the state of each request that changed since the last
 call, as absolute counts, so a late or repeated report is harmless (`drain_progress`); and the
-block hashes published or evicted since the last call (`drain_cache_changes`).
+block hashes whose KV tier changed since the last call (`drain_cache_changes`).
 
 Which requests changed is one dict, `changed`, that every part of the engine marks as it moves
 a request (admission, a launch, output processing, the groups) and only `drain_progress`
-empties. The KV cache's publish and evict callbacks land in `CacheChanges`, made before the
-cache that calls them.
+empties. The KV cache's tier changes (engine/kv_cache/manager.py's `on_change`) land in
+`CacheChanges`, made before the cache that calls it.
 """
 
 from __future__ import annotations
 
 import time
 
-from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.manager import TIER_DEVICE, KVCacheManager
 from tandem.engine.outputs import EngineStats, RequestProgress
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_groups import RequestGroup, RequestGroups
@@ -25,21 +25,20 @@ from tandem.engine.scheduler import Scheduler
 
 
 class CacheChanges:
-    """Block hashes published (True) or evicted (False), latest state per hash, and whether
-    anything was evicted since the last progress report."""
+    """Where each changed block hash is held, latest state per hash (1 the device, 2 the host
+    tier only, 0 nowhere: manager.py's TIER_*), and whether anything left the device since the
+    last progress report."""
 
     def __init__(self) -> None:
-        self.changes: dict[int, bool] = {}
+        self.changes: dict[int, int] = {}
         self.evicted = False
 
-    def on_evict(self, block_hash: int) -> None:
-        self.evicted = True
-        self.changes[block_hash] = False
+    def on_change(self, block_hash: int, state: int) -> None:
+        if state != TIER_DEVICE:
+            self.evicted = True
+        self.changes[block_hash] = state
 
-    def on_publish(self, block_hash: int) -> None:
-        self.changes[block_hash] = True
-
-    def drain(self) -> dict[int, bool]:
+    def drain(self) -> dict[int, int]:
         changes, self.changes = self.changes, {}
         return changes
 
@@ -83,6 +82,13 @@ class EngineReporter:
         st.prefix_cache_queries = kv.prefix_cache_queries
         st.prefix_cache_hits = kv.prefix_cache_hits
         st.num_preemptions = self.scheduler.num_preemptions
+        tier = kv.host_tier
+        if tier is not None:
+            st.prefix_cache_host_hits = kv.prefix_cache_host_hits
+            st.kv_host_offloaded_blocks = tier.num_offloaded_blocks
+            st.kv_host_reloaded_blocks = tier.num_reloaded_blocks
+            st.num_host_used_blocks = tier.num_used_blocks
+            st.num_host_total_blocks = tier.num_blocks
         return st
 
     def drain_progress(self) -> list[RequestProgress]:

@@ -57,7 +57,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (both KV tiers); -1 until then
+        self.num_host_cached_tokens = 0  # the part of that hit reloaded from the host KV tier
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -35,6 +35,7 @@ class RequestGroup:
     num_added: int = 1
     num_finished: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
 
 
 def child_requests(req_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -78,6 +79,7 @@ class RequestGroups:
         group.completion_tokens[index] = out.usage.completion_tokens
         if index == 0:
             group.cached_tokens = out.usage.cached_tokens
+            group.host_cached_tokens = out.usage.host_cached_tokens
             while group.num_added < len(group.children):
                 child = group.children[group.num_added]
                 group.num_added += 1
@@ -91,7 +93,8 @@ class RequestGroups:
         if done:
             self.groups.pop(group.req_id, None)
         return replace(out, req_id=group.req_id, index=index, finished=done,
-                       usage=Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens))
+                       usage=Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens,
+                                   group.host_cached_tokens))
 
     def abort(self, req_id: str, tracked: dict[str, object]) -> RequestOutput | None:
         """Abort every choice of the group `req_id` and forget their entries in `tracked`; the
@@ -110,7 +113,7 @@ class RequestGroups:
         return RequestOutput(
             group.req_id, [], "", True, "abort",
             Usage(first.num_prompt_tokens, sum(c.num_resolved_output_tokens for c in group.children),
-                  max(first.num_cached_tokens, 0)),
+                  max(first.num_cached_tokens, 0), first.num_host_cached_tokens),
             first.arrival_time, first.first_scheduled_time, first.first_token_time, first.finished_time)
 
     def progress(self, group: RequestGroup, progress_of: Callable[[Request], RequestProgress]) -> RequestProgress:

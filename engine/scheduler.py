@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_ACTIVE
+from tandem.engine.kv_cache.host_tier import KVTransfers
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
@@ -61,6 +62,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Copies between the KV cache's device and host tiers, run before this step's forward
+    # (engine/kv_cache/host_tier.py); None without a host tier or when there are none.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +118,7 @@ class Scheduler:
         budget = self._schedule_running(decodes + prefills, budget, out)
         if not out.preempted_req_ids:
             self._schedule_waiting(budget, out)
+        out.kv_transfers = self.kv_cache_manager.take_transfers()
         return out
 
     def _schedule_running(self, candidates: list[Request], budget: int, out: SchedulerOutput) -> int:
@@ -158,18 +163,19 @@ class Scheduler:
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_active:
                 break
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hits) is None:
+            computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - computed.num_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
                 break  # nobody overtakes the head of the admission order
             self.waiting.remove(request)
             if request.req_id in turns:
                 self._aged_turn = not turns[request.req_id]
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = computed.num_tokens
+                request.num_host_cached_tokens = computed.num_host_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = computed.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))

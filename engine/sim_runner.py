@@ -17,6 +17,11 @@ sleeps until then. So the host's own work (scheduling, detokenizing, sending out
 a step as it does beside a GPU with asynchronous scheduling, and a host too slow to keep up shows
 as steps that start late, as it would on the device.
 
+Host KV tier. With one (engine/kv_cache/host_tier.py) a step's reloads add `reload_time(reloaded
+tokens)` to its duration (the profile's host-to-device rate: routing/step_time.py); offloads
+cost nothing, as a device's copies out overlap its compute. Without a reload rate a sim engine
+runs without a host tier.
+
 Tokens. Each sampled id is a hash of the request's seed (its `seed`, else its prompt) and the
 output position, drawn from the tokenizer's ordinary ids (never EOS or another special id), so
 a request's output is the same on every run and every backend, its length is its `max_tokens`
@@ -33,13 +38,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.config import DEFAULT_BLOCK_SIZE
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.kv_cache.host_tier import KVTransfers
 from tandem.engine.scheduler import SchedulerOutput
 
 SIM_DEVICE = "sim"
 _MASK64 = (1 << 64) - 1
 
 StepTime = Callable[[int, int, int], float]
+ReloadTime = Callable[[int], float]  # seconds to reload this many tokens from the host KV tier
 
 
 def _mix64(x: int) -> int:
@@ -108,8 +116,11 @@ class SimStepHandle:
 
 
 class SimModelRunner:
-    def __init__(self, step_time: StepTime, tokens: TokenSpace) -> None:
+    def __init__(self, step_time: StepTime, tokens: TokenSpace, reload_time: ReloadTime | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.step_time = step_time
+        self.reload_time = reload_time
+        self.block_size = block_size
         self.token_space = tokens
         self.sampler = _Sampler()
         self.device_free_at = 0.0  # perf_counter() when the emulated device finishes its last step
@@ -126,7 +137,7 @@ class SimModelRunner:
     def launch(self, sched: SchedulerOutput, kv_manager: object, rows: dict) -> SimStepHandle:
         """The step's ids, ready once the emulated device has run it after the steps before."""
         start = max(time.perf_counter(), self.device_free_at)
-        self.device_free_at = start + self.step_time(*step_shape(sched))
+        self.device_free_at = start + self.step_time(*step_shape(sched)) + self._reload_s(sched.kv_transfers)
         space = self.token_space
         token_ids = []
         for s in sched.scheduled:
@@ -138,6 +149,18 @@ class SimModelRunner:
                 base = self._seed_of[request] = request_seed(request.sampling_params.seed, request.prompt_token_ids)
             token_ids.append(space.token(base, request.num_output_tokens))
         return SimStepHandle(token_ids, self.device_free_at)
+
+    def apply_kv_transfers(self, transfers: KVTransfers | None) -> None:
+        """Copies between the KV tiers alone (a step whose requests all left it): they keep the
+        emulated device busy for their reloads."""
+        reload_s = self._reload_s(transfers)
+        if reload_s:
+            self.device_free_at = max(time.perf_counter(), self.device_free_at) + reload_s
+
+    def _reload_s(self, transfers: KVTransfers | None) -> float:
+        if transfers is None or not transfers.reloads or self.reload_time is None:
+            return 0.0
+        return self.reload_time(len(transfers.reloads) * self.block_size)
 
 
 def step_shape(sched: SchedulerOutput) -> tuple[int, int, int]:

@@ -48,6 +48,15 @@ class StepTimeModel:
     # None: `rates.prefill_tok_s` at every size. A GPU prefills a step of thousands of tokens
     # at several times the rate of one 512-token prompt, which is what the rates measure.
     prefill_tok_s_by_tokens: dict[int, float] | None = None
+    # Tokens a second the device reloads from a host KV tier (host-to-device copies); None:
+    # the device is not modelled with a host tier.
+    host_reload_tok_s: float | None = None
+
+    def reload_s(self, num_tokens: int) -> float:
+        """Seconds to reload `num_tokens` tokens' KV from the host tier."""
+        if self.host_reload_tok_s is None:
+            raise ValueError("this step-time model has no host reload rate (host_reload_tok_s)")
+        return num_tokens / self.host_reload_tok_s
 
     def prefill_rate(self, num_tokens: int) -> float:
         table = self.prefill_tok_s_by_tokens
@@ -92,6 +101,7 @@ class SimProfile(BaseModel):
     decode_tok_s_by_batch: dict[int, float] | None = None
     decode_s_per_context_token: float = Field(default=0.0, ge=0)
     prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None  # StepTimeModel's
+    host_reload_tok_s: float | None = Field(default=None, gt=0)  # StepTimeModel's; None: no host KV tier
     # The engine the device ran, which an emulated engine takes as its defaults.
     max_active: int = Field(default=256, ge=1)
     num_kv_tokens: int | None = Field(default=None, ge=1)  # None: the engine's own default
@@ -111,13 +121,15 @@ class SimProfile(BaseModel):
             "decode_tok_s_by_batch": None if table is None else {b: r / time_scale for b, r in table.items()},
             "prefill_tok_s_by_tokens": None if prefill is None else {n: r / time_scale for n, r in prefill.items()},
             "decode_s_per_context_token": self.decode_s_per_context_token * time_scale,
+            "host_reload_tok_s": None if self.host_reload_tok_s is None else self.host_reload_tok_s / time_scale,
             "description": f"{self.description} [dilated {time_scale:g}x]"})
 
     def rates(self) -> RateProfile:
         return RateProfile(self.prefill_tok_s, self.decode_tok_s, self.decode_tok_s_by_batch)
 
     def step_time(self) -> StepTimeModel:
-        return StepTimeModel(self.rates(), self.decode_s_per_context_token, self.prefill_tok_s_by_tokens)
+        return StepTimeModel(self.rates(), self.decode_s_per_context_token, self.prefill_tok_s_by_tokens,
+                             self.host_reload_tok_s)
 
     def rate_fields(self) -> dict[str, Any]:
         """What the router's rates file holds for this device."""

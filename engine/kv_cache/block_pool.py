@@ -70,10 +70,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
+    """`on_evict(block_hash, block_id)` is called when a cached block is reused, before its new
+    owner writes it; `on_publish(block_hash)` when a block enters the prefix-cache index."""
+
     def __init__(
         self,
         num_blocks: int,
-        on_evict: Callable[[int], None] | None = None,
+        on_evict: Callable[[int, int], None] | None = None,
         on_publish: Callable[[int], None] | None = None,
     ) -> None:
         if num_blocks < 2:
@@ -137,5 +140,5 @@ class BlockPool:
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
             if self._on_evict is not None:
-                self._on_evict(block.block_hash)
+                self._on_evict(block.block_hash, block.block_id)
         block.block_hash = None

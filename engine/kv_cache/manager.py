@@ -5,18 +5,36 @@ Blocks are published to the prefix cache when they are allocated for tokens bein
 this step, i.e. as soon as their prefill is scheduled: a second request with the same prefix
 hits before the first one finishes. The forward writes every new token's K/V before any
 attention reads, so a hit on a block filled in the same step reads finished data.
+
+With a host tier (engine/kv_cache/host_tier.py) a cached block the pool evicts is offloaded to
+host memory, and a prefix hit continues into the host tier where the device's ends: those
+blocks get fresh device blocks, reloaded from their host slots and published at once, and
+count as computed. The step's copies are taken with `take_transfers` (the scheduler puts them
+on its output) and run before the step's forward, offloads first (host_tier.py says why that
+order is safe). Without a host tier nothing here changes.
+
+Every change of where a block hash is held goes to `on_change(block_hash, state)`:
+`TIER_DEVICE` (1) published on the device, `TIER_HOST` (2) evicted from the device but held in
+the host tier, `TIER_NONE` (0) held nowhere (a host eviction of a hash the device holds is not
+a change). 1 and 0 read as the True and False of a cache without a host tier.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from tandem.engine.kv_cache.hashing import hash_request_blocks
+from tandem.engine.kv_cache.host_tier import HostKVTier, KVTransfers
 
 if TYPE_CHECKING:  # engine.request imports engine.kv_cache.hashing: a runtime import would be circular
     from tandem.engine.request import Request
+
+TIER_NONE = 0
+TIER_DEVICE = 1
+TIER_HOST = 2
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,15 +56,32 @@ def num_cached_prefix_tokens(
     return num_hits * block_size
 
 
+@dataclass
+class ComputedBlocks:
+    """A waiting request's prefix hit: the device blocks it shares, then the host slots of the
+    blocks that follow them, reloaded if the request is admitted."""
+
+    blocks: list[KVCacheBlock]
+    host_slots: list[int]
+    num_tokens: int  # tokens both cover
+    num_host_tokens: int  # tokens of the host slots
+
+
 class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        on_evict: Callable[[int], None] | None = None,
-        on_publish: Callable[[int], None] | None = None,
+        on_change: Callable[[int, int], None] | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`on_change(block_hash, state)` hears where each hash is held (module doc);
+        `num_host_blocks` > 0 adds a host tier of that many blocks."""
         self.block_size = block_size
+        self._on_change = on_change
+        self.host_tier = HostKVTier(num_host_blocks, on_evict=self._on_host_evict) if num_host_blocks else None
+        on_evict = self._on_device_evict if self.host_tier is not None or on_change is not None else None
+        on_publish = None if on_change is None else (lambda block_hash: on_change(block_hash, TIER_DEVICE))
         self.block_pool = BlockPool(num_blocks, on_evict=on_evict, on_publish=on_publish)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same blocks as ids, kept in step so the runner's per-step block tables cost nothing.
@@ -55,7 +90,12 @@ class KVCacheManager:
         # publishes the blocks that just became full.
         self.req_to_num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found, in either tier
+        self.prefix_cache_host_hits = 0  # tokens found in the host tier
+        # This step's copies between the tiers, until `take_transfers`: host slot -> device block
+        # (a slot stored twice in a step is written by its last store only), and (slot, block).
+        self._offloads: dict[int, int] = {}
+        self._reloads: list[tuple[int, int]] = []
 
     @property
     def num_usable_blocks(self) -> int:
@@ -66,59 +106,127 @@ class KVCacheManager:
         """Fraction of usable blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - self.block_pool.get_num_free_blocks() / self.num_usable_blocks
 
-    def _longest_cached_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> list[KVCacheBlock]:
-        # Cap the hit at num_tokens - 1 so the last token is always computed: its logits
-        # are what the next token is sampled from.
+    # -- where a hash is held ------------------------------------------------------------------
+    def _on_device_evict(self, block_hash: int, block_id: int) -> None:
+        """The pool reuses a cached block: keep it in the host tier (an offload) if there is one."""
+        tier, state = self.host_tier, TIER_NONE
+        if tier is not None:
+            if block_hash in tier:
+                tier.touch(block_hash)
+                state = TIER_HOST
+            else:
+                slot = tier.store(block_hash)
+                if slot is not None:
+                    self._offloads[slot] = block_id
+                    state = TIER_HOST
+        if self._on_change is not None:
+            self._on_change(block_hash, state)
+
+    def _on_host_evict(self, block_hash: int) -> None:
+        if self._on_change is not None and block_hash not in self.block_pool.cached_blocks:
+            self._on_change(block_hash, TIER_NONE)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies planned since the last call (None if none); the slots reloads read are
+        unpinned, so later steps may overwrite them (their copies run after these)."""
+        if not (self._offloads or self._reloads):
+            return None
+        transfers = KVTransfers([(block_id, slot) for slot, block_id in self._offloads.items()], self._reloads)
+        for slot, _ in self._reloads:
+            self.host_tier.unpin(slot)
+        self._offloads, self._reloads = {}, []
+        return transfers
+
+    # -- prefix hits -----------------------------------------------------------------------------
+    def _longest_cached_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> tuple[list[KVCacheBlock],
+                                                                                          list[int]]:
+        """Device hits, then the host slots of the blocks after them. Capped at num_tokens - 1
+        so the last token is always computed: its logits are what the next token is sampled from."""
         max_blocks = (num_tokens - 1) // self.block_size
-        hits = []
+        hits, host_slots = [], []
+        get_cached_block = self.block_pool.get_cached_block
         for block_hash in block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+            block = get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits
+        tier = self.host_tier
+        if tier is not None:
+            for block_hash in block_hashes[len(hits):max_blocks]:
+                slot = tier.lookup(block_hash)
+                if slot is None:
+                    break
+                host_slots.append(slot)
+        return hits, host_slots
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Cached blocks a waiting request can start from, and how many tokens they cover."""
-        hits = self._longest_cached_prefix(request.block_hashes(self.block_size), request.num_tokens)
-        num_hit_tokens = len(hits) * self.block_size
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The prefix a waiting request can start from: cached device blocks and host slots."""
+        hits, host_slots = self._longest_cached_prefix(request.block_hashes(self.block_size), request.num_tokens)
+        num_host_tokens = len(host_slots) * self.block_size
+        num_hit_tokens = len(hits) * self.block_size + num_host_tokens
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        if host_slots:
+            self.prefix_cache_host_hits += num_host_tokens
+            self.host_tier.num_hit_blocks += len(host_slots)
+        return ComputedBlocks(hits, host_slots, num_hit_tokens, num_host_tokens)
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """How many tokens of this prompt would hit now. Changes no cache state or stats."""
+        """How many tokens of this prompt would hit now, in either tier. Changes no cache state or stats."""
         hashes = hash_request_blocks(token_ids, self.block_size)
-        return num_cached_prefix_tokens(hashes, len(token_ids), self.block_size,
-                                        self.block_pool.cached_blocks.__contains__)
+        cached = self.block_pool.cached_blocks
+        num_device = num_cached_prefix_tokens(hashes, len(token_ids), self.block_size, cached.__contains__)
+        tier = self.host_tier
+        if tier is None:
+            return num_device
+        first = num_device // self.block_size
+        return num_device + num_cached_prefix_tokens(hashes[first:], len(token_ids) - num_device, self.block_size,
+                                                     tier.__contains__)
 
+    # -- allocation ------------------------------------------------------------------------------
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        computed: ComputedBlocks | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed tokens (and
-        after `new_computed_blocks`, a prefix hit being taken now). Returns the newly
-        allocated blocks, or None, changing nothing, when the pool cannot supply them."""
-        if not new_computed_blocks and self._fits_without_change(request, num_new_tokens):
+        after `computed`, a prefix hit being taken now). Returns the newly allocated blocks
+        (reload targets first), or None, changing nothing, when the pool cannot supply them."""
+        if computed is None and self._fits_without_change(request, num_new_tokens):
             return []
+        hits = computed.blocks if computed is not None else ()
+        host_slots = computed.host_slots if computed is not None else ()
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         req_block_ids = self.req_to_block_ids.setdefault(request.req_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + (computed.num_tokens if computed is not None else 0)
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        num_new_blocks = num_required - len(req_blocks) - len(hits)
         # Hits that sit in the free queue stop being free once touched.
-        num_hits_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_hits_free:
             return None
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(hits)
+        for slot in host_slots:  # before allocating: the evictions it causes must not take these slots
+            self.host_tier.pin(slot)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        for block in (*new_computed_blocks, *new_blocks):
+        if host_slots:
+            self._plan_reloads(request, len(hits), host_slots, new_blocks)
+        for block in (*hits, *new_blocks):
             req_blocks.append(block)
             req_block_ids.append(block.block_id)
         self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def _plan_reloads(self, request: Request, first: int, host_slots: Sequence[int],
+                      targets: Sequence[KVCacheBlock]) -> None:
+        """Reload each host slot into the next new block (published with the rest of the
+        request's full blocks); its slot stays pinned until `take_transfers`."""
+        tier = self.host_tier
+        hashes = request.block_hashes(self.block_size)
+        for i, (slot, block) in enumerate(zip(host_slots, targets)):
+            self._reloads.append((slot, block.block_id))
+            tier.record_reload(hashes[first + i])
 
     def _fits_without_change(self, request: Request, num_new_tokens: int) -> bool:
         """The common decode case, checked before any hashing or list building: the request's

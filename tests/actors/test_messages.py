@@ -37,7 +37,7 @@ def examples() -> list:
                             finished=[m.FinishedRequest("stop", 1.5, 1.6, 1.7, 1.8),
                                       m.FinishedRequest(None, 2.0, None, None, None)],
                             progress=[RequestProgress("r", "running", 10, 8, 10, 2, 7)],
-                            step=m.StepTiming(10, 4, 4, 0.012), cache_changes={2**63 + 5: True, 17: False},
+                            step=m.StepTiming(10, 4, 4, 0.012), cache_changes={2**63 + 5: 1, 17: 0, 18: 2},
                             stats=m.StatsTotals(1, 2, 0.25, 30, 40, 20, 100, 50, 1)),
         m.EngineCoreOutputs(),
         m.ChannelOpen("ch-1"),

@@ -57,8 +57,8 @@ def test_prefix_hit_is_capped_below_prompt_length():
     assert kv.get_block_ids("a") == [1, 2]
     # Identical 8-token prompt: only the first block may hit, the last token must be computed.
     r2 = make_request("b", list(range(8)))
-    hits, num_hit = kv.get_computed_blocks(r2)
-    assert [b.block_id for b in hits] == [1] and num_hit == 4
+    computed = kv.get_computed_blocks(r2)
+    assert [b.block_id for b in computed.blocks] == [1] and computed.num_tokens == 4
     # A longer prompt with the same prefix hits both blocks.
     assert kv.num_cached_tokens(list(range(9))) == 8
 
@@ -82,25 +82,27 @@ def test_free_returns_tail_first_and_cached_blocks_are_evicted_last_used_first()
     assert kv.block_pool.free_queue.block_ids() == [4, 5, 3, 2, 1]
     # A hit on the cached prefix pulls blocks 1 and 2 out of the middle of the free queue.
     r2 = make_request("b", list(range(8)) + [99, 98])
-    hits, num_hit = kv.get_computed_blocks(r2)
-    assert num_hit == 8
+    computed = kv.get_computed_blocks(r2)
+    assert computed.num_tokens == 8 and computed.host_slots == []
     r2.num_computed_tokens = 0
-    new = kv.allocate_slots(r2, 2, hits)
+    new = kv.allocate_slots(r2, 2, computed)
     assert [b.block_id for b in new] == [4]
     assert kv.get_block_ids("b") == [1, 2, 4]
     assert kv.block_pool.free_queue.block_ids() == [5, 3]
 
 
 def test_eviction_drops_hash_and_notifies():
-    evicted = []
-    kv = KVCacheManager(num_blocks=4, block_size=BS, on_evict=evicted.append)
+    changes = []
+    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=lambda h, state: changes.append((h, state)))
     r1 = make_request("a", list(range(8)))
     kv.allocate_slots(r1, 8)
     kv.free(r1)
     assert kv.num_cached_tokens(list(range(9))) == 8
     r2 = make_request("b", [50 + i for i in range(12)])
     kv.allocate_slots(r2, 12)  # needs all 3 usable blocks: evicts both cached ones
-    assert len(evicted) == 2
+    hashes = hash_request_blocks(list(range(8)), BS)
+    assert [c for c in changes if c[1] == 0] == [(hashes[1], 0), (hashes[0], 0)]  # the tail first
+    assert [c for c in changes if c[1] == 1][:2] == [(hashes[0], 1), (hashes[1], 1)]
     assert kv.num_cached_tokens(list(range(9))) == 0
 
 

@@ -54,3 +54,15 @@ def test_a_prefill_table_times_a_step_by_its_size_and_dilates_with_the_rest():
                                      "prefill_tok_s_by_tokens": {"512": 1000.0, "2048": 4000.0}})
     slow = profile.dilated(4.0).step_time()
     assert slow.step_s(2048, 0) == pytest.approx(4 * profile.step_time().step_s(2048, 0))
+
+
+def test_a_host_reload_rate_times_reloads_and_dilates_with_the_rest():
+    profile = sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0, "host_reload_tok_s": 50_000.0})
+    assert profile.step_time().reload_s(1000) == pytest.approx(0.02)
+    assert profile.dilated(2.0).step_time().reload_s(1000) == pytest.approx(0.04)
+    plain = sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0})
+    assert plain.host_reload_tok_s is None and plain.dilated(2.0).host_reload_tok_s is None
+    with pytest.raises(ValueError, match="host_reload_tok_s"):
+        plain.step_time().reload_s(1000)
+    with pytest.raises(ConfigError):
+        sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0, "host_reload_tok_s": 0})

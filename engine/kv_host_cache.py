@@ -1,0 +1,90 @@
+"""The host KV tier's tensors, and the copies between them and the device's KV cache.
+
+The host cache has the device cache's per-layer layout, [2, num_host_blocks, block_size,
+kv_heads, head_dim], so a block moves as one slice of dim 1 of each layer. A step's copies
+(engine/kv_cache/host_tier.py's `KVTransfers`) run before its forward, offloads then reloads,
+each batched per layer: one gather from the source and one scatter into the destination
+(`index_select` / `index_copy_`), never one copy per block. They write the device cache tensors
+in place, so the CUDA graphs and CPU decode graphs that captured those tensors read the blocks.
+
+On cuda the host tensors are pinned, and the copies run as kernels on the current stream that
+read and write the pinned memory through its device address (unified virtual addressing: pinned
+host memory is directly addressable by the GPU). So the gather and the scatter happen on the
+GPU in stream order: an offload runs after every earlier step's writes (asynchronous scheduling
+launches a step before the previous one has finished), a reload after the offloads before it,
+and the forward after the reload, with no host synchronisation; the host never reads or writes
+these tensors itself. A host-side `index_select` on the pinned tensor would instead read it now,
+before the offloads already queued on the device have written it. On cpu the host tier is plain
+memory and the copies run at once, which is in order too.
+
+The pinned tensors come from PyTorch's pinned allocator, which rounds each allocation up to a
+power of two: a layer's host cache may hold up to twice its size in pinned memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.host_tensors import to_device
+from tandem.engine.kv_cache.host_tier import KVTransfers
+
+
+class HostKVCache:
+    def __init__(self, device_caches: list[torch.Tensor], num_blocks: int) -> None:
+        self.device_caches = device_caches
+        self.device = device_caches[0].device
+        pin = self.device.type == "cuda"
+        self.host_caches = [torch.zeros((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
+                            for c in device_caches]
+        # What the copies index: on cuda, device views of the pinned memory (module doc).
+        self._views = [_device_view(h, self.device) for h in self.host_caches] if pin else self.host_caches
+
+    def apply(self, transfers: KVTransfers | None) -> None:
+        """Run a step's copies: every offload (device -> host), then every reload (host -> device)."""
+        if transfers is None:
+            return
+        if transfers.offloads:
+            blocks, slots = zip(*transfers.offloads)
+            _copy_blocks(self.device_caches, list(blocks), self._views, list(slots))
+        if transfers.reloads:
+            slots, blocks = zip(*transfers.reloads)
+            _copy_blocks(self._views, list(slots), self.device_caches, list(blocks))
+
+
+def _copy_blocks(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor], dst_ids: list[int]) -> None:
+    """dst[l][:, dst_ids] = src[l][:, src_ids] for every layer l: a gather and a scatter per layer.
+    Both sides are on one device except on mps (host tensors on the cpu, moved between)."""
+    src_device, dst_device = src[0].device, dst[0].device
+    if src_device == dst_device:
+        index = to_device(src_ids + dst_ids, torch.int64, src_device)
+        src_index, dst_index = index[: len(src_ids)], index[len(src_ids):]
+    else:
+        src_index, dst_index = to_device(src_ids, torch.int64, src_device), to_device(dst_ids, torch.int64, dst_device)
+    for s, d in zip(src, dst):
+        d.index_copy_(1, dst_index, s.index_select(1, src_index).to(dst_device))
+
+
+class _CudaArray:
+    """A pinned host buffer as the CUDA array interface describes it, for `torch.as_tensor`."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self._host = host  # keeps the memory alive as long as the view
+        self.__cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                         "strides": None, "data": (host.data_ptr(), False), "version": 3}
+
+
+def _device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A cuda tensor over the (zeroed) pinned host tensor's memory: the GPU's kernels read and
+    write it in place. Checked once by a write from the device that the host must see."""
+    if not host.is_pinned():
+        raise ValueError("a device view needs pinned host memory")
+    flat = torch.as_tensor(_CudaArray(host), device=device)
+    if flat.data_ptr() != host.data_ptr() or flat.device.type != "cuda":
+        raise RuntimeError("the pinned host KV tier is not addressable from the device (no unified addressing)")
+    flat[:1].fill_(1)
+    torch.cuda.synchronize(device)
+    seen = host.view(torch.uint8)
+    if seen.view(-1)[0].item() != 1:
+        raise RuntimeError("a device write to the pinned host KV tier did not reach host memory")
+    seen.view(-1)[0] = 0
+    return flat.view(host.dtype).view(host.shape)
