@@ -406,7 +406,7 @@ def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, pl
                          kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
                          max_num_batched_tokens=plan.max_num_batched_tokens or config.max_num_batched_tokens,
                          seed=config.seed, cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels,
-                         gpu_memory_share=plan.gpu_memory_share)
+                         gpu_memory_share=plan.gpu_memory_share, kv_host_memory_gb=plan.kv_host_memory_gb)
     if plan.sim_profile is not None:
         engine_kwargs["sim_profile"] = plan.sim_profile  # the engine core makes its step-time model of it
     options: dict[str, Any] = dict(

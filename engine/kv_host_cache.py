@@ -32,6 +32,7 @@ from tandem.engine.kv_cache.host_tier import KVTransfers
 class HostKVCache:
     def __init__(self, device_caches: list[torch.Tensor], num_blocks: int) -> None:
         self.device_caches = device_caches
+        self.num_blocks = num_blocks
         self.device = device_caches[0].device
         pin = self.device.type == "cuda"
         self.host_caches = [torch.zeros((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)

@@ -130,15 +130,16 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         num_host_blocks = self._num_kv_host_blocks(reload_time)
         self.max_active_limit = cfg.max_active  # what the KV pool and CUDA graphs were sized for
+        # The runner first: the host tier the KV cache manager indexes is what the runner could allocate.
+        self.model_runner = self._make_model_runner(loaded, num_blocks, num_host_blocks, step_time, reload_time)
         cache_changes = CacheChanges()
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_change=cache_changes.on_change,
-                                               num_host_blocks=num_host_blocks)
+                                               num_host_blocks=self.model_runner.num_host_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks,
                             cfg.max_priority_wait_s),
             self.kv_cache_manager,
         )
-        self.model_runner = self._make_model_runner(loaded, num_blocks, num_host_blocks, step_time, reload_time)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device_kind in ("cuda", SIM_DEVICE))
         self.grammar_compiler = GrammarCompiler(
@@ -152,7 +153,7 @@ class LLMEngine:
                            step_time: StepTime | None, reload_time: ReloadTime | None) -> ModelRunner | SimModelRunner:
         cfg = self.config
         if self.is_sim:
-            return SimModelRunner(step_time, sim_token_space(loaded), reload_time, cfg.block_size)
+            return SimModelRunner(step_time, sim_token_space(loaded), reload_time, cfg.block_size, num_host_blocks)
         return ModelRunner(loaded, self.device, self.dtype, num_blocks, cfg.block_size, cfg.attention_backend,
                            cfg.max_active, self.max_model_len, cfg.enforce_eager, cfg.pack_cpu_weights,
                            cfg.resolved_max_num_batched_tokens, cfg.cpu_compile,

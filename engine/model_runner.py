@@ -24,6 +24,7 @@ Everything else, mps included, runs the reference path.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,8 @@ from tandem.engine.request import PLACEHOLDER_TOKEN
 from tandem.engine.sampler import LogprobsTensors, Sampler, SamplingRow
 from tandem.engine.scheduler import SchedulerOutput
 
+
+logger = logging.getLogger("tandem.engine")
 
 class StepHandle:
     """A launched step's sampled ids (and logprobs, for rows that asked), on their way to the host."""
@@ -95,7 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(loaded.sampling_vocab_size)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         # The host KV tier's tensors (engine/kv_host_cache.py); None without a host tier.
-        self.host_kv_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks else None
+        self.host_kv_cache = self._make_host_kv_cache(num_host_blocks)
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.graph_runner = None
         self.mixed_graph_runner = None
@@ -156,6 +159,24 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_caches, max_num_seqs,
                                                 self.block_table, self.block_size,
                                                 pool=self.mixed_graph_runner.pool if self.mixed_graph_runner else None)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """The host KV tier's blocks this runner holds (0: none)."""
+        return 0 if self.host_kv_cache is None else self.host_kv_cache.num_blocks
+
+    def _make_host_kv_cache(self, num_blocks: int) -> HostKVCache | None:
+        """The host tier's tensors, or None: none asked for, or the host could not give them (pinned
+        memory refused, or not addressable from the GPU). A tier is an optimisation: the engine
+        then runs without one and says why, as it would with the tier off."""
+        if not num_blocks:
+            return None
+        try:
+            return HostKVCache(self.kv_caches, num_blocks)
+        except (RuntimeError, ValueError) as exc:  # torch's OutOfMemoryError is a RuntimeError
+            logger.warning("no host KV tier: %d blocks of host memory could not be set up (%s: %s)",
+                           num_blocks, type(exc).__name__, str(exc)[:300])
+            return None
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         cfg = self.model_config

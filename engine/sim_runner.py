@@ -117,9 +117,10 @@ class SimStepHandle:
 
 class SimModelRunner:
     def __init__(self, step_time: StepTime, tokens: TokenSpace, reload_time: ReloadTime | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_host_blocks: int = 0) -> None:
         self.step_time = step_time
         self.reload_time = reload_time
+        self.num_host_blocks = num_host_blocks if reload_time is not None else 0  # the emulated host tier
         self.block_size = block_size
         self.token_space = tokens
         self.sampler = _Sampler()

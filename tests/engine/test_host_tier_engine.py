@@ -125,3 +125,17 @@ def test_host_cache_copies_offloads_then_reloads_in_place():
         assert torch.equal(after[:, 4], before[:, 1])
         assert torch.equal(after[:, [0, 1, 2, 3, 5]], before[:, [0, 1, 2, 3, 5]])
     assert host.device_caches[0] is caches[0]  # the device tensors were written, not replaced
+
+
+def test_a_host_tier_the_host_cannot_give_leaves_the_engine_without_one(monkeypatch, caplog):
+    import tandem.engine.model_runner as model_runner
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("pinned memory refused")
+
+    monkeypatch.setattr(model_runner, "HostKVCache", refused)
+    engine = cpu_engine(kv_host_blocks=32)
+    assert engine.model_runner.num_host_blocks == 0 and engine.kv_cache_manager.host_tier is None
+    assert "no host KV tier" in caplog.text and "pinned memory refused" in caplog.text
+    tokens, _ = run(engine, workload())
+    assert tokens == run(cpu_engine(), workload())[0]
