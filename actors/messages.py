@@ -111,17 +111,19 @@ class EngineCoreOutput(_Message, tag="out"):
     finished_time: float | None = None
     index: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    host_cached_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> EngineCoreOutput:
         u = out.usage
         return cls(out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
                    u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
-                   out.first_token_time, out.finished_time, out.index, out.logprobs)
+                   out.first_token_time, out.finished_time, out.index, out.logprobs, u.host_cached_tokens)
 
     def to_request_output(self) -> RequestOutput:
         return RequestOutput(self.req_id, self.new_token_ids, self.new_text, self.finished, self.finish_reason,
-                             Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens),
+                             Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                                   self.host_cached_tokens),
                              self.arrival_time, self.first_scheduled_time, self.first_token_time,
                              self.finished_time, self.index, self.logprobs)
 
@@ -149,8 +151,8 @@ class StepTiming(_Message, tag="timing"):
 
 
 class StatsTotals(_Message, tag="stats"):
-    """The engine stats the front exports as gauges (the first four) and counters (the rest,
-    totals since the engine started; see actors/metrics.py)."""
+    """The engine stats the front exports as gauges (the first four and `kv_host_usage`) and
+    counters (the rest, totals since the engine started; see actors/metrics.py)."""
 
     num_running: int
     num_waiting: int
@@ -161,12 +163,19 @@ class StatsTotals(_Message, tag="stats"):
     prompt_tokens: int
     generation_tokens: int
     preemptions: int
+    # the host KV tier (zeros without one): hits and copies since start, and its occupancy
+    prefix_cache_host_hits: int = 0
+    kv_host_offloaded_bytes: int = 0
+    kv_host_reloaded_bytes: int = 0
+    kv_host_usage: float = 0.0
 
     @classmethod
     def of(cls, st: Any) -> StatsTotals:
         return cls(st.num_running, st.num_waiting, st.kv_cache_usage, st.num_free_blocks, st.prefix_cache_queries,
                    st.prefix_cache_hits, st.num_prompt_tokens_total, st.num_generation_tokens_total,
-                   st.num_preemptions)
+                   st.num_preemptions, st.prefix_cache_host_hits, st.kv_host_offloaded_blocks * st.kv_block_bytes,
+                   st.kv_host_reloaded_blocks * st.kv_block_bytes,
+                   st.num_host_used_blocks / st.num_host_total_blocks if st.num_host_total_blocks else 0.0)
 
 
 class FinishedRequest(_Message, tag="finished"):

@@ -95,4 +95,9 @@ class ProgressReporter:
         m.inc("tandem_backend_prompt_tokens", stats.prompt_tokens - old.prompt_tokens)
         m.inc("tandem_backend_generation_tokens", stats.generation_tokens - old.generation_tokens)
         m.inc("tandem_backend_preemptions", stats.preemptions - old.preemptions)
+        if stats.kv_host_usage or stats.prefix_cache_host_hits:  # a backend with a host KV tier
+            m.set("tandem_backend_kv_host_usage", stats.kv_host_usage)
+            m.inc("tandem_backend_prefix_cache_host_hits", stats.prefix_cache_host_hits - old.prefix_cache_host_hits)
+            m.inc("tandem_backend_kv_host_offload_bytes", stats.kv_host_offloaded_bytes - old.kv_host_offloaded_bytes)
+            m.inc("tandem_backend_kv_host_reload_bytes", stats.kv_host_reloaded_bytes - old.kv_host_reloaded_bytes)
         self.totals = stats

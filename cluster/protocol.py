@@ -428,9 +428,17 @@ class UsageInfo(BaseModel):
 
 
 class TandemInfo(BaseModel):
+    """Tandem's `tandem` field; what is unknown is left out rather than sent as null."""
+
     backend: str
     estimated_s: float | None = None
     projected_ttft_ms: float | None = None  # the router's projected TTFT where it placed the request
+    # of usage's cached_tokens, those reloaded from the backend's host KV tier (where usage is sent)
+    host_cached_tokens: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unknowns(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class CompletionLogprobs(BaseModel):

@@ -22,11 +22,14 @@ from tandem.cluster.protocol import (AssistantMessage, ChatChoice, ChatCompletio
 from tandem.cluster.tools import OutputPlan
 
 
-def tandem_info(stream: RoutedRequest) -> TandemInfo:
-    """The `tandem` field of a response or chunk: where the router placed the request, and why."""
+def tandem_info(stream: RoutedRequest, usage: Any = None) -> TandemInfo:
+    """The `tandem` field of a response or chunk: where the router placed the request, and why;
+    with the request's `usage` (engine/outputs.py), how much of its cached prompt came from the
+    host KV tier."""
     decision = stream.decision
     return TandemInfo(backend=stream.backend_id, estimated_s=round(decision.estimated_s, 6),
-                      projected_ttft_ms=round(decision.projected_ttft_s * 1000, 3))
+                      projected_ttft_ms=round(decision.projected_ttft_s * 1000, 3),
+                      host_cached_tokens=None if usage is None else usage.host_cached_tokens)
 
 
 async def full_response(stream: RoutedRequest, body: Any, chat: bool, plan: OutputPlan,
@@ -48,10 +51,10 @@ async def full_response(stream: RoutedRequest, body: Any, chat: bool, plan: Outp
                                                                                  tool_calls=tool_calls),
                                            finish_reason=reason, logprobs=choice_logprobs))
         response: Any = ChatCompletionResponse(id=stream.req_id, model=body.model, usage=usage,
-                                               tandem=tandem_info(stream), choices=chat_choices)
+                                               tandem=tandem_info(stream, final.usage), choices=chat_choices)
     else:
         response = CompletionResponse(
-            id=stream.req_id, model=body.model, usage=usage, tandem=tandem_info(stream),
+            id=stream.req_id, model=body.model, usage=usage, tandem=tandem_info(stream, final.usage),
             choices=[CompletionChoice(index=index, text=c.text, finish_reason=c.finish_reason,
                                       logprobs=logprobs.completion(c.token_ids, c.logprobs, 0)
                                       if wants_logprobs else None)

@@ -66,13 +66,14 @@ class ChunkMaker:
                                        choices=[choice], tandem=self.info(self.stream))
         return chunk.model_dump(exclude={"usage"})
 
-    def usage(self, usage: UsageInfo) -> dict[str, Any]:
+    def usage(self, usage: UsageInfo, engine_usage: Any) -> dict[str, Any]:
+        info = self.info(self.stream, engine_usage)
         if self.chat:
             chunk: Any = ChatCompletionChunk(id=self.stream.req_id, created=self.created, model=self.model,
-                                             choices=[], usage=usage, tandem=self.info(self.stream))
+                                             choices=[], usage=usage, tandem=info)
         else:
             chunk = CompletionResponse(id=self.stream.req_id, created=self.created, model=self.model,
-                                       choices=[], usage=usage, tandem=self.info(self.stream))
+                                       choices=[], usage=usage, tandem=info)
         return chunk.model_dump()
 
 
@@ -163,7 +164,7 @@ async def _output_events(stream: RoutedRequest, body: Any, chat: bool, plan: Out
             yield text_event(out.index, out.new_text, out.finish_reason)
     if body.include_usage and final is not None:
         u = final.usage
-        yield sse_event(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)))
+        yield sse_event(chunk.usage(UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens), u))
 
 
 def _chunk_logprobs(out: Any, body: Any, chat: bool, text_offsets: list[int], logprobs: LogprobsFormatter) -> Any:

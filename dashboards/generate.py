@@ -45,6 +45,16 @@ BACKENDS = [
     ("Preemptions/s", "short", [(f"sum by (backend) (rate(ray_tandem_backend_preemptions_total{RATE}))", "{{backend}}")]),
     ("Backend up", "short", [("max by (backend) (ray_tandem_backend_up)", "{{backend}}")]),
     ("Free KV blocks", "short", [("sum by (backend) (ray_tandem_backend_kv_cache_free_blocks)", "{{backend}}")]),
+    ("Host KV tier: copies", "Bps", [
+        (f"sum by (backend) (rate(ray_tandem_backend_kv_host_reload_bytes_total{RATE}))", "reload {{backend}}"),
+        (f"sum by (backend) (rate(ray_tandem_backend_kv_host_offload_bytes_total{RATE}))", "offload {{backend}}")]),
+    ("Host KV tier: hits and occupancy", "short", [
+        (f"sum by (backend) (rate(ray_tandem_backend_prefix_cache_host_hits_total{RATE})) / "
+         f"sum by (backend) (rate(ray_tandem_backend_prefix_cache_queries_total{RATE}))", "host hit rate {{backend}}"),
+        (f"(sum by (backend) (rate(ray_tandem_backend_prefix_cache_hits_total{RATE})) - "
+         f"sum by (backend) (rate(ray_tandem_backend_prefix_cache_host_hits_total{RATE}))) / "
+         f"sum by (backend) (rate(ray_tandem_backend_prefix_cache_queries_total{RATE}))", "device hit rate {{backend}}"),
+        ("max by (backend) (ray_tandem_backend_kv_host_usage)", "occupancy {{backend}}")]),
 ]
 
 ROUTING = [
@@ -75,8 +85,9 @@ ROUTING = [
     ("Backend failures and re-routes (5m)", "short", [
         ("sum by (backend) (increase(ray_tandem_router_backend_failures_total[5m]))", "failures {{backend}}"),
         ("sum by (backend) (increase(ray_tandem_router_reroutes_total[5m]))", "re-routed to {{backend}}")]),
-    ("Prefix-cache blocks the router mirrors", "short", [(
-        "max by (backend) (ray_tandem_router_mirrored_cached_blocks)", "{{backend}}")]),
+    ("Prefix-cache blocks the router mirrors", "short", [
+        ("max by (backend) (ray_tandem_router_mirrored_cached_blocks)", "device {{backend}}"),
+        ("max by (backend) (ray_tandem_router_mirrored_host_blocks)", "host tier {{backend}}")]),
     ("HTTP requests/s by status", "short", [(
         f"sum by (endpoint, status) (rate(ray_tandem_http_requests_total{RATE}))", "{{endpoint}} {{status}}")]),
     ("HTTP requests in flight", "short", [("sum(ray_tandem_http_pending_requests)", "pending")]),

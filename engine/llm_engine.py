@@ -171,6 +171,9 @@ class LLMEngine:
                                    self.is_sim, self.output_processor.tracked)
         self.reporter = EngineReporter(self.scheduler, self.kv_cache_manager, self.request_groups, cache_changes,
                                        changed)
+        if self.kv_cache_manager.host_tier is not None:  # what one block's copy moves, for the tier's byte rates
+            self.reporter.stats.kv_block_bytes = ModelRunner.kv_bytes_per_block(
+                self.model_config, self.config.block_size, self.dtype)
 
     @property
     def tokenizer(self) -> Any:

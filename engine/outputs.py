@@ -113,4 +113,5 @@ class EngineStats:
     kv_host_reloaded_blocks: int = 0  # blocks copied host -> device since start
     num_host_used_blocks: int = 0
     num_host_total_blocks: int = 0
+    kv_block_bytes: int = 0  # KV bytes of one block (all layers, K and V): what one copy moves
     requests: list[RequestProgress] = field(default_factory=list)
