@@ -23,6 +23,9 @@ power of two: a layer's host cache may hold up to twice its size in pinned memor
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from tandem.engine.host_tensors import to_device
@@ -50,6 +53,31 @@ class HostKVCache:
         if transfers.reloads:
             slots, blocks = zip(*transfers.reloads)
             _copy_blocks(self._views, list(slots), self.device_caches, list(blocks))
+
+
+    def measure_reload_tok_s(self, block_size: int, num_blocks: int = 64, repeats: int = 5) -> float:
+        """Prompt tokens per second a reload copies back to the device: `num_blocks` blocks of
+        scratch tensors shaped as the caches, copied the way `apply` copies (the device view of
+        pinned memory on cuda), median of `repeats`. The caches themselves are not touched."""
+        num_blocks = max(1, min(num_blocks, self.num_blocks))
+        device = [torch.empty((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, device=self.device)
+                  for c in self.device_caches]
+        host = [torch.zeros_like(d, device="cpu", pin_memory=self.device.type == "cuda") for d in device]
+        views = [_device_view(h, self.device) for h in host] if self.device.type == "cuda" else host
+        ids = list(range(num_blocks))
+        runs = []
+        for _ in range(repeats + 1):  # the first warms the kernels up
+            _synchronize(self.device)
+            start = time.perf_counter()
+            _copy_blocks(views, ids, device, ids)
+            _synchronize(self.device)
+            runs.append(num_blocks * block_size / (time.perf_counter() - start))
+        return statistics.median(runs[1:])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _copy_blocks(src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor], dst_ids: list[int]) -> None:

@@ -38,8 +38,8 @@ ENGINE_SPEED_VERSION = 5
 
 def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_tokens: int = 16,
                   seed: int = 0, prefill_repeats: int = 3, repeats: int = 3) -> dict[str, Any]:
-    """Rates in routing's RateProfile fields (prefill_tok_s, decode_tok_s, decode_tok_s_by_batch),
-    medians over `repeats`, plus `spread`: {"repeats", "prefill_tok_s", "decode_tok_s_by_batch"}."""
+    """Rates in routing's RateProfile fields (prefill_tok_s, decode_tok_s, decode_tok_s_by_batch,
+    and reload_tok_s for an engine with a host KV tier), medians over `repeats`, plus `spread`: {"repeats", "prefill_tok_s", "decode_tok_s_by_batch"}."""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
     prompt_len = max(16, min(prompt_len, engine.max_model_len - decode_tokens - 2))
@@ -62,10 +62,19 @@ def measure_rates(engine: Any, max_active: int, prompt_len: int = 512, decode_to
             runs.append(decode_tok / decode_s)
     engine.drain_progress()  # profile requests are nobody's business
     by_batch = {batch: round(_median(runs), 3) for batch, runs in decode_runs.items()}
+    reload = _reload_rate(engine)
     return {"prefill_tok_s": round(_median(prefill_runs), 3), "decode_tok_s": by_batch[1],
-            "decode_tok_s_by_batch": by_batch,
+            "decode_tok_s_by_batch": by_batch, **({"reload_tok_s": reload} if reload else {}),
             "spread": {"repeats": len(prefill_runs), "prefill_tok_s": round(_spread(prefill_runs), 4),
                        "decode_tok_s_by_batch": round(max(_spread(runs) for runs in decode_runs.values()), 4)}}
+
+
+def _reload_rate(engine: Any) -> float | None:
+    """A host KV tier's reload rate in prompt tokens/s (routing's `reload_tok_s`); None without a tier."""
+    host = getattr(engine.model_runner, "host_kv_cache", None)
+    if host is None:
+        return None
+    return round(host.measure_reload_tok_s(engine.config.block_size), 3)
 
 
 def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: int = 16, seed: int = 1,

@@ -133,7 +133,10 @@ class SimProfile(BaseModel):
 
     def rate_fields(self) -> dict[str, Any]:
         """What the router's rates file holds for this device."""
-        return self.model_dump(include={"prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch"})
+        fields = self.model_dump(include={"prefill_tok_s", "decode_tok_s", "decode_tok_s_by_batch"})
+        if self.host_reload_tok_s is not None:  # a host KV tier's reload, for the router's host-hit term
+            fields["reload_tok_s"] = self.host_reload_tok_s
+        return fields
 
 
 def shipped_profiles() -> list[str]:

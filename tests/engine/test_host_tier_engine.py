@@ -139,3 +139,11 @@ def test_a_host_tier_the_host_cannot_give_leaves_the_engine_without_one(monkeypa
     assert "no host KV tier" in caplog.text and "pinned memory refused" in caplog.text
     tokens, _ = run(engine, workload())
     assert tokens == run(cpu_engine(), workload())[0]
+
+
+def test_the_profiler_measures_the_reload_rate_of_an_engine_with_a_host_tier():
+    from tandem.engine.profiler import _reload_rate
+
+    assert _reload_rate(cpu_engine()) is None
+    rate = _reload_rate(cpu_engine(kv_host_blocks=32))
+    assert rate is not None and rate > 0
