@@ -75,7 +75,12 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     if "not stored in the profile cache" in output:  # busy cores: a noisy profile serves this run only
         assert not cache_file.exists()
     else:
-        assert list(json.loads(cache_file.read_text())) == [profile_key("tiny-llama-random", "cpu", "float32", 1, 4)]
+        from tandem.engine.config import EngineConfig
+        from tandem.engine.model.ggml_kernels import auto_kernels
+
+        kernels = auto_kernels(EngineConfig(model="tiny-llama-random", device="cpu"))[0]  # what `auto` ran here
+        assert list(json.loads(cache_file.read_text())) == [
+            profile_key("tiny-llama-random", "cpu", "float32", 1, 4, cpu_kernels=kernels)]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
