@@ -6,8 +6,8 @@ request is one tenant's prefix plus a suffix of its own, tenant k (1-based) pick
 1 / k**s (Zipf), arrivals Poisson at a given rate, exact output lengths (EOS ignored). The
 arrival times and the tenant of each request come from routing's own `tenant_requests` with the
 same seed, so a cell here and its route-sim scenario (written beside the runs, under
-OUT/scenarios/, with the backends' rates and cache sizes) describe the same requests; only the
-token ids are new (printable ids, as in bench/workload.py).
+OUT/scenarios/, with the backends' rates and cache sizes, their host KV tiers included) describe
+the same requests; only the token ids are new (printable ids, as in bench/workload.py).
 
 Arms are routing policies (default `cost`, `prefix-affinity`, `least-requests`,
 `round-robin`, `random`), all on one cluster started once (bench/harness.py), switched between
@@ -109,7 +109,8 @@ def settings(args: argparse.Namespace, cells: Sequence[TenantsCell]) -> dict[str
             "duration_s": args.duration_s, "min_requests": args.min_requests, "suffix_tokens": args.suffix_tokens,
             "max_tokens": args.max_tokens, "zipf_s": args.zipf_s, "runs": args.runs, "arms": args.arms,
             "max_active": args.max_active, "cpu_max_active": args.cpu_max_active,
-            "num_kv_blocks": args.num_kv_blocks, "drain_timeout_s": args.drain_timeout_s,
+            "num_kv_blocks": args.num_kv_blocks, "kv_host_memory_gb": getattr(args, "kv_host_memory_gb", None),
+            "drain_timeout_s": args.drain_timeout_s,
             "cells": [c.name for c in cells]}
 
 
@@ -183,9 +184,13 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
             backend["device"] = cluster.layout.devices[b["id"]]
         if b.get("num_kv_blocks"):
             backend["num_kv_blocks"] = b["num_kv_blocks"]
+        # A host KV tier runs only where the profile found its reload rate (a sim engine without
+        # one runs without a tier): the rates say whether the live backend has one.
+        if b.get("kv_host_memory_gb") and backend["rates"].get("reload_tok_s"):
+            backend["num_host_kv_blocks"] = host_kv_blocks(cluster.layout.model, b, SCENARIO_BLOCK_SIZE)
         backends.append(backend)
     router = cluster.router_settings
-    scenario = {"name": cell.name, "policy": HYBRID_ARM, "block_size": 16, "backends": backends,
+    scenario = {"name": cell.name, "policy": HYBRID_ARM, "block_size": SCENARIO_BLOCK_SIZE, "backends": backends,
                 "router": {"spill_guard": {"margin": router["spill_margin"], "allow_queue": router["spill_allow_queue"]},
                            **({"calibration": {"alpha": router["calibration_alpha"]}}
                               if router.get("calibration_alpha") else {})},
@@ -194,6 +199,27 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
     path.write_text(f"# tandem bench tenants, cell {cell.name}, run 1's arrivals; replay with\n"
                     f"#   tandem route-sim {path.name} --policy {','.join(ARMS)} --no-decisions\n"
                     + yaml.safe_dump(scenario, sort_keys=False))
+
+
+SCENARIO_BLOCK_SIZE = 16  # the cluster's block size (its default)
+
+
+def host_kv_blocks(model: str, backend: dict[str, Any], block_size: int) -> int:
+    """The blocks of a backend's host KV tier of `kv_host_memory_gb` GiB, as its engine converts
+    them (EngineConfig.resolved_kv_host_blocks, at the KV bytes of a block in the engine's dtype)."""
+    from tandem.engine.config import EngineConfig
+
+    config = EngineConfig(model=model, device=backend["device"], dtype=backend.get("dtype", "auto"),
+                          block_size=block_size, kv_host_memory_gb=backend["kv_host_memory_gb"])
+    return config.resolved_kv_host_blocks(kv_bytes_per_block(model, block_size, config.torch_dtype))
+
+
+def kv_bytes_per_block(model: str, block_size: int, dtype: Any) -> int:
+    """One KV block's bytes for `model` (its config only, no weights)."""
+    from tandem.engine.model.loader import load_model_meta
+    from tandem.engine.model_runner import ModelRunner
+
+    return ModelRunner.kv_bytes_per_block(load_model_meta(model).model_config, block_size, dtype)
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -257,7 +283,9 @@ ROUTE_SIM_MODELS = ("route-sim", "engine")  # route-sim's own backends; the engi
 
 def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
     """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm, with each
-    backend model (`ROUTE_SIM_MODELS`): what the simulator says beside what the live cluster did."""
+    backend model (`ROUTE_SIM_MODELS`): what the simulator says beside what the live cluster did.
+    A cluster with a host KV tier is predicted by the engine model alone (route-sim's own
+    backends do not model the tier)."""
     from tandem.cluster.engine_sim_backend import engine_backend_factory
     from tandem.routing.scenario import load_scenario
     from tandem.routing.sim_report import summarize as summarize_sim
@@ -266,6 +294,8 @@ def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str,
     scenario = load_scenario(scenario_path)
     backend_ids = [b.spec.backend_id for b in scenario.backends]
     factories = {"route-sim": None, "engine": engine_backend_factory()}
+    if any(b.num_host_kv_blocks for b in scenario.backends):
+        del factories["route-sim"]
     out: dict[str, dict[str, dict[str, float]]] = {}
     for arm in arms:
         for model, factory in factories.items():

@@ -16,6 +16,14 @@ finished events at each step's end, the step's timing for calibration, and the c
 and evicted blocks. Every step is its own boundary (no planned runs), which costs speed, not
 accuracy.
 
+Host KV tier. A backend with `num_host_kv_blocks` builds its KV cache manager with a host tier of
+that many blocks, as a cuda engine with `kv_host_memory_gb` does: blocks the device evicts are
+offloaded, and a later prefix hit continues into them. A step lasts what the sim device makes it
+last (engine/sim_runner.py): its step time plus its reloads, the reloaded blocks' tokens at the
+backend's `actual_rates.reload_tok_s` (StepTimeModel.reload_s); offloads cost nothing. Cache
+changes are reported by tier (1 device, 2 host tier only, 0 nowhere), as a live backend reports
+them, and the router's mirror in the simulator keeps the tiers apart.
+
 Token ids. A route-sim request carries its prompt's block hashes, not tokens; the engine hashes
 tokens. Each prompt block gets token ids drawn from its route-sim hash (equal hashes, equal
 tokens, so the engine's prefix cache shares exactly what route-sim's hashes share), the tail of
@@ -33,12 +41,14 @@ import math
 import random
 from collections import deque
 
-from tandem.engine.kv_cache.manager import TIER_DEVICE, KVCacheManager
+from tandem.engine.kv_cache.host_tier import KVTransfers
+from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.sim_runner import step_shape
 from tandem.routing import messages
+from tandem.routing.errors import ConfigError
 from tandem.routing.messages import ProgressEvent
 from tandem.routing.scenario import Scenario, SimBackendSpec
 from tandem.routing.sim_backend import Reporter, SimJob
@@ -52,14 +62,18 @@ _TOKEN = 1  # every generated token (its id does not matter to the schedule)
 class EngineSimBackend:
     def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
                  block_size: int, reporter: Reporter | None = None,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0) -> None:
+        """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times."""
+        if num_host_kv_blocks and step_time.host_reload_tok_s is None:
+            raise ValueError("a host KV tier needs a step-time model with a reload rate (host_reload_tok_s)")
         self.backend_id = backend_id
         self.step_time = step_time
         self.block_size = block_size
         self.reporter = reporter
-        self._changes: dict[int, bool] = {}
+        self._changes: dict[int, int] = {}
         self._engine_to_route_hash: dict[int, int] = {}
-        kv = KVCacheManager(num_kv_blocks, block_size, on_change=self._changed)
+        kv = KVCacheManager(num_kv_blocks, block_size, on_change=self._changed, num_host_blocks=num_host_kv_blocks)
+        self.kv_cache_manager = kv
         self.scheduler = Scheduler(SchedulerConfig(max_active, max_num_batched_tokens, block_size, num_kv_blocks),
                                    kv, clock=lambda: self.now)
         self.pending: deque[SimJob] = deque()  # enqueued, arriving later (the oracle enqueues ahead)
@@ -121,7 +135,14 @@ class EngineSimBackend:
                 events.append(ProgressEvent(request.req_id, messages.ADMITTED))
         self._step = sched
         self._shape = step_shape(sched)
-        self.step_end_s = t + self.step_time.step_s(*self._shape)
+        self.step_end_s = t + self.step_time.step_s(*self._shape) + self._reload_s(sched.kv_transfers)
+
+    def _reload_s(self, transfers: KVTransfers | None) -> float:
+        """The step's reloads from the host tier (engine/sim_runner.py's rule). A schedule that
+        admits nothing plans none, so an empty step has no copies to time."""
+        if transfers is None or not transfers.reloads:
+            return 0.0
+        return self.step_time.reload_s(len(transfers.reloads) * self.block_size)
 
     def _end_step(self, t: float, events: list[ProgressEvent]) -> None:
         sched, self._step = self._step, None
@@ -170,22 +191,27 @@ class EngineSimBackend:
         return ids
 
     def _changed(self, engine_hash: int, state: int) -> None:
-        """A block's KV tier changed: route-sim hears published (True) or evicted (False); this
-        backend has no host tier."""
+        """A block's KV tier changed: route-sim hears the tier state (engine/kv_cache/manager.py's
+        TIER_*), the latest per hash, at the step's end."""
         route_hash = self._engine_to_route_hash.get(engine_hash)
         if route_hash is not None:
-            self._changes[route_hash] = state == TIER_DEVICE
+            self._changes[route_hash] = state
 
 
 def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
     """`routing.simulator.simulate`'s `backend_factory` for backends on the engine's scheduler."""
 
     def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None, device) -> EngineSimBackend:
+        backend_id, rates = sim_spec.spec.backend_id, sim_spec.actual_rates
         if device is not None:
-            raise ValueError(f"backend {sim_spec.spec.backend_id}: engines sharing a device are not modelled on "
+            raise ValueError(f"backend {backend_id}: engines sharing a device are not modelled on "
                              "the engine's scheduler; drop `device`, or use route-sim's own backends")
-        return EngineSimBackend(sim_spec.spec.backend_id, StepTimeModel(sim_spec.actual_rates), sim_spec.spec.max_active,
+        if sim_spec.num_host_kv_blocks and rates.reload_tok_s is None:
+            raise ConfigError(f"backend {backend_id}: a host KV tier ({sim_spec.num_host_kv_blocks} blocks) needs "
+                              "the rate its blocks are reloaded at: give reload_tok_s in its actual rates")
+        step_time = StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if sim_spec.num_host_kv_blocks else None)
+        return EngineSimBackend(backend_id, step_time, sim_spec.spec.max_active,
                                 (sim_spec.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS) + 1, scenario.block_size, reporter,
-                                max_num_batched_tokens)
+                                max_num_batched_tokens, sim_spec.num_host_kv_blocks)
 
     return make

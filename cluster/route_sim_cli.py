@@ -17,8 +17,8 @@ from tandem.routing import sim_cli
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim_cli.add_arguments(parser)
     parser.add_argument("--engine-scheduler", action="store_true",
-                        help="simulate backends on the engine's scheduler and KV cache (closer to a live "
-                             "server, slower); the oracle keeps route-sim's own backends")
+                        help="simulate backends on the engine's scheduler and KV cache, host KV tiers included "
+                             "(closer to a live server, slower); the oracle keeps route-sim's own backends")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                         help="with --engine-scheduler: tokens per engine step (default 8192, cuda's)")
 

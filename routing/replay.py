@@ -7,7 +7,9 @@ the traffic: requests arrive at their logged times (relative to the first), with
 lengths, and, where the log has block hashes, their real prefixes, so each simulated backend
 keeps a prefix cache and every policy earns its own hits (as in a tenants scenario, with
 unlimited cache room); without hashes, each request keeps the hits the backends reported for
-it at the time. Backends run at the rates the router used while it served the log: the median of
+it at the time (`cache_answers`, and the host KV tiers' runs after them, `host_cache_answers`,
+which the router scores as it did; the simulated backends compute those tokens, as they model no
+host tier). Backends run at the rates the router used while it served the log: the median of
 the rates its decisions used, applied to the whole profile (batch table included) that the log
 writes once per backend; older logs have only the two rates each score used, so their backends
 decode at one aggregate rate.
@@ -158,5 +160,6 @@ def _request(line: dict[str, Any], start: float, with_hashes: bool) -> SimReques
         max_tokens=line["max_tokens"],
         num_output_tokens=line["max_tokens"],
         num_cached_tokens={} if with_hashes else dict(line.get("cache_answers", {})),
+        num_host_cached_tokens={} if with_hashes else dict(line.get("host_cache_answers") or {}),
         block_hashes=tuple(line["block_hashes"]) if with_hashes else (),
     )

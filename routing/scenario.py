@@ -8,8 +8,10 @@ identical requests at a fixed interval, the design's setting in six lines), each
 prefix each backend has cached for it fixed up front. Or they come from `tenants:`: several
 tenants, each with a shared prefix, picked with Zipf popularity, arriving as a Poisson
 process; then every backend simulates a prefix cache of `num_kv_blocks` blocks with LRU
-eviction (routing/sim_prefix_cache.py), and what hits is decided by where requests went. The
-format is documented in docs/routing.md with examples in docs/route-sim-examples/.
+eviction (routing/sim_prefix_cache.py), and what hits is decided by where requests went. A
+backend's `num_host_kv_blocks` adds a host-memory KV tier below that cache, which only the engine
+model (`tandem route-sim --engine-scheduler`) simulates. The format is documented in
+docs/routing.md with examples in docs/route-sim-examples/.
 
 The file is validated with pydantic at this edge, and every error names its field
 (`backends.0.rates.prefill_tok_s: Input should be greater than 0 (got -1.0)`); the result
@@ -44,6 +46,9 @@ class SimRequest:
     max_tokens: int
     num_output_tokens: int  # what the request really generates (<= max_tokens)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)  # fixed hits (no cache model)
+    # fixed host-tier runs after those hits, as a live router saw them (replayed logs); the
+    # simulated backends compute these tokens, as they model no host tier
+    num_host_cached_tokens: dict[str, int] = field(default_factory=dict)
     block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (tenants)
     tenant: int | None = None
 
@@ -54,6 +59,10 @@ class SimBackendSpec:
     actual_rates: RateProfile  # what the simulated backend runs at
     num_kv_blocks: int | None = None  # prefix-cache room (tenants scenarios); None: unlimited
     device: str | None = None  # backends naming the same device share it; None: a device of its own
+    # Blocks of a host-memory KV tier below the prefix cache (tenants scenarios); 0: none. Only
+    # the engine model (`--engine-scheduler`) simulates it; its reloads run at
+    # `actual_rates.reload_tok_s`.
+    num_host_kv_blocks: int = 0
 
 
 @dataclass
@@ -105,6 +114,7 @@ class _BackendModel(BaseModel):
     actual_rates: RateProfileModel | None = None
     num_kv_blocks: int | None = Field(None, ge=1)  # tenants scenarios: prefix-cache room in blocks
     device: str | None = Field(None, min_length=1)  # e.g. "cuda:0"; backends naming one device share it
+    num_host_kv_blocks: int = Field(0, ge=0)  # tenants scenarios: the host KV tier's room in blocks; 0: none
 
 
 class _RequestFields(BaseModel):
@@ -246,6 +256,9 @@ class _ScenarioModel(BaseModel):
         _check_devices(self.backends)
         if self.tenants is None and any(b.num_kv_blocks is not None for b in self.backends):
             raise ValueError("backends: num_kv_blocks needs a tenants: section (only tenants' prefixes are cached)")
+        if self.tenants is None and any(b.num_host_kv_blocks for b in self.backends):
+            raise ValueError("backends: num_host_kv_blocks needs a tenants: section (only tenants' prefixes are "
+                             "cached)")
         return self
 
 
@@ -340,8 +353,12 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
 def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
     rates = validate_rate_profile(model.rates, f"{path}.rates")
     actual = rates if model.actual_rates is None else validate_rate_profile(model.actual_rates, f"{path}.actual_rates")
+    if model.num_host_kv_blocks and actual.reload_tok_s is None:
+        where = "actual_rates" if model.actual_rates is not None else "rates"
+        raise ConfigError(f"{path}.num_host_kv_blocks: a host KV tier ({model.num_host_kv_blocks} blocks) needs the "
+                          f"rate its blocks are reloaded at: give {path}.{where}.reload_tok_s")
     spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
-    return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device)
+    return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device, model.num_host_kv_blocks)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:

@@ -72,7 +72,9 @@ class Reporter(Protocol):
     def on_step(self, backend_id: str, num_prefill_tokens: int, num_decode_tokens: int,
                 batch_size: int, elapsed_s: float) -> None: ...
 
-    def on_cache_changes(self, backend_id: str, changes: dict[int, bool]) -> None: ...
+    def on_cache_changes(self, backend_id: str, changes: dict[int, int]) -> None:
+        """Block hashes by where they are now held: True/False (published/evicted) from a cache
+        without a host tier, else the tier states 1 (device), 2 (host tier only), 0 (nowhere)."""
 
 
 def first_step_at_or_after(run_start_s: float, step_s: float, t: float) -> int:

@@ -71,8 +71,12 @@ def run(args: argparse.Namespace, backend_factory: Any = None) -> int:
     except ConfigError as exc:
         print(f"route-sim: {exc}", file=sys.stderr)
         return 2
-    results = [simulate(scenario, policy, backend_factory) for policy in policies]
-    report, summaries = _report(scenario, results, args, replay is not None)
+    try:
+        results = [simulate(scenario, policy, backend_factory) for policy in policies]
+        report, summaries = _report(scenario, results, args, replay is not None, backend_factory)
+    except ConfigError as exc:  # a backend the chosen model cannot simulate
+        print(f"route-sim: {exc}", file=sys.stderr)
+        return 2
     if replay is not None:
         report["replay"] = _regret(replay, summaries)
         print(json.dumps({"type": "regret", **report["replay"]}, separators=(",", ":")))
@@ -155,14 +159,16 @@ def _unusable_policies(scenario: Scenario) -> dict[str, str]:
 
 
 def _report(scenario: Scenario, results: list[SimResult], args: argparse.Namespace,
-            replay: bool = False) -> tuple[dict[str, Any], list[Summary]]:
-    """Print decision and summary lines; return the JSON report and the summaries."""
+            replay: bool = False, backend_factory: Any = None) -> tuple[dict[str, Any], list[Summary]]:
+    """Print decision and summary lines; return the JSON report and the summaries. The baseline,
+    when not among `results`, is simulated on the same backend model."""
     backend_ids = [b.spec.backend_id for b in scenario.backends]
     has_accelerator = any(not b.spec.is_cpu for b in scenario.backends)
     by_policy = {r.policy: r for r in results}
     if has_accelerator:
         # The gains are measured against accelerator-only; it leads the table.
-        by_policy = {BASELINE: by_policy.get(BASELINE) or simulate(scenario, BASELINE), **by_policy}
+        by_policy = {BASELINE: by_policy.get(BASELINE) or simulate(scenario, BASELINE, backend_factory),
+                     **by_policy}
     summaries = [summarize(r.policy, r.outcomes, backend_ids) for r in by_policy.values()]
     oracle_summary, oracle_method, oracle_assignment = None, "skipped", None
     num_assignments = len(scenario.backends) ** len(scenario.requests)

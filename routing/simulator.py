@@ -10,7 +10,10 @@ In a tenants scenario each backend simulates a prefix cache, and the router sees
 live router does: through a mirror that learns published and evicted blocks from the
 backends' reports (at the end of the step that published them), plus its own record of the
 prefixes it has in flight. The request carries its block hashes, so `prefix-affinity` can
-home it and the in-flight accounting can count it.
+home it and the in-flight accounting can count it. A backend with a host KV tier (the engine
+model's, cluster/engine_sim_backend.py) reports each hash by the best tier holding it, and the
+mirror keeps the two tiers apart as the live router's does (actors/cache_mirror.py): a request
+is told each backend's device hit and the run of host-tier blocks right after it.
 
 Backends that name the same `device` share it (routing/sim_device.py): their steps are timed
 together by one `SimDevice`, which advancing any of them advances.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tandem.routing.decision import DecisionRecord
+from tandem.routing.errors import ConfigError
 from tandem.routing.inflight import num_cached_prefix_tokens
 from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.router import Router
@@ -68,28 +72,66 @@ class SimResult:
         return [o.backend_id for o in self.outcomes]
 
 
+# A block hash's state in a backend's cache report: the best tier that holds it. Backends
+# without a host tier report True and False, which read as ON_DEVICE and EVICTED.
+EVICTED, ON_DEVICE, ON_HOST = 0, 1, 2
+
+
+class TierMirror:
+    """The router's copy of one backend's cached block hashes, by tier."""
+
+    def __init__(self) -> None:
+        self.device: set[int] = set()
+        self.host: set[int] = set()  # only in the host tier
+
+    def apply(self, changes: dict[int, int]) -> None:
+        for block_hash, tier in changes.items():
+            if tier == ON_DEVICE:
+                self.device.add(block_hash)
+                self.host.discard(block_hash)
+            elif tier == ON_HOST:
+                self.device.discard(block_hash)
+                self.host.add(block_hash)
+            else:
+                self.device.discard(block_hash)
+                self.host.discard(block_hash)
+
+    def num_cached_tokens(self, block_hashes: tuple[int, ...], num_tokens: int, block_size: int) -> int:
+        return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, self.device.__contains__)
+
+    def num_host_cached_tokens(self, block_hashes: tuple[int, ...], num_tokens: int, block_size: int,
+                               num_cached: int) -> int:
+        """Tokens of the run of host-tier blocks right after a device hit of `num_cached` tokens,
+        capped as a device hit is (the prompt's last token is always computed)."""
+        if not self.host:
+            return 0
+        first = num_cached // block_size
+        return num_cached_prefix_tokens(block_hashes[first:], num_tokens - num_cached, block_size,
+                                        self.host.__contains__)
+
+
 class _RouterReporter:
     """Feeds a simulated backend's reports into the router, like the live actors do, and
     keeps the router's mirror of each backend's prefix cache."""
 
     def __init__(self, router: Router, backend_ids: list[str]) -> None:
         self.router = router
-        self.mirrors: dict[str, set[int]] = {backend_id: set() for backend_id in backend_ids}
+        self.mirrors: dict[str, TierMirror] = {backend_id: TierMirror() for backend_id in backend_ids}
 
-    def on_cache_changes(self, backend_id: str, changes: dict[int, bool]) -> None:
-        mirror = self.mirrors[backend_id]
-        for block_hash, is_cached in changes.items():
-            if is_cached:
-                mirror.add(block_hash)
-            else:
-                mirror.discard(block_hash)
+    def on_cache_changes(self, backend_id: str, changes: dict[int, int]) -> None:
+        self.mirrors[backend_id].apply(changes)
 
-    def num_cached_tokens(self, request: SimRequest, block_size: int) -> dict[str, int]:
-        return {
-            backend_id: num_cached_prefix_tokens(request.block_hashes, request.num_prompt_tokens,
-                                                 block_size, mirror.__contains__)
-            for backend_id, mirror in self.mirrors.items()
-        }
+    def cache_answers(self, request: SimRequest, block_size: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Every backend's device hit, and the host-tier run after it on the backends whose run
+        is not empty (what the live router's mirrors answer)."""
+        num_cached, num_host = {}, {}
+        for backend_id, mirror in self.mirrors.items():
+            n = num_cached[backend_id] = mirror.num_cached_tokens(request.block_hashes, request.num_prompt_tokens,
+                                                                  block_size)
+            host = mirror.num_host_cached_tokens(request.block_hashes, request.num_prompt_tokens, block_size, n)
+            if host:
+                num_host[backend_id] = host
+        return num_cached, num_host
 
     def on_events(self, backend_id: str, events: list[ProgressEvent]) -> None:
         self.router.on_progress(backend_id, events)
@@ -116,6 +158,11 @@ def make_job(index: int, request: SimRequest, backend_id: str) -> SimJob:
 def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None = None,
                  device: SimDevice | None = None) -> SimBackend:
     """A simulated backend at its actual rates, with a prefix cache in tenants scenarios."""
+    if sim_spec.num_host_kv_blocks:
+        raise ConfigError(f"backend {sim_spec.spec.backend_id}: num_host_kv_blocks "
+                          f"({sim_spec.num_host_kv_blocks}): route-sim's own backends do not model a host KV "
+                          "tier; simulate on the engine's scheduler and KV cache (tandem route-sim "
+                          "--engine-scheduler), or set num_host_kv_blocks to 0")
     cache = None
     if scenario.has_prefix_caches:
         cache = SimPrefixCache(sim_spec.num_kv_blocks, scenario.block_size)
@@ -146,10 +193,10 @@ def make_backends(scenario: Scenario, reporter: Reporter | None = None,
 def route_request(request: SimRequest, scenario: Scenario, reporter: _RouterReporter) -> RouteRequest:
     if not scenario.has_prefix_caches:
         return RouteRequest(request.req_id, request.num_prompt_tokens, request.max_tokens,
-                            request.num_cached_tokens)
-    return RouteRequest(request.req_id, request.num_prompt_tokens, request.max_tokens,
-                        reporter.num_cached_tokens(request, scenario.block_size),
-                        request.block_hashes, scenario.block_size)
+                            request.num_cached_tokens, num_host_cached_tokens=request.num_host_cached_tokens)
+    num_cached, num_host = reporter.cache_answers(request, scenario.block_size)
+    return RouteRequest(request.req_id, request.num_prompt_tokens, request.max_tokens, num_cached,
+                        request.block_hashes, scenario.block_size, num_host_cached_tokens=num_host)
 
 
 def simulate(scenario: Scenario, policy: str | None = None,

@@ -151,3 +151,26 @@ def test_written_scenario_names_each_accelerators_device(tmp_path):
     scenario = load_scenario(tmp_path / "cell.yaml")
     assert [b.device for b in scenario.backends] == ["cuda:0", "cuda:0", None]
     assert scenario.shared_devices == {"cuda:0": ["cuda0", "cuda1"]}
+
+
+def test_written_scenario_carries_a_host_tier_where_the_live_backend_has_one(tmp_path, monkeypatch):
+    from bench import tenants
+    from bench.harness import Layout
+    from tandem.routing.scenario import load_scenario
+
+    # 2 MiB a block: 1.5 GiB of host memory is 768 blocks, the engine's own conversion
+    monkeypatch.setattr(tenants, "kv_bytes_per_block", lambda model, block_size, dtype: 2 << 20)
+    rates = {"prefill_tok_s": 4000, "decode_tok_s": 400}
+    (tmp_path / "rates.json").write_text(json.dumps({"sim0": {**rates, "reload_tok_s": 50000}, "sim1": rates}))
+    backends = [{"id": f"sim{i}", "device": "sim", "num_kv_blocks": 40, "kv_host_memory_gb": 1.5} for i in range(2)]
+    layout = Layout("m", backends, "sim0", True, None, sim_kinds={"sim0": "cuda", "sim1": "cuda"})
+    cluster = SimpleNamespace(rates_path=tmp_path / "rates.json", layout=layout, accel_max_active=4,
+                              cpu_max_active=4, router_settings={"spill_margin": 0.05, "spill_allow_queue": False})
+    tenants.write_scenario(tmp_path / "cell.yaml", CELL, cluster, seed=7)
+    scenario = load_scenario(tmp_path / "cell.yaml")
+    # sim1's profile has no reload rate, so its engine runs without a tier
+    assert [b.num_host_kv_blocks for b in scenario.backends] == [768, 0]
+    assert scenario.backends[0].actual_rates.reload_tok_s == 50000
+    predictions = tenants.route_sim_predictions(tmp_path / "cell.yaml", ["cost"])
+    assert list(predictions["cost"]) == ["engine"]  # route-sim's own backends do not model the tier
+    assert 0 < predictions["cost"]["engine"]["hit_rate"] < 1

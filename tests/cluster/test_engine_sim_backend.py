@@ -1,12 +1,18 @@
 """route-sim's backend on the engine's scheduler (cluster/engine_sim_backend.py), in virtual
 time: exact step times, chunked prefill, prefix hits, evictions reported in route-sim's hashes,
-and a whole scenario through `simulate`."""
+a host KV tier (its reloads timed, its blocks reported by tier), and whole scenarios through
+`simulate`."""
+
+import dataclasses
 
 import pytest
 
 from tandem.cluster.engine_sim_backend import EngineSimBackend, engine_backend_factory
+from tandem.engine.kv_cache.manager import TIER_DEVICE, TIER_HOST, TIER_NONE
+from tandem.routing.errors import ConfigError
 from tandem.routing.rates import RateProfile
 from tandem.routing.scenario import parse_scenario
+from tandem.routing.sim_report import summarize
 from tandem.routing.sim_backend import SimJob
 from tandem.routing.simulator import simulate
 from tandem.routing.step_time import StepTimeModel
@@ -70,8 +76,8 @@ def test_a_shared_prefix_hits_and_an_evicted_one_is_reported_in_route_sim_hashes
     r0, r1, r2 = sorted(b.finished, key=lambda j: j.index)
     assert (r0.num_prefill_tokens, r1.num_prefill_tokens) == (64, 64 - 48)  # r1 reuses the 3 prefix blocks
     assert r2.num_prefill_tokens == 96
-    assert all(rec.changes.get(h) is False for h in prefix)  # evicted, said in route-sim's hashes
-    assert rec.changes.get(206) is True and not any(h > 10**6 for h in rec.changes)
+    assert all(rec.changes.get(h) == TIER_NONE for h in prefix)  # evicted, said in route-sim's hashes
+    assert rec.changes.get(206) == TIER_DEVICE and not any(h > 10**6 for h in rec.changes)
 
 
 def test_simulate_runs_a_tenants_scenario_on_the_engine_scheduler():
@@ -87,3 +93,93 @@ def test_simulate_runs_a_tenants_scenario_on_the_engine_scheduler():
     assert [o.num_output_tokens for o in cost.outcomes] == [8] * 60
     hits = {name: sum(o.num_cached_tokens for o in r.outcomes) for name, r in (("cost", cost), ("rr", spread))}
     assert hits["cost"] > hits["rr"] > 0  # round-robin prefills each tenant's prefix on both backends
+
+
+def tier_backend(num_kv_blocks, num_host_kv_blocks, reporter=None):
+    # a prefill token 1 ms, a decode step 10 ms a sequence, a reloaded token 0.1 ms
+    model = StepTimeModel(RateProfile(1000.0, 100.0, reload_tok_s=10000.0), host_reload_tok_s=10000.0)
+    return EngineSimBackend("b", model, max_active=4, num_kv_blocks=num_kv_blocks + 1, block_size=BS,
+                            reporter=reporter, num_host_kv_blocks=num_host_kv_blocks)
+
+
+def test_a_prefix_evicted_to_the_host_tier_is_reloaded_and_its_step_pays_the_reload():
+    b, rec = tier_backend(num_kv_blocks=6, num_host_kv_blocks=16), Recorder()
+    b.reporter = rec
+    prefix = [101, 102, 103]
+    b.enqueue(job(0, 0.0, 64, 1, prefix + [900]))
+    b.enqueue(job(1, 1.0, 96, 1, [201, 202, 203, 204, 205, 206]))  # takes every block: the prefix goes to the host
+    b.run_to_completion()
+    assert all(rec.changes.get(h) == TIER_HOST for h in prefix)
+    b.enqueue(job(2, 2.0, 64, 1, prefix + [901]))
+    b.run_to_completion()
+    r2 = next(j for j in b.finished if j.index == 2)
+    assert r2.num_prefill_tokens == 64 - 48  # the prefix's three blocks came back from the host tier
+    # 16 tokens computed (16 ms) and 48 reloaded (4.8 ms) in one step
+    assert rec.steps[-1] == (16, 0, round(0.016 + 0.0048, 9))
+    assert r2.first_token_s == pytest.approx(2.0 + 0.016 + 0.0048)
+    assert all(rec.changes.get(h) == TIER_DEVICE for h in prefix)  # published on the device again
+
+
+def test_without_a_host_tier_the_same_prefix_is_recomputed():
+    b = tier_backend(num_kv_blocks=6, num_host_kv_blocks=0)
+    prefix = [101, 102, 103]
+    for index, (t, hashes) in enumerate(((0.0, prefix + [900]), (1.0, [201, 202, 203, 204, 205, 206]),
+                                         (2.0, prefix + [901]))):
+        b.enqueue(job(index, t, 16 * len(hashes), 1, hashes))
+    b.run_to_completion()
+    assert next(j for j in b.finished if j.index == 2).num_prefill_tokens == 64
+
+
+def tier_scenario(num_host_kv_blocks):
+    """Eight tenants' 512-token prefixes (32 blocks each): each GPU's cache of 80 blocks holds two
+    of them at most, its host tier all eight."""
+    rates = {"prefill_tok_s": 4000, "decode_tok_s": 400, "decode_tok_s_by_batch": {1: 400, 4: 1200},
+             "reload_tok_s": 100000}
+    return parse_scenario({
+        "policy": "cost",
+        "backends": [{"backend_id": f"g{i}", "device_kind": "cuda", "max_active": 4, "num_kv_blocks": 80,
+                      "num_host_kv_blocks": num_host_kv_blocks, "rates": rates} for i in range(2)],
+        "tenants": {"num_requests": 120, "rate_per_s": 8, "num_tenants": 8, "zipf_s": 0.5, "prefix_tokens": 512,
+                    "suffix_tokens": 32, "max_tokens": 4, "seed": 1}}, source="test")
+
+
+def test_a_host_tier_raises_the_hit_rate_and_lowers_ttft_and_the_router_scores_its_reloads():
+    with_tier = simulate(tier_scenario(1024), "cost", engine_backend_factory())
+    without = simulate(tier_scenario(0), "cost", engine_backend_factory())
+    ids = ["g0", "g1"]
+    s_with, s_without = summarize("cost", with_tier.outcomes, ids), summarize("cost", without.outcomes, ids)
+    assert s_with.cache_hit_rate > s_without.cache_hit_rate
+    assert s_with.ttft_p50_s < s_without.ttft_p50_s
+    scores = [s for d in with_tier.decisions for s in d.record.per_backend.values()]
+    host_scores = [s for s in scores if s.num_host_cached_tokens > 0]
+    assert host_scores and all(s.reload_term_s > 0 for s in host_scores)
+    assert not any(s.num_host_cached_tokens for d in without.decisions for s in d.record.per_backend.values())
+
+
+def test_a_host_tier_without_a_reload_rate_is_a_config_error():
+    scenario = tier_scenario(1024)
+    spec = scenario.backends[0]
+    no_rate = dataclasses.replace(spec, actual_rates=dataclasses.replace(spec.actual_rates, reload_tok_s=None))
+    with pytest.raises(ConfigError, match="backend g0: a host KV tier .* reload_tok_s"):
+        engine_backend_factory()(scenario, no_rate, None, None)
+
+
+def test_the_simulators_mirror_answers_as_the_live_routers_mirror_does():
+    import random
+
+    from tandem.actors.cache_mirror import CacheMirror
+    from tandem.routing.simulator import TierMirror
+
+    rng = random.Random(5)
+    live, sim = CacheMirror(BS), TierMirror()
+    prompts = [tuple(rng.randrange(12) for _ in range(rng.randrange(1, 7))) for _ in range(40)]
+    for _ in range(300):
+        changes = {rng.randrange(12): rng.choice((TIER_NONE, TIER_DEVICE, TIER_HOST, True, False)) for _ in range(3)}
+        live.apply(changes)
+        sim.apply(changes)
+        for hashes in prompts:
+            num_tokens = BS * len(hashes) + rng.choice((0, 5))
+            device = live.num_cached_tokens(hashes, num_tokens)
+            assert sim.num_cached_tokens(hashes, num_tokens, BS) == device
+            assert (sim.num_host_cached_tokens(hashes, num_tokens, BS, device)
+                    == live.num_host_cached_tokens(hashes, num_tokens, device))

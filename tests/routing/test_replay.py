@@ -132,3 +132,22 @@ def test_a_window_replays_part_of_the_log_with_the_profiles_of_all_of_it(tmp_pat
         assert why in capsys.readouterr().err
     assert main([str(log), "--window", "1:2"]) == 2
     assert "--window needs --replay" in capsys.readouterr().err
+
+
+def test_a_log_without_hashes_replays_the_host_tiers_answers_as_the_router_saw_them(tmp_path):
+    lines = [json.loads(line) for line in LOG.read_text().splitlines()]
+    for line in lines:
+        del line["block_hashes"]
+        line["cache_answers"] = {"cuda0": 16, "cpu0": 0}
+        line["host_cache_answers"] = {"cuda0": 48}
+    lines[0]["rates"] = {"cuda0": {"prefill_tok_s": 2551.0, "decode_tok_s": 293.0, "reload_tok_s": 40000.0},
+                         "cpu0": {"prefill_tok_s": 73.0, "decode_tok_s": 45.0}}
+    del lines[1]["host_cache_answers"]  # a line from before the router logged the host tier's answers
+    path = tmp_path / "tier.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests = {r.req_id: r for r in load_replay(path).scenario.requests}
+    assert requests["r0"].num_host_cached_tokens == {"cuda0": 48} and requests["r1"].num_host_cached_tokens == {}
+    scores = {d.record.req_id: d.record.per_backend["cuda0"]
+              for d in simulate(load_replay(path).scenario, "cost").decisions}
+    assert (scores["r0"].num_host_cached_tokens, scores["r0"].reload_term_s) == (48, pytest.approx(48 / 40000))
+    assert scores["r1"].num_host_cached_tokens == 0
