@@ -208,8 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="one request's limit (default 600)")
     parser.add_argument("--start-timeout-s", type=float, default=600.0,
                         help="how long a server may take to answer /health 200 (default 600)")
-    parser.add_argument("--num-requests", type=int, help="requests per run (default: fixed max(256, 4 C), "
-                        "nanovllm 256, w 512)")
+    parser.add_argument("--num-requests", type=ints, help="requests per run, one value or one per --clients "
+                        "value (default: fixed max(256, 4 C), nanovllm 256, w 512)")
     parser.add_argument("--prompt-len", type=int, default=516, help="fixed workload's prompt tokens (516)")
     parser.add_argument("--max-tokens", type=int, default=128, help="fixed workload's output tokens (128)")
     parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
@@ -286,9 +286,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.get("failed") for r in report["rows"]) else 0
 
 
+def num_requests_for(args: argparse.Namespace, clients: int) -> int | None:
+    """--num-requests for this concurrency: its one value, or the one at the concurrency's place."""
+    counts = args.num_requests
+    if not counts:
+        return None
+    if len(counts) == 1:
+        return counts[0]
+    if len(counts) != len(args.clients):
+        raise SystemExit("error: --num-requests takes one value or one per --clients value")
+    return counts[args.clients.index(clients)]
+
+
 def load_row(args: argparse.Namespace, server: Server, entry: dict[str, Any], workload: str, clients: int,
              headers: dict[str, str]) -> dict[str, Any]:
-    requests = make_workload(workload, clients, args.num_requests, args.prompt_len, args.max_tokens)
+    requests = make_workload(workload, clients, num_requests_for(args, clients), args.prompt_len, args.max_tokens)
     procs = min(args.clients_procs or default_client_procs(clients), clients)
     print(f"[{entry['name']}] {workload}: {len(requests)} requests, {clients} clients over {procs} process(es) ...",
           flush=True)
