@@ -423,12 +423,13 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
 
 # -- in-process engines: what the engine-level benches share ------------------------------------
 def make_engine(model: str, device: str = "cpu", max_active: int | None = None, dtype: str = "auto",
-                threads: int | None = None, **config: Any) -> Any:
+                threads: int | None = None, step_time: Any = None, **config: Any) -> Any:
+    """An in-process engine; a sim device's takes its `step_time` (engine/sim_runner.py)."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_active=max_active,
-                                  num_threads=threads, **config))
+                                  num_threads=threads, **config), step_time=step_time)
 
 
 def greedy(max_tokens: int) -> Any:

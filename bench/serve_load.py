@@ -40,7 +40,8 @@ def make_workload(name: str, clients: int, num_requests: int | None = None, prom
                   max_tokens: int = 128) -> list[Request]:
     if name == "fixed":
         num = num_requests if num_requests is not None else max(256, 4 * clients)
-        return [(prompt, max_tokens) for prompt in random_prompts(num, prompt_len, seed=0)]
+        # prompts of their own for each concurrency: a row must not hit the prefixes an earlier row cached
+        return [(prompt, max_tokens) for prompt in random_prompts(num, prompt_len, seed=clients)]
     if name == "nanovllm":
         return nanovllm_requests(num_requests or 256)
     if name == "w":

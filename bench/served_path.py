@@ -12,6 +12,10 @@ streaming client (sizes scale with `--scale`, for a CPU):
 - TTFT: one request at a time (516 -> 16), the median;
 - capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed rates from several
   client processes: achieved rate, p50 and p99 latency per offered rate.
+
+`--device sim` runs both sides on the sim device (`--sim-profile`, default the H200's): the same
+engine with the profiled device's step times instead of a forward pass, in process and behind
+`tandem serve`, so what the serving stack costs at a GPU's token rates is measured on any machine.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of a cpu engine (default 1)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per system after a warm-up; the best counts")
     parser.add_argument("--out", type=Path, default=Path("out/bench_served_path.json"), help="JSON output path")
-    parser.add_argument("--device", default="cpu", help="engine device (default cpu)")
+    parser.add_argument("--device", default="cpu", help="engine device: cpu (default), cuda or sim")
+    parser.add_argument("--sim-profile", default=None, metavar="NAME|FILE",
+                        help="with --device sim: the device it emulates (default tandem serve's)")
     parser.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every size (requests, lengths, max_active)")
     parser.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
@@ -87,7 +93,8 @@ def in_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _in_process(args: argparse.Namespace) -> dict[str, Any]:
-    engine = make_engine(args.model, args.device, max(4, int(256 * args.scale)), args.dtype, args.threads)
+    engine = make_engine(args.model, args.device, max(4, int(256 * args.scale)), args.dtype, args.threads,
+                         **_sim_engine(args))
     vocab = min(engine.model_config.vocab_size, VOCAB_HIGH)
     results: dict[str, Any] = {"vocab": vocab}
     for w in workloads(args.scale, vocab):
@@ -102,6 +109,22 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
     ttfts = [burst(engine, [p], 16, f"ttft-{i}")["ttft_s"][0] for i, p in enumerate(prompts)][2:]
     results["ttft"] = statistics.median(ttfts)
     return results
+
+
+def _sim_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """A sim engine's step time and KV cache as `tandem serve` gives its sim backend (nothing off sim)."""
+    if args.device != "sim":
+        return {}
+    import math
+
+    from tandem.cluster.config import DEFAULT_SIM_PROFILE
+    from tandem.engine.config import DEFAULT_BLOCK_SIZE
+    from tandem.routing.step_time import load_sim_profile
+
+    profile = load_sim_profile(args.sim_profile or DEFAULT_SIM_PROFILE)
+    num_kv_blocks = math.ceil(profile.num_kv_tokens / DEFAULT_BLOCK_SIZE) + 1 if profile.num_kv_tokens else None
+    return {"step_time": profile.step_time().step_s, "num_kv_blocks": num_kv_blocks,
+            "max_num_batched_tokens": profile.max_num_batched_tokens}
 
 
 def _body(model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -201,10 +224,11 @@ def capacity(url: str, model: str, vocab: int, rate: float, duration_s: float, c
 def through_http(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
     import ray
 
-    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    kind = "cuda" if args.device.startswith("cuda") else "sim" if args.device == "sim" else "cpu"
     max_active = max(w["max_active"] for w in workloads(args.scale, vocab))
+    backend = {"device": kind, "dtype": args.dtype} if kind != "sim" else {"device": "sim", "profile": args.sim_profile}
     start = time.perf_counter()
-    tandem = start_cluster(model=args.model, backends=[{"device": kind, "dtype": args.dtype}], max_active=max_active,
+    tandem = start_cluster(model=args.model, backends=[backend], max_active=max_active,
                            max_pending_requests=args.max_pending,
                            **({"cpu_threads": args.threads} if kind == "cpu" else {}),
                            **({"http_replicas": args.http_replicas} if args.http_replicas else {}),

@@ -208,3 +208,10 @@ def test_bench_against_a_real_server(tmp_path):
     assert row["output_tokens"] == 64 and row["output_tok_s"] > 0 and row["ttft_p50_ms"] is not None
     assert report["machine"]["cpu_count"] == os.cpu_count()
     assert "tiny" in done.stdout and "tok/s" in done.stdout
+
+
+def test_each_concurrency_has_prompts_of_its_own():
+    """A row run after another must not find its prompts in the prefix cache the other filled."""
+    four = {tuple(p) for p, _ in make_workload("fixed", 4, num_requests=16)}
+    eight = {tuple(p) for p, _ in make_workload("fixed", 8, num_requests=16)}
+    assert not four & eight
