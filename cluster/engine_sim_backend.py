@@ -62,7 +62,8 @@ _TOKEN = 1  # every generated token (its id does not matter to the schedule)
 class EngineSimBackend:
     def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
                  block_size: int, reporter: Reporter | None = None,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0) -> None:
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0,
+                 offload_min_hits: int = 1) -> None:
         """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times."""
         if num_host_kv_blocks and step_time.host_reload_tok_s is None:
             raise ValueError("a host KV tier needs a step-time model with a reload rate (host_reload_tok_s)")
@@ -72,7 +73,8 @@ class EngineSimBackend:
         self.reporter = reporter
         self._changes: dict[int, int] = {}
         self._engine_to_route_hash: dict[int, int] = {}
-        kv = KVCacheManager(num_kv_blocks, block_size, on_change=self._changed, num_host_blocks=num_host_kv_blocks)
+        kv = KVCacheManager(num_kv_blocks, block_size, on_change=self._changed, num_host_blocks=num_host_kv_blocks,
+                            offload_min_hits=offload_min_hits)
         self.kv_cache_manager = kv
         self.scheduler = Scheduler(SchedulerConfig(max_active, max_num_batched_tokens, block_size, num_kv_blocks),
                                    kv, clock=lambda: self.now)

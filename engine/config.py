@@ -74,6 +74,8 @@ class EngineConfig:
     # blocks, else in GiB (converted with the device cache's bytes per block); 0 and 0: no tier.
     kv_host_blocks: int = 0
     kv_host_memory_gb: float = 0.0
+    # Offload only blocks hit at least this often (engine/kv_cache/manager.py); 0: every evicted block.
+    kv_host_offload_min_hits: int = 1
     # cuda: the share of the device's total memory this engine may use (weights, activations, KV);
     # None: engine/memory.py's default, clamped to what is free (an engine made on its own). The
     # cluster sets it for each engine it plans, and then a share the device cannot give is an error.
@@ -111,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
         if self.kv_host_blocks < 0:
             raise ValueError(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
+        if self.kv_host_offload_min_hits < 0:
+            raise ValueError(f"kv_host_offload_min_hits must be >= 0, got {self.kv_host_offload_min_hits}")
         if not self.kv_host_memory_gb >= 0:
             raise ValueError(f"kv_host_memory_gb must be >= 0, got {self.kv_host_memory_gb}")
         if self.block_size < 1:

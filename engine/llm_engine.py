@@ -134,7 +134,8 @@ class LLMEngine:
         self.model_runner = self._make_model_runner(loaded, num_blocks, num_host_blocks, step_time, reload_time)
         cache_changes = CacheChanges()
         self.kv_cache_manager = KVCacheManager(num_blocks, cfg.block_size, on_change=cache_changes.on_change,
-                                               num_host_blocks=self.model_runner.num_host_blocks)
+                                               num_host_blocks=self.model_runner.num_host_blocks,
+                                               offload_min_hits=cfg.kv_host_offload_min_hits)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_active, cfg.resolved_max_num_batched_tokens, cfg.block_size, num_blocks,
                             cfg.max_priority_wait_s),

@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterable
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "num_hits", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.num_hits = 0  # prefix-cache hits on it since it was last handed out
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -107,6 +108,7 @@ class BlockPool:
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            block.num_hits = 0
             new_blocks.append(block)
         return new_blocks
 
@@ -116,6 +118,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.num_hits += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks that reach zero join the free queue's tail in the given

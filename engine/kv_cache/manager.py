@@ -13,6 +13,11 @@ count as computed. The step's copies are taken with `take_transfers` (the schedu
 on its output) and run before the step's forward, offloads first (host_tier.py says why that
 order is safe). Without a host tier nothing here changes.
 
+Only a block that has been hit is offloaded (`offload_min_hits`, 1 by default): a prefix used
+once is unlikely to come back, and copying every evicted block would put a copy of each block
+a workload without reuse allocates on the device's queue. SGLang's HiCache gates its
+write-through the same way. 0 offloads every evicted cached block.
+
 Every change of where a block hash is held goes to `on_change(block_hash, state)`:
 `TIER_DEVICE` (1) published on the device, `TIER_HOST` (2) evicted from the device but held in
 the host tier, `TIER_NONE` (0) held nowhere (a host eviction of a hash the device holds is not
@@ -74,10 +79,13 @@ class KVCacheManager:
         block_size: int,
         on_change: Callable[[int, int], None] | None = None,
         num_host_blocks: int = 0,
+        offload_min_hits: int = 1,
     ) -> None:
         """`on_change(block_hash, state)` hears where each hash is held (module doc);
-        `num_host_blocks` > 0 adds a host tier of that many blocks."""
+        `num_host_blocks` > 0 adds a host tier of that many blocks, which keeps evicted blocks
+        that were hit at least `offload_min_hits` times."""
         self.block_size = block_size
+        self.offload_min_hits = offload_min_hits
         self._on_change = on_change
         self.host_tier = HostKVTier(num_host_blocks, on_evict=self._on_host_evict) if num_host_blocks else None
         on_evict = self._on_device_evict if self.host_tier is not None or on_change is not None else None
@@ -114,7 +122,7 @@ class KVCacheManager:
             if block_hash in tier:
                 tier.touch(block_hash)
                 state = TIER_HOST
-            else:
+            elif self.block_pool.blocks[block_id].num_hits >= self.offload_min_hits:
                 slot = tier.store(block_hash)
                 if slot is not None:
                     self._offloads[slot] = block_id

@@ -99,7 +99,7 @@ def tier_backend(num_kv_blocks, num_host_kv_blocks, reporter=None):
     # a prefill token 1 ms, a decode step 10 ms a sequence, a reloaded token 0.1 ms
     model = StepTimeModel(RateProfile(1000.0, 100.0, reload_tok_s=10000.0), host_reload_tok_s=10000.0)
     return EngineSimBackend("b", model, max_active=4, num_kv_blocks=num_kv_blocks + 1, block_size=BS,
-                            reporter=reporter, num_host_kv_blocks=num_host_kv_blocks)
+                            reporter=reporter, num_host_kv_blocks=num_host_kv_blocks, offload_min_hits=0)
 
 
 def test_a_prefix_evicted_to_the_host_tier_is_reloaded_and_its_step_pays_the_reload():

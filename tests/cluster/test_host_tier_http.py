@@ -71,6 +71,8 @@ def test_a_prefix_the_device_evicted_is_reloaded_from_the_host_and_priced_so(tmp
 
         first = complete(prefix(0) + [250])
         assert first["tandem"]["host_cached_tokens"] == 0
+        # A second use: the tier keeps only blocks that were hit (a prefix used once is not offloaded).
+        assert complete(prefix(0) + [249])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         for i in (1, 2, 3):  # each fills most of the device cache: prefix 0 is evicted to the host tier
             complete(prefix(i) + [250])
         time.sleep(0.5)  # the backend's reports of the evictions reach the router's mirror

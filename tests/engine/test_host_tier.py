@@ -86,7 +86,7 @@ class Changes:
 
 def test_an_eviction_offloads_and_reports_the_host_tier():
     changes = Changes()
-    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=4)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=4, offload_min_hits=0)
     r1 = make_request("a", list(range(8)))
     kv.allocate_slots(r1, 8)  # blocks 1, 2, published
     kv.free(r1)
@@ -103,7 +103,7 @@ def test_an_eviction_offloads_and_reports_the_host_tier():
 
 def test_a_later_request_reloads_instead_of_recomputing():
     changes = Changes()
-    kv = KVCacheManager(num_blocks=5, block_size=BS, on_change=changes, num_host_blocks=8)
+    kv = KVCacheManager(num_blocks=5, block_size=BS, on_change=changes, num_host_blocks=8, offload_min_hits=0)
     scheduler = Scheduler(SchedulerConfig(max_active=1, max_num_batched_tokens=64, block_size=BS, num_blocks=5), kv)
     prompt = list(range(12))
     run_to_end(scheduler, make_request("a", prompt, max_tokens=1))  # publishes 3 blocks
@@ -128,7 +128,7 @@ def fill_both_tiers(num_host_blocks):
     and b out of the device (to the host tier if it has room). Returns the cache, its reports,
     and the hashes of a, b, c and of x's second block."""
     changes = Changes()
-    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=num_host_blocks)
+    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=num_host_blocks, offload_min_hits=0)
     prompts = [[10 * p + i for i in range(4)] for p in range(3)] + [[50 + i for i in range(8)]]
     for n, prompt in enumerate(prompts):
         request = make_request(f"fill{n}", prompt)
@@ -232,7 +232,7 @@ def test_the_tiers_accounting_matches_the_engines_after_every_step():
     rng = random.Random(0)
     changes = Changes()
     # Two running requests need at most 2 x 12 blocks: cached blocks are evicted, nobody is preempted.
-    kv = KVCacheManager(num_blocks=27, block_size=BS, on_change=changes, num_host_blocks=10)
+    kv = KVCacheManager(num_blocks=27, block_size=BS, on_change=changes, num_host_blocks=10, offload_min_hits=0)
     scheduler = Scheduler(SchedulerConfig(max_active=2, max_num_batched_tokens=16, block_size=BS, num_blocks=27), kv)
     prefixes = [[100 * p + i for i in range(rng.choice((8, 12, 16, 24)))] for p in range(6)]
     mirror, contents = {}, Contents()

@@ -42,6 +42,8 @@ def run(engine, rounds, max_tokens=6):
 def cpu_engine(**overrides):
     # 12 usable blocks: two running requests (5 blocks each) and little else, so the 16 prefix
     # blocks of the first round cannot all stay.
+    # The tier keeps every evicted block (min hits 0): each prefix of the workload is used once before it goes.
+    overrides.setdefault("kv_host_offload_min_hits", 0)
     return LLMEngine(EngineConfig(model="tiny-llama-random", device="cpu", max_active=2, num_kv_blocks=13,
                                   block_size=16, **overrides))
 
@@ -81,7 +83,7 @@ def test_cache_changes_report_the_host_tier():
 
 def test_the_sim_device_reloads_and_reports_host_hits():
     config = EngineConfig(model="tiny-llama-random", device="sim", max_active=2, num_kv_blocks=13, block_size=16,
-                          kv_host_blocks=32)
+                          kv_host_blocks=32, kv_host_offload_min_hits=0)
     engine = LLMEngine(config, step_time=lambda p, d, c: 0.0, reload_time=lambda n: 0.0)
     _, usage = run(engine, workload())
     stats = engine.get_stats()
@@ -147,3 +149,17 @@ def test_the_profiler_measures_the_reload_rate_of_an_engine_with_a_host_tier():
     assert _reload_rate(cpu_engine()) is None
     rate = _reload_rate(cpu_engine(kv_host_blocks=32))
     assert rate is not None and rate > 0
+
+
+def test_by_default_only_a_prefix_that_was_hit_is_kept_in_the_host_tier():
+    """Round one's prefixes are each used once, so none is offloaded when evicted; a prefix hit
+    once (asked twice in round one) is, and its later request reloads it."""
+    first, second = workload()
+    engine = cpu_engine(kv_host_blocks=32, kv_host_offload_min_hits=1)
+    run(engine, [first])
+    assert engine.get_stats().kv_host_offloaded_blocks == 0
+    hit_twice = [first[0], first[0][:-1] + [249, 250]] + first[1:]
+    engine = cpu_engine(kv_host_blocks=32, kv_host_offload_min_hits=1)
+    run(engine, [hit_twice, [second[0]]])
+    stats = engine.get_stats()
+    assert 0 < stats.kv_host_offloaded_blocks <= PREFIX_LEN // 16 and stats.kv_host_reloaded_blocks > 0
