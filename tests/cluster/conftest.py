@@ -41,6 +41,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(command: list[str], env: dict[str, str], timeout_s: float = 180.0):
+    """Start `tandem serve` (`command`) and read its output until it says it serves; returns the
+    process and the lines so far. A server that exits or takes longer fails the test, stopped."""
+    import queue
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any("Ctrl-C stops" in line for line in seen):
+            assert proc.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "tandem serve did not start:\n" + "".join(seen)
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, seen
+
+
 def wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 import yaml
 
-from tests.cluster.conftest import TIMEOUT_S, free_port, wait_for
+from tests.cluster.conftest import TIMEOUT_S, free_port, start_serve, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,20 +40,8 @@ def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, list[str]]:
     (tmp_path / "tandem.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("TANDEM_CACHE_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cluster.cli", "serve", "--config", str(tmp_path / "tandem.yaml")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + 180
-    while not any("Ctrl-C stops" in line for line in seen):
-        assert proc.poll() is None, "".join(seen)
-        assert time.monotonic() < deadline, "tandem serve did not start:\n" + "".join(seen)
-        try:
-            seen.append(lines.get(timeout=1))
-        except queue.Empty:
-            pass
-    return proc, seen
+    return start_serve([sys.executable, "-m", "tandem.cluster.cli", "serve", "--config", str(tmp_path / "tandem.yaml")],
+                       env)
 
 
 def test_a_prefix_the_device_evicted_is_reloaded_from_the_host_and_priced_so(tmp_path):

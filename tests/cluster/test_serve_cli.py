@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.cluster.conftest import TIMEOUT_S, free_port
+from tests.cluster.conftest import TIMEOUT_S, free_port, start_serve
 
 # Lines a healthy start used to print: Ray's token-auth notice, an error-level core_worker line
 # about actor restarts, and Serve's "New http_options ... will not be applied".
@@ -35,19 +32,8 @@ def test_serve_cli_profiles_serves_and_stops_on_ctrl_c(tmp_path):
     command = [sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", "tiny-llama-random", "--backends", "cpu,auto",
                "--cpu-threads", "1", "--port", str(port), "--metrics-port", str(free_port()),
                "--routing-log", str(tmp_path / "routing.jsonl")]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    seen: list[str] = []
+    proc, seen = start_serve(command, env)
     try:
-        deadline = time.monotonic() + 180
-        while not any("Ctrl-C stops" in line for line in seen):
-            assert proc.poll() is None, "".join(seen)
-            assert time.monotonic() < deadline, "tandem serve did not start:\n" + "".join(seen)
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                pass
         output = "".join(seen)
         assert "profiling backend cpu0" in output and "rates for cpu1: the same device" in output  # one profile
         assert "auto -> cpu" in output and f"http://127.0.0.1:{port}/v1" in output
