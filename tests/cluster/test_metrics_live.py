@@ -37,8 +37,12 @@ BACKEND_LABELLED = {series for spec in REGISTRY.values() if "backend" in spec.ta
 # Counters a panel plots that four plain requests on idle backends need not move: preemptions
 # and failures need pressure or a crash, and a prefix hit a prompt seen before. A request's
 # TTFT error lands in the late or the early histogram, whichever side of its projection the
-# first token came, so a backend need not move both; refusals need a deadline.
+# first token came, so a backend need not move both; refusals need a deadline. The host KV tier's
+# counters need a backend with a tier (cuda or sim), which the shared cluster of cpu backends has not.
 NOT_MOVED_BY_PLAIN_REQUESTS = {"ray_tandem_backend_preemptions_total", "ray_tandem_backend_prefix_cache_hits_total",
+                               "ray_tandem_backend_prefix_cache_host_hits_total",
+                               "ray_tandem_backend_kv_host_offload_bytes_total",
+                               "ray_tandem_backend_kv_host_reload_bytes_total",
                                "ray_tandem_router_backend_failures_total", "ray_tandem_router_reroutes_total",
                                "ray_tandem_router_ttft_late_seconds_bucket", "ray_tandem_router_ttft_early_seconds_bucket",
                                "ray_tandem_router_deadline_refusals_total"}
