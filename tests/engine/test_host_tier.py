@@ -101,6 +101,23 @@ def test_an_eviction_offloads_and_reports_the_host_tier():
     assert kv.take_transfers() is None  # taken once
 
 
+def test_by_default_an_evicted_block_is_offloaded_only_if_it_was_hit():
+    changes = Changes()
+    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=4)  # offload_min_hits 1
+    h = hash_request_blocks(list(range(8)), BS)
+    first = make_request("a", list(range(8)))
+    kv.allocate_slots(first, 8)  # blocks 1, 2, published, never hit
+    kv.free(first)
+    second = make_request("b", list(range(4)) + [90, 91, 92, 93, 94])
+    computed = kv.get_computed_blocks(second)  # block 1 (the first 4 tokens) is hit once
+    kv.allocate_slots(second, 9 - computed.num_tokens, computed)
+    kv.free(second)
+    kv.allocate_slots(make_request("c", [50 + i for i in range(12)]), 12)  # evicts every cached block
+    transfers = kv.take_transfers()
+    assert transfers is not None and [block for block, _ in transfers.offloads] == [1]
+    assert changes.latest()[h[0]] == TIER_HOST and changes.latest()[h[1]] == TIER_NONE
+
+
 def test_a_later_request_reloads_instead_of_recomputing():
     changes = Changes()
     kv = KVCacheManager(num_blocks=5, block_size=BS, on_change=changes, num_host_blocks=8, offload_min_hits=0)
