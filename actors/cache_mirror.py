@@ -9,11 +9,11 @@ prompt length - 1). Chained hashes are Python tuple hashes of ints, which do not
 PYTHONHASHSEED, so router and backends compute the same values in different processes.
 The mirror lags its backend by at most one report interval (~20 ms); the answer is an
 estimate either way, frozen at routing time, and a later eviction is reported separately.
-A backend with a host-memory KV tier reports each hash by the best tier that holds it (1: its
-device, 2: only its host memory, 0: neither); the mirror keeps the two sets apart, and answers a
-prompt with its device hit and the run of host-tier blocks right after it, which is what the
-engine reloads instead of computing (routing/cost_model.py prices each). What the mirror cannot know yet, the prefixes of requests the router has just sent to a
-backend, the pure router counts itself (routing/inflight.py) from the block hashes it is given.
+A backend with a host-memory KV tier reports each hash by the best tier that holds it; the
+mirror keeps the two tiers apart and answers a prompt with its device hit and the host-tier run
+after it, by routing/tier_mirror.py's rules, which route-sim's mirror follows too. What the
+mirror cannot know yet, the prefixes of requests the router has just sent to a backend, the pure
+router counts itself (routing/inflight.py) from the block hashes it is given.
 
 A placement asks every backend's mirror, so the router also keeps the mirrors inverted
 (`MirrorIndex`: block hash -> bitmask of the backends holding it, one map per tier) and answers
@@ -28,11 +28,9 @@ from collections.abc import Iterable, Sequence
 
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 from tandem.engine.kv_cache.manager import num_cached_prefix_tokens
-from tandem.routing.inflight import bits, leading_runs
+from tandem.routing.inflight import bits, clear_bit, leading_runs
+from tandem.routing.tier_mirror import ON_DEVICE, ON_HOST, apply_tier_changes, host_run_tokens
 
-
-# A block hash's state in a backend's report: the best tier that holds it.
-EVICTED, ON_DEVICE, ON_HOST = 0, 1, 2
 
 
 class CacheMirror:
@@ -50,16 +48,7 @@ class CacheMirror:
         False read as ON_DEVICE and EVICTED), latest state per hash."""
         if self.index is not None:
             self.index.apply(self, changes)
-        for block_hash, tier in changes.items():
-            if tier == ON_DEVICE:
-                self.cached.add(block_hash)
-                self.host.discard(block_hash)
-            elif tier == ON_HOST:
-                self.cached.discard(block_hash)
-                self.host.add(block_hash)
-            else:
-                self.cached.discard(block_hash)
-                self.host.discard(block_hash)
+        apply_tier_changes(self.cached, self.host, changes)
 
     def leave(self) -> None:
         """Take this mirror out of its index (its backend left routing)."""
@@ -71,14 +60,8 @@ class CacheMirror:
         return num_cached_prefix_tokens(block_hashes, num_tokens, self.block_size, self.cached.__contains__)
 
     def num_host_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int, num_cached: int) -> int:
-        """Tokens of the run of host-tier blocks right after a device hit of `num_cached` tokens
-        (same cap as a device hit: the prompt's last token is always computed)."""
-        if not self.host:
-            return 0
-        first = num_cached // self.block_size
-        end = num_cached_prefix_tokens(block_hashes[first:], num_tokens - num_cached, self.block_size,
-                                       self.host.__contains__)
-        return end
+        """Tokens of the run of host-tier blocks right after a device hit of `num_cached` tokens."""
+        return host_run_tokens(self.host, block_hashes, num_tokens, self.block_size, num_cached)
 
 
 class MirrorIndex:
@@ -107,7 +90,7 @@ class MirrorIndex:
         bit = mirror.bit
         for tier, hashes in ((self.device, mirror.cached), (self.host, mirror.host)):
             for block_hash in hashes:
-                _clear(tier, block_hash, bit)
+                clear_bit(tier, block_hash, bit)
         self._free.append(bit.bit_length() - 1)
 
     def apply(self, mirror: CacheMirror, changes: dict[int, int]) -> None:
@@ -119,12 +102,12 @@ class MirrorIndex:
                 if on_device:
                     device[block_hash] = device.get(block_hash, 0) | bit
                 else:
-                    _clear(device, block_hash, bit)
+                    clear_bit(device, block_hash, bit)
             if on_host != (block_hash in mirror.host):
                 if on_host:
                     host[block_hash] = host.get(block_hash, 0) | bit
                 else:
-                    _clear(host, block_hash, bit)
+                    clear_bit(host, block_hash, bit)
 
     def answers(self, block_hashes: Sequence[int], num_tokens: int, block_size: int,
                 candidates: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -150,14 +133,6 @@ class MirrorIndex:
                     for position in bits(host_holders):
                         host_hits[position] = num_blocks * block_size
         return device_hits, host_hits
-
-
-def _clear(tier: dict[int, int], block_hash: int, bit: int) -> None:
-    mask = tier.get(block_hash, 0) & ~bit
-    if mask:
-        tier[block_hash] = mask
-    else:
-        tier.pop(block_hash, None)
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_sizes: Iterable[int]) -> dict[int, list[int]]:

@@ -79,14 +79,14 @@ class InflightPrefixes:
             else:
                 del counts[block_hash]
                 if index is not None:
-                    _clear_bit(index, block_hash, self.bit)
+                    clear_bit(index, block_hash, self.bit)
         return True
 
     def leave_index(self) -> None:
         """Take this backend's blocks out of the shared index (the backend left routing)."""
         if self.index is not None:
             for block_hash in self.hash_to_count:
-                _clear_bit(self.index, block_hash, self.bit)
+                clear_bit(self.index, block_hash, self.bit)
             self.index = None
 
     def num_cached_tokens(self, block_hashes: Sequence[int], num_tokens: int, block_size: int) -> int:
@@ -96,7 +96,9 @@ class InflightPrefixes:
         return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, self.__contains__)
 
 
-def _clear_bit(index: dict[int, int], block_hash: int, bit: int) -> None:
+def clear_bit(index: dict[int, int], block_hash: int, bit: int) -> None:
+    """Take the holder `bit` out of an inverted index's entry for `block_hash` (the entry goes
+    when no holder is left)."""
     mask = index.get(block_hash, 0) & ~bit
     if mask:
         index[block_hash] = mask

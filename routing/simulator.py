@@ -26,13 +26,13 @@ from typing import Any, Protocol
 
 from tandem.routing.decision import DecisionRecord
 from tandem.routing.errors import ConfigError
-from tandem.routing.inflight import num_cached_prefix_tokens
 from tandem.routing.messages import ProgressEvent, RouteRequest
 from tandem.routing.router import Router
 from tandem.routing.scenario import Scenario, SimBackendSpec, SimRequest
 from tandem.routing.sim_backend import Reporter, SimBackend, SimJob
 from tandem.routing.sim_device import SimDevice
 from tandem.routing.sim_prefix_cache import SimPrefixCache
+from tandem.routing.tier_mirror import TierMirror
 
 
 @dataclass
@@ -70,44 +70,6 @@ class SimResult:
     @property
     def assignment(self) -> list[str]:
         return [o.backend_id for o in self.outcomes]
-
-
-# A block hash's state in a backend's cache report: the best tier that holds it. Backends
-# without a host tier report True and False, which read as ON_DEVICE and EVICTED.
-EVICTED, ON_DEVICE, ON_HOST = 0, 1, 2
-
-
-class TierMirror:
-    """The router's copy of one backend's cached block hashes, by tier."""
-
-    def __init__(self) -> None:
-        self.device: set[int] = set()
-        self.host: set[int] = set()  # only in the host tier
-
-    def apply(self, changes: dict[int, int]) -> None:
-        for block_hash, tier in changes.items():
-            if tier == ON_DEVICE:
-                self.device.add(block_hash)
-                self.host.discard(block_hash)
-            elif tier == ON_HOST:
-                self.device.discard(block_hash)
-                self.host.add(block_hash)
-            else:
-                self.device.discard(block_hash)
-                self.host.discard(block_hash)
-
-    def num_cached_tokens(self, block_hashes: tuple[int, ...], num_tokens: int, block_size: int) -> int:
-        return num_cached_prefix_tokens(block_hashes, num_tokens, block_size, self.device.__contains__)
-
-    def num_host_cached_tokens(self, block_hashes: tuple[int, ...], num_tokens: int, block_size: int,
-                               num_cached: int) -> int:
-        """Tokens of the run of host-tier blocks right after a device hit of `num_cached` tokens,
-        capped as a device hit is (the prompt's last token is always computed)."""
-        if not self.host:
-            return 0
-        first = num_cached // block_size
-        return num_cached_prefix_tokens(block_hashes[first:], num_tokens - num_cached, block_size,
-                                        self.host.__contains__)
 
 
 class _RouterReporter:

@@ -2,7 +2,8 @@
 tier that now holds it, and a prompt's answer is its device hit plus the run of host-tier blocks
 right after it, with the engine's cap (the prompt's last token is always computed)."""
 
-from tandem.actors.cache_mirror import EVICTED, ON_DEVICE, ON_HOST, CacheMirror
+from tandem.actors.cache_mirror import CacheMirror
+from tandem.routing.tier_mirror import EVICTED, ON_DEVICE, ON_HOST
 from tandem.engine.kv_cache.hashing import hash_request_blocks
 
 BLOCK = 4

@@ -5,7 +5,8 @@ backends joining and leaving; and the router actor's one-walk answers equal its 
 import asyncio
 import random
 
-from tandem.actors.cache_mirror import EVICTED, ON_DEVICE, ON_HOST, CacheMirror, MirrorIndex
+from tandem.actors.cache_mirror import CacheMirror, MirrorIndex
+from tandem.routing.tier_mirror import EVICTED, ON_DEVICE, ON_HOST
 from tandem.actors.messages import BackendInfo
 from tandem.actors.router import RouterActor
 from tandem.engine.kv_cache.hashing import hash_request_blocks

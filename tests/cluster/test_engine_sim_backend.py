@@ -168,7 +168,7 @@ def test_the_simulators_mirror_answers_as_the_live_routers_mirror_does():
     import random
 
     from tandem.actors.cache_mirror import CacheMirror
-    from tandem.routing.simulator import TierMirror
+    from tandem.routing.tier_mirror import TierMirror
 
     rng = random.Random(5)
     live, sim = CacheMirror(BS), TierMirror()

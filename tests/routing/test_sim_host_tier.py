@@ -10,7 +10,8 @@ import pytest
 from tandem.routing import ConfigError, sim_cli
 from tandem.routing.router import Router
 from tandem.routing.scenario import parse_scenario
-from tandem.routing.simulator import EVICTED, ON_DEVICE, ON_HOST, TierMirror, _RouterReporter, route_request, simulate
+from tandem.routing.simulator import _RouterReporter, route_request, simulate
+from tandem.routing.tier_mirror import EVICTED, ON_DEVICE, ON_HOST, TierMirror
 
 RATES = {"prefill_tok_s": 1000, "decode_tok_s": 100, "reload_tok_s": 20000}
 
