@@ -127,6 +127,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(loaded.model_config.eos_token_ids)
         self.max_model_len = min(loaded.model_config.max_position_embeddings,
                                  cfg.max_model_len or MAX_DEFAULT_MODEL_LEN)
+        # KV bytes of one block (all layers, K and V): what sizes the caches, and what one tier copy moves
+        self.kv_block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
         num_blocks = self._num_kv_blocks()
         num_host_blocks = self._num_kv_host_blocks(reload_time)
         self.max_active_limit = cfg.max_active  # what the KV pool and CUDA graphs were sized for
@@ -172,9 +174,8 @@ class LLMEngine:
                                    self.is_sim, self.output_processor.tracked)
         self.reporter = EngineReporter(self.scheduler, self.kv_cache_manager, self.request_groups, cache_changes,
                                        changed)
-        if self.kv_cache_manager.host_tier is not None:  # what one block's copy moves, for the tier's byte rates
-            self.reporter.stats.kv_block_bytes = ModelRunner.kv_bytes_per_block(
-                self.model_config, self.config.block_size, self.dtype)
+        if self.kv_cache_manager.host_tier is not None:  # the tier's byte rates
+            self.reporter.stats.kv_block_bytes = self.kv_block_bytes
 
     @property
     def tokenizer(self) -> Any:
@@ -207,9 +208,8 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
         kv_bytes = self._kv_bytes_from_share() if cfg.kv_cache_from_share else cfg.resolved_kv_cache_bytes
-        by_memory = kv_bytes // per_block
+        by_memory = kv_bytes // self.kv_block_bytes
         # Enough for every active request at full context, four times over for the prefix
         # cache; more only costs memory and Python objects.
         by_need = 4 * cfg.max_active * cdiv(self.max_model_len, cfg.block_size)
@@ -223,8 +223,7 @@ class LLMEngine:
         if self.is_sim and reload_time is None:
             logger.warning("sim engine: no host reload rate (host_reload_tok_s) in its profile, so no host KV tier")
             return 0
-        return cfg.resolved_kv_host_blocks(ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size,
-                                                                           self.dtype))
+        return cfg.resolved_kv_host_blocks(self.kv_block_bytes)
 
     def _kv_bytes_from_share(self) -> int:
         """The KV cache a cuda engine gets from its share of the device (engine/memory.py),
