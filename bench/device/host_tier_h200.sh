@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One device call per part: the host KV tier on the tenants workload (tandem bench tenants through
 # HTTP), with the GPU's KV cache holding a quarter of the tenants' prefixes and the host tier all
-# of them, at light load and past saturation; then prints one table from the summaries.
-#   single: one engine, `cost`, tier off against on (the tier's own effect)
-#   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier off against on (no loss)
+# of them, at light load and past saturation; then prints one table from the summaries, with
+# route-sim's prediction (engine model) of each cell beside the live figures.
+#   single: one engine, `cost`, tier on against off (the tier's own effect), after the tier's CUDA test
+#   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier on against off (no loss)
 #   shared: two engines on the GPU with the tier, cost against prefix-affinity and round-robin
+# A part's first run profiles the backends (with the tier, so the reload rate is measured); its
+# later runs reuse those rates. Each run comes back as NAME-summary.json and NAME.tgz (everything).
 # Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
 set -uo pipefail
 part=${1:-single}
 out=${OUT:-/tmp/out}
+work=${WORK:-/tmp/host-tier}
 backend=${BACKEND:-cuda}
 model=${MODEL:-qwen2.5-0.5b-random}
 tenants=${TENANTS:-64}
@@ -18,26 +22,33 @@ rates=${RATES:-4,24}
 duration=${DURATION_S:-15}
 runs=${RUNS:-2}
 max_active=${MAX_ACTIVE:-16}
+budget=${TIME_BUDGET_S:-240}  # per run: stop starting cells after this; two runs fit one 600 s call
 host_gb=${HOST_GB:-6}  # every prefix: 64 x 4096 tokens x 12 KiB (qwen2.5-0.5b, bf16) = 3 GiB, pinned twice at most
 # A quarter of the prefixes on the GPU, plus room for the running requests' own blocks.
 quarter=$(( tenants * prefix / 16 / 4 + max_active * 16 ))
 export PYTHONUNBUFFERED=1
-mkdir -p "$out"
+mkdir -p "$out" "$work"
 common=(--model "$model" --tenants "$tenants" --prefix-tokens "$prefix" --suffix-tokens 64 --max-tokens 64
         --arrival-rates "$rates" --duration-s "$duration" --runs "$runs" --max-active "$max_active" --drain-timeout-s 120
-        --time-budget-s 560 ${SIM_PROFILE:+--sim-profile "$SIM_PROFILE"})
-run() {  # NAME ARGS...: one bench tenants run, its log kept, its summary read by the table below
-  local name=$1; shift
-  python3 -m tandem.cluster.cli bench tenants --out "$out/$name" "${common[@]}" "$@" > "$out/$name.log" 2>&1 \
-    || { echo "$name failed:"; tail -20 "$out/$name.log"; }
+        --time-budget-s "$budget" ${SIM_PROFILE:+--sim-profile "$SIM_PROFILE"})
+profiled=""
+run() {  # NAME ARGS...: one bench tenants run; the part's first profiles, the later ones reuse its rates
+  local name=$1 start=$SECONDS; shift
+  python3 -m tandem.cluster.cli bench tenants --out "$work/$name" "${common[@]}" ${profiled:+--rates "$profiled"} "$@" \
+    > "$work/$name.log" 2>&1 || { echo "$name failed:"; tail -20 "$work/$name.log"; }
+  echo "$name: $(( SECONDS - start )) s"
+  [ -n "$profiled" ] || { [ -f "$work/$name/rates.json" ] && profiled="$work/$name/rates.json"; }
+  cp "$work/$name/summary.json" "$out/$name-summary.json" 2>/dev/null
+  tar czf "$out/$name.tgz" -C "$work" "$name" "$name.log"
 }
 case $part in
   single)
-    run single-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0
-    run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" ;;
+    [ "$backend" = cuda ] && python3 -m pytest -q -p no:cacheprovider tests/engine/test_host_tier_cuda.py 2>&1 | tail -3
+    run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb"
+    run single-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0 ;;
   fit)
-    run fit-off --backends "$backend" --arms cost --kv-host-memory-gb 0
-    run fit-on --backends "$backend" --arms cost --kv-host-memory-gb "$host_gb" ;;
+    run fit-on --backends "$backend" --arms cost --kv-host-memory-gb "$host_gb"
+    run fit-off --backends "$backend" --arms cost --kv-host-memory-gb 0 ;;
   shared)
     run shared-on --backends "$backend*2" --arms cost,prefix-affinity,round-robin \
       --num-kv-blocks "$(( quarter / 2 ))" --kv-host-memory-gb "$(( host_gb / 2 ))" ;;
@@ -45,10 +56,13 @@ case $part in
 esac
 python3 - "$out" <<'PY'
 import json, pathlib, sys
-print(f"{'run':<11} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8}  (mean of runs)")
-for summary in sorted(pathlib.Path(sys.argv[1]).glob("*/summary.json")):
+print(f"{'run':<11} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
+      "  (mean of runs; sim: route-sim's engine model)")
+for summary in sorted(pathlib.Path(sys.argv[1]).glob("*-summary.json")):
     for cell in json.loads(summary.read_text())["cells"]:
         for arm, m in cell["arms"].items():
-            print(f"{summary.parent.name:<11} {cell['cell']:<18} {arm:<16} {m['hit_rate']['mean']:>6.3f} "
-                  f"{m['ttft_p50_s']['mean']:>8.3f}s {m['ttft_p90_s']['mean']:>8.3f}s {m['output_tok_s']['mean']:>8.0f}")
+            sim = (cell.get("route_sim") or {}).get(arm, {}).get("engine", {}).get("ttft_p50_s", float("nan"))
+            print(f"{summary.name[:-13]:<11} {cell['cell']:<18} {arm:<16} {m['hit_rate']['mean']:>6.3f} "
+                  f"{m['ttft_p50_s']['mean']:>8.3f}s {m['ttft_p90_s']['mean']:>8.3f}s {m['output_tok_s']['mean']:>8.0f}"
+                  f" {sim:>7.3f}s")
 PY
