@@ -192,6 +192,9 @@ def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host-memory-gb", type=float, metavar="GIB",
                         help="every cuda and sim backend's host-memory KV tier (tandem serve --kv-host-memory-gb; "
                              "0: off; default the server's)")
+    parser.add_argument("--kv-host-offload-min-hits", type=int, metavar="N",
+                        help="the host tier keeps only evicted blocks hit at least N times (0: every evicted "
+                             "block; default the engine's)")
     parser.add_argument("--report", help="markdown report to write (plot and JSON go beside it)")
 
 
@@ -316,7 +319,8 @@ def _run_tenants(args: argparse.Namespace) -> int:
                           args.max_active, args.rates, args.temperature, args.time_budget_s, args.verbose,
                           command(), num_kv_blocks=args.num_kv_blocks, cpu_compile=args.cpu_compile,
                           cpu_kernels=args.cpu_kernels, sim_profile=args.sim_profile,
-                          sim_time_scale=args.sim_time_scale, kv_host_memory_gb=args.kv_host_memory_gb)
+                          sim_time_scale=args.sim_time_scale, kv_host_memory_gb=args.kv_host_memory_gb,
+                          kv_host_offload_min_hits=args.kv_host_offload_min_hits)
     ctx.warmup_tokens = args.warmup_tokens
     ctx.meta.update(bench="tenants", settings={"tenants": tenants.settings(args, cells)}, arms=args.arms,
                     warmup_tokens=args.warmup_tokens, reuse_cluster=True)

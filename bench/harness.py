@@ -127,10 +127,12 @@ def init_ray(log_to_driver: bool = False) -> None:
 def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_dtype: str = "auto",
                    num_kv_blocks: int | None = None, cpu_compile: bool = False,
                    cpu_kernels: str = "auto", sim_profile: str | None = None,
-                   sim_time_scale: float = 1.0, kv_host_memory_gb: float | None = None) -> Layout:
+                   sim_time_scale: float = 1.0, kv_host_memory_gb: float | None = None,
+                   kv_host_offload_min_hits: int | None = None) -> Layout:
     """Resolve `auto` and counts once (on the running Ray cluster) and pin every backend's id and
     device; `num_kv_blocks` sizes every backend's KV cache (None: the engine's default) and
-    `kv_host_memory_gb` every cuda and sim backend's host tier (None: the server's default). Every
+    `kv_host_memory_gb` every cuda and sim backend's host tier and `kv_host_offload_min_hits` its
+    gate (None: the server's defaults). Every
     backend that resolved to the cpu, `auto` included, gets `cpu_dtype`, `cpu_compile` and
     `cpu_kernels`."""
     import ray
@@ -155,6 +157,8 @@ def resolve_layout(model: str, backends_spec: str, cpu_threads: int | None, cpu_
                  **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {}),
                  **({"kv_host_memory_gb": kv_host_memory_gb}
                     if kv_host_memory_gb is not None and p.device in ("cuda", "sim") else {}),
+                 **({"kv_host_offload_min_hits": kv_host_offload_min_hits}
+                    if kv_host_offload_min_hits is not None and p.device in ("cuda", "sim") else {}),
                  **({"profile": p.sim_profile_name} if p.device == "sim" else {})} for p in plans]
     # A bad pair (ggml kernels without int8/int4) fails here, not in the profile's subprocess.
     TandemConfig.validated({"model": model, "backends": backends}, source="bench backends")
@@ -403,13 +407,13 @@ def prepare(out_dir: Path, model: str, backends: str, cpu_threads: int | None, c
             time_budget_s: float | None, verbose: bool, command: str,
             num_kv_blocks: int | None = None, cpu_compile: bool = False,
             cpu_kernels: str = "auto", sim_profile: str | None = None, sim_time_scale: float = 1.0,
-            kv_host_memory_gb: float | None = None) -> BenchContext:
+            kv_host_memory_gb: float | None = None, kv_host_offload_min_hits: int | None = None) -> BenchContext:
     """Start Ray, resolve the backends, get the rates (profiling if needed) and stamp the run."""
     budget = Budget(time_budget_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     init_ray(log_to_driver=verbose)
     layout = resolve_layout(model, backends, cpu_threads, cpu_dtype, num_kv_blocks, cpu_compile, cpu_kernels,
-                            sim_profile, sim_time_scale, kv_host_memory_gb)
+                            sim_profile, sim_time_scale, kv_host_memory_gb, kv_host_offload_min_hits)
     rates_path = Path(rates) if rates else profile_rates(layout, max_accel_max_active, cpu_max_active, out_dir)
     if temperature is None:  # random weights + byte tokenizer: greedy output can hold text back for long
         temperature = 1.0 if model.endswith("-random") else 0.0

@@ -110,6 +110,7 @@ def settings(args: argparse.Namespace, cells: Sequence[TenantsCell]) -> dict[str
             "max_tokens": args.max_tokens, "zipf_s": args.zipf_s, "runs": args.runs, "arms": args.arms,
             "max_active": args.max_active, "cpu_max_active": args.cpu_max_active,
             "num_kv_blocks": args.num_kv_blocks, "kv_host_memory_gb": getattr(args, "kv_host_memory_gb", None),
+            "kv_host_offload_min_hits": getattr(args, "kv_host_offload_min_hits", None),
             "drain_timeout_s": args.drain_timeout_s,
             "cells": [c.name for c in cells]}
 
@@ -188,6 +189,8 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
         # one runs without a tier): the rates say whether the live backend has one.
         if b.get("kv_host_memory_gb") and backend["rates"].get("reload_tok_s"):
             backend["num_host_kv_blocks"] = host_kv_blocks(cluster.layout.model, b, SCENARIO_BLOCK_SIZE)
+            if b.get("kv_host_offload_min_hits") is not None:
+                backend["kv_host_offload_min_hits"] = b["kv_host_offload_min_hits"]
         backends.append(backend)
     router = cluster.router_settings
     scenario = {"name": cell.name, "policy": HYBRID_ARM, "block_size": SCENARIO_BLOCK_SIZE, "backends": backends,

@@ -75,6 +75,9 @@ class BackendConfig(BaseModel):
     # device, reloaded instead of recomputed (engine/kv_cache/host_tier.py); 0: off. None: the
     # cluster's kv_host_memory_gb.
     kv_host_memory_gb: float | None = Field(default=None, ge=0)
+    # the host tier keeps only evicted blocks hit at least this many times (EngineConfig.kv_host_offload_min_hits);
+    # None: the engine's default
+    kv_host_offload_min_hits: int | None = Field(default=None, ge=0)
     # cpu backends only: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py).
     # Opt-in: it helps on some CPUs and hurts badly on others, so it is measured, not assumed.
     cpu_compile: bool = False

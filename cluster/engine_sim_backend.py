@@ -42,7 +42,7 @@ import random
 from collections import deque
 
 from tandem.engine.kv_cache.host_tier import KVTransfers
-from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.manager import DEFAULT_OFFLOAD_MIN_HITS, KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
@@ -63,7 +63,7 @@ class EngineSimBackend:
     def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
                  block_size: int, reporter: Reporter | None = None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0,
-                 offload_min_hits: int = 1) -> None:
+                 offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS) -> None:
         """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times."""
         if num_host_kv_blocks and step_time.host_reload_tok_s is None:
             raise ValueError("a host KV tier needs a step-time model with a reload rate (host_reload_tok_s)")
@@ -214,6 +214,8 @@ def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED
         step_time = StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if sim_spec.num_host_kv_blocks else None)
         return EngineSimBackend(backend_id, step_time, sim_spec.spec.max_active,
                                 (sim_spec.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS) + 1, scenario.block_size, reporter,
-                                max_num_batched_tokens, sim_spec.num_host_kv_blocks)
+                                max_num_batched_tokens, sim_spec.num_host_kv_blocks,
+                                DEFAULT_OFFLOAD_MIN_HITS if sim_spec.kv_host_offload_min_hits is None
+                                else sim_spec.kv_host_offload_min_hits)
 
     return make

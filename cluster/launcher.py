@@ -401,12 +401,7 @@ def _warm_up(config: TandemConfig, backends: dict[str, Any], infos: dict[str, An
 def _create_backend(actor_cls: type, plan: BackendPlan, config: TandemConfig, placement: Any = None) -> Any:
     import ray
 
-    engine_kwargs = dict(model=config.model, device=plan.device, dtype=plan.dtype, max_active=plan.max_active,
-                         block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks,
-                         kv_cache_memory_gb=plan.kv_cache_memory_gb, max_model_len=config.max_model_len,
-                         max_num_batched_tokens=plan.max_num_batched_tokens or config.max_num_batched_tokens,
-                         seed=config.seed, cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels,
-                         gpu_memory_share=plan.gpu_memory_share, kv_host_memory_gb=plan.kv_host_memory_gb)
+    engine_kwargs = plan.engine_kwargs(config)
     if plan.sim_profile is not None:
         engine_kwargs["sim_profile"] = plan.sim_profile  # the engine core makes its step-time model of it
     options: dict[str, Any] = dict(
@@ -456,7 +451,7 @@ def _profile_key(info: Any, plan: BackendPlan, device_names: dict[str, str]) -> 
     name = device_names.get(info.node_id, "") if info.device_kind == "cuda" else ""
     kernels = info.cpu_kernels or plan.cpu_kernels  # a cpu backend's, `auto` resolved by its engine
     return profile_key(info.model_name, info.device_kind, info.dtype, info.threads, info.max_active, name,
-                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels, host_tier=plan.kv_host_memory_gb > 0)
 
 
 def _gpu_models() -> dict[str, str]:

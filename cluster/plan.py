@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 from tandem.cluster.config import BackendConfig, ConfigError, TandemConfig
 from tandem.engine.config import check_cpu_kernels
@@ -65,8 +66,22 @@ class BackendPlan:
     gpu_memory_share: float | None = None  # cuda: share of its GPU's memory (EngineConfig.gpu_memory_share)
     max_num_batched_tokens: int | None = None  # None: the cluster's (a sim backend: its profile's)
     kv_host_memory_gb: float = 0.0  # cuda, sim: the host-memory KV tier (EngineConfig.kv_host_memory_gb); 0: none
+    kv_host_offload_min_hits: int | None = None  # EngineConfig.kv_host_offload_min_hits; None: the engine's default
     sim_profile: dict | None = None  # sim: the profiled device it emulates (routing/step_time.py's SimProfile)
     sim_profile_name: str | None = None  # sim: that profile as configured (a shipped name or a file)
+
+    def engine_kwargs(self, config: TandemConfig) -> dict[str, Any]:
+        """The EngineConfig this plan gives its backend's engine, and `tandem profile` its own copy
+        of that engine: one list, so what is profiled is what serves (a sim engine's step-time
+        model and a profile's threads and device index are the callers')."""
+        return dict(model=config.model, device=self.device, dtype=self.dtype, max_active=self.max_active,
+                    block_size=config.block_size, num_kv_blocks=self.num_kv_blocks,
+                    kv_cache_memory_gb=self.kv_cache_memory_gb, max_model_len=config.max_model_len,
+                    max_num_batched_tokens=self.max_num_batched_tokens or config.max_num_batched_tokens,
+                    seed=config.seed, cpu_compile=self.cpu_compile, cpu_kernels=self.cpu_kernels,
+                    gpu_memory_share=self.gpu_memory_share, kv_host_memory_gb=self.kv_host_memory_gb,
+                    **({"kv_host_offload_min_hits": self.kv_host_offload_min_hits}
+                       if self.kv_host_offload_min_hits is not None else {}))
 
     @property
     def num_gpus(self) -> float:
@@ -159,6 +174,7 @@ def plan_backends(config: TandemConfig, num_gpus: int, mps_available: bool,
             num_kv_blocks=backend.num_kv_blocks, kv_cache_memory_gb=backend.kv_cache_memory_gb,
             engines_per_gpu=sharing, gpu_memory_share=share,
             kv_host_memory_gb=host_tier_gb(config, backend, device, num_cuda, available_gb),
+            kv_host_offload_min_hits=backend.kv_host_offload_min_hits,
             **(cpu_settings(config, backend, backend_id) if device == "cpu" else {"dtype": backend.dtype})))
         if device == "sim":
             plans[-1] = sim_settings(plans[-1], config, backend)

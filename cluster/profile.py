@@ -44,19 +44,22 @@ _GPU_MODEL = re.compile(r"\w+\s+((?:[A-Z]+\s+)*[A-Z0-9]*\d[A-Z0-9]*)")
 
 
 def profile_key(model: str, device_kind: str, dtype: str, threads: int, max_active: int,
-                device_name: str = "", cpu_compile: bool = False, cpu_kernels: str = "torch") -> str:
+                device_name: str = "", cpu_compile: bool = False, cpu_kernels: str = "torch",
+                host_tier: bool = False) -> str:
     """A compiled CPU decode (`cpu_compile`) is keyed apart from the eager one (`int4-compiled`
     beside `int4`), and ggml's kernels (`cpu_kernels`) likewise (`int4-ggml`, `int4-ggml-compiled`):
     each runs at its own speed, which differs by machine and batch size. Callers pass the kernels a
     cpu backend actually runs, the default `auto` resolved on its machine (`float32-ggml-graph`
     where ggml is built, plain `float32` where not): the rates are those kernels'. Other devices
-    have no cpu kernels."""
+    have no cpu kernels. An engine with a host KV tier (`host_tier`) is keyed apart too: its
+    profile holds the tier's reload rate, which one without a tier has no way to measure."""
     device = f"{device_kind}:{device_name}" if device_name else device_kind
     if cpu_kernels != "torch" and device_kind == "cpu":
         dtype = f"{dtype}-{cpu_kernels}"
     if cpu_compile:
         dtype = f"{dtype}-compiled"
-    return f"{model}|{device}|{dtype}|threads={threads}|max_active={max_active}|v{ENGINE_SPEED_VERSION}"
+    tier = "|host-tier" if host_tier else ""
+    return f"{model}|{device}|{dtype}|threads={threads}|max_active={max_active}{tier}|v{ENGINE_SPEED_VERSION}"
 
 
 def gpu_model(name: str) -> str:

@@ -132,7 +132,7 @@ def _plan_key(config, plan, cuda_index: int | None) -> str:
 
         kernels = auto_kernels(dataclasses.replace(engine_config, cpu_compile=plan.cpu_compile))[0]
     return profile_key(config.model, plan.device, dtype.removeprefix("torch."), plan.threads, plan.max_active, name,
-                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels)
+                       cpu_compile=plan.cpu_compile, cpu_kernels=kernels, host_tier=plan.kv_host_memory_gb > 0)
 
 
 def _load_engine(config, plan, cuda_index: int):
@@ -140,12 +140,7 @@ def _load_engine(config, plan, cuda_index: int):
     from tandem.engine.llm_engine import LLMEngine
 
     device = f"cuda:{cuda_index}" if plan.device == "cuda" else plan.device
-    return LLMEngine(EngineConfig(
-        model=config.model, device=device, dtype=plan.dtype, max_active=plan.max_active,
-        block_size=config.block_size, num_kv_blocks=plan.num_kv_blocks, kv_cache_memory_gb=plan.kv_cache_memory_gb,
-        gpu_memory_share=plan.gpu_memory_share, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, num_threads=plan.threads, seed=config.seed,
-        cpu_compile=plan.cpu_compile, cpu_kernels=plan.cpu_kernels))
+    return LLMEngine(EngineConfig(**{**plan.engine_kwargs(config), "device": device, "num_threads": plan.threads}))
 
 
 def _local_accelerators() -> tuple[int, bool]:

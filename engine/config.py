@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.engine.kv_cache.manager import DEFAULT_OFFLOAD_MIN_HITS
 from tandem.engine.memory import default_max_active
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class EngineConfig:
     kv_host_blocks: int = 0
     kv_host_memory_gb: float = 0.0
     # Offload only blocks hit at least this often (engine/kv_cache/manager.py); 0: every evicted block.
-    kv_host_offload_min_hits: int = 1
+    kv_host_offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS
     # cuda: the share of the device's total memory this engine may use (weights, activations, KV);
     # None: engine/memory.py's default, clamped to what is free (an engine made on its own). The
     # cluster sets it for each engine it plans, and then a share the device cannot give is an error.

@@ -63,6 +63,8 @@ class SimBackendSpec:
     # the engine model (`--engine-scheduler`) simulates it; its reloads run at
     # `actual_rates.reload_tok_s`.
     num_host_kv_blocks: int = 0
+    # The tier keeps only evicted blocks hit at least this many times; None: the engine's default.
+    kv_host_offload_min_hits: int | None = None
 
 
 @dataclass
@@ -115,6 +117,7 @@ class _BackendModel(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)  # tenants scenarios: prefix-cache room in blocks
     device: str | None = Field(None, min_length=1)  # e.g. "cuda:0"; backends naming one device share it
     num_host_kv_blocks: int = Field(0, ge=0)  # tenants scenarios: the host KV tier's room in blocks; 0: none
+    kv_host_offload_min_hits: int | None = Field(None, ge=0)  # the tier's gate; None: the engine's default
 
 
 class _RequestFields(BaseModel):
@@ -358,7 +361,8 @@ def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
         raise ConfigError(f"{path}.num_host_kv_blocks: a host KV tier ({model.num_host_kv_blocks} blocks) needs the "
                           f"rate its blocks are reloaded at: give {path}.{where}.reload_tok_s")
     spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
-    return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device, model.num_host_kv_blocks)
+    return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device, model.num_host_kv_blocks,
+                          model.kv_host_offload_min_hits)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:

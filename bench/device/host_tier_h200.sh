@@ -3,7 +3,8 @@
 # HTTP), with the GPU's KV cache holding a quarter of the tenants' prefixes and the host tier all
 # of them, at light load and past saturation; then prints one table from the summaries, with
 # route-sim's prediction (engine model) of each cell beside the live figures.
-#   single: one engine, `cost`, tier on against off (the tier's own effect), after the tier's CUDA test
+#   single: one engine, `cost`, tier on (every evicted block kept), gated (only blocks hit once
+#           before) and off: the tier's own effect and its gate's; after the tier's CUDA tests
 #   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier on against off (no loss)
 #   shared: two engines on the GPU with the tier, cost against prefix-affinity and round-robin
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
@@ -18,11 +19,11 @@ backend=${BACKEND:-cuda}
 model=${MODEL:-qwen2.5-0.5b-random}
 tenants=${TENANTS:-64}
 prefix=${PREFIX_TOKENS:-4096}
-rates=${RATES:-4,24}
-duration=${DURATION_S:-15}
+rates=${RATES:-8,96}  # light, and past the untiered engine's saturation (about 80/s on an H100)
+duration=${DURATION_S:-12}
 runs=${RUNS:-2}
 max_active=${MAX_ACTIVE:-16}
-budget=${TIME_BUDGET_S:-240}  # per run: stop starting cells after this; two runs fit one 600 s call
+budget=${TIME_BUDGET_S:-150}  # per run: stop starting cells after this; three runs fit one 600 s call
 host_gb=${HOST_GB:-6}  # every prefix: 64 x 4096 tokens x 12 KiB (qwen2.5-0.5b, bf16) = 3 GiB, pinned twice at most
 # A quarter of the prefixes on the GPU, plus room for the running requests' own blocks.
 quarter=$(( tenants * prefix / 16 / 4 + max_active * 16 ))
@@ -43,8 +44,12 @@ run() {  # NAME ARGS...: one bench tenants run; the part's first profiles, the l
 }
 case $part in
   single)
-    [ "$backend" = cuda ] && python3 -m pytest -q -p no:cacheprovider tests/engine/test_host_tier_cuda.py 2>&1 | tail -3
-    run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb"
+    [ "$backend" = cuda ] && python3 -m pytest -q -p no:cacheprovider tests/engine/test_host_tier_cuda.py 2>&1 \
+      | tee "$out/cuda-tests.log" | tail -3
+    run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
+      --kv-host-offload-min-hits 0
+    run single-gated --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
+      --kv-host-offload-min-hits 1
     run single-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0 ;;
   fit)
     run fit-on --backends "$backend" --arms cost --kv-host-memory-gb "$host_gb"
@@ -56,13 +61,13 @@ case $part in
 esac
 python3 - "$out" <<'PY'
 import json, pathlib, sys
-print(f"{'run':<11} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
+print(f"{'run':<13} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
       "  (mean of runs; sim: route-sim's engine model)")
 for summary in sorted(pathlib.Path(sys.argv[1]).glob("*-summary.json")):
     for cell in json.loads(summary.read_text())["cells"]:
         for arm, m in cell["arms"].items():
             sim = (cell.get("route_sim") or {}).get(arm, {}).get("engine", {}).get("ttft_p50_s", float("nan"))
-            print(f"{summary.name[:-13]:<11} {cell['cell']:<18} {arm:<16} {m['hit_rate']['mean']:>6.3f} "
+            print(f"{summary.name[:-13]:<13} {cell['cell']:<18} {arm:<16} {m['hit_rate']['mean']:>6.3f} "
                   f"{m['ttft_p50_s']['mean']:>8.3f}s {m['ttft_p90_s']['mean']:>8.3f}s {m['output_tok_s']['mean']:>8.0f}"
                   f" {sim:>7.3f}s")
 PY

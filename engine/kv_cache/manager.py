@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # engine.request imports engine.kv_cache.hashing: a runtime i
 TIER_NONE = 0
 TIER_DEVICE = 1
 TIER_HOST = 2
+DEFAULT_OFFLOAD_MIN_HITS = 1  # the host tier keeps an evicted block hit at least this often (module doc)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,7 +80,7 @@ class KVCacheManager:
         block_size: int,
         on_change: Callable[[int, int], None] | None = None,
         num_host_blocks: int = 0,
-        offload_min_hits: int = 1,
+        offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS,
     ) -> None:
         """`on_change(block_hash, state)` hears where each hash is held (module doc);
         `num_host_blocks` > 0 adds a host tier of that many blocks, which keeps evicted blocks

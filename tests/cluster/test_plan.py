@@ -183,6 +183,22 @@ def test_the_host_kv_tier_is_set_per_backend_or_for_the_cluster_and_0_turns_it_o
     assert asked[0].kv_host_memory_gb == 2.0
 
 
+def test_the_engine_that_serves_and_the_one_profiled_get_the_host_tier_and_its_gate():
+    from tandem.cluster.profile import profile_key
+    from tandem.engine.config import EngineConfig
+
+    config = TandemConfig(backends=[{"device": "cuda", "kv_host_memory_gb": 8, "kv_host_offload_min_hits": 2},
+                                    {"device": "cuda", "kv_host_memory_gb": 0}])
+    tiered, plain = plan_backends(config, num_gpus=2, mps_available=False, num_cores=16, available_gb=128.0)
+    kwargs = tiered.engine_kwargs(config)
+    assert kwargs["kv_host_memory_gb"] == 8.0 and kwargs["kv_host_offload_min_hits"] == 2
+    assert "kv_host_offload_min_hits" not in plain.engine_kwargs(config)  # the engine's default
+    assert EngineConfig(**plain.engine_kwargs(config)).kv_host_memory_gb == 0.0
+    # a tiered engine's profile holds a reload rate: it is never taken from an untiered one's
+    assert profile_key("m", "cuda", "bfloat16", 1, 16, "H200", host_tier=True) != \
+        profile_key("m", "cuda", "bfloat16", 1, 16, "H200")
+
+
 @pytest.mark.parametrize("device", ["cpu", "mps"])
 def test_a_host_kv_tier_on_a_backend_whose_cache_is_in_host_memory_is_refused(device):
     with pytest.raises(ConfigError, match="kv_host_memory_gb"):

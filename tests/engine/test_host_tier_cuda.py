@@ -47,7 +47,8 @@ def test_an_async_graph_engine_reloads_and_matches_recompute():
         return LLMEngine(EngineConfig(model="tiny-llama-random", device="cuda", dtype="float32", max_active=2,
                                       num_kv_blocks=13, block_size=16, **overrides))
 
-    off, on = engine(), engine(kv_host_blocks=32)
+    # Every evicted block kept (min hits 0): each prefix of the workload is used once before it goes.
+    off, on = engine(), engine(kv_host_blocks=32, kv_host_offload_min_hits=0)
     assert on.async_scheduling and on.model_runner.graph_runner is not None
     tokens_off, _ = run(off, workload())
     tokens_on, usage_on = run(on, workload())
