@@ -16,12 +16,16 @@ empties. The KV cache's tier changes (engine/kv_cache/manager.py's `on_change`) 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from tandem.engine.kv_cache.manager import TIER_DEVICE, KVCacheManager
 from tandem.engine.outputs import EngineStats, RequestProgress
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_groups import RequestGroup, RequestGroups
 from tandem.engine.scheduler import Scheduler
+
+RESCAN_PER_DRAIN = 64  # waiting requests whose prefix hit one progress drain re-checks after an eviction
+_QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class CacheChanges:
@@ -53,6 +57,8 @@ class EngineReporter:
         self.changed = changed
         self.stats = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
         self._last_finish = 0.0
+        self._rescan: deque[Request] = deque()  # the waiting requests an eviction's pass has still to look at
+        self._reported_cached: dict[str, int] = {}  # queued request -> the prefix hit last reported
 
     def record_step(self, num_prefill: int, num_decode: int, start: float) -> None:
         """A step whose sampled ids just landed; `start` is perf_counter() when its launch began."""
@@ -93,12 +99,10 @@ class EngineReporter:
 
     def drain_progress(self) -> list[RequestProgress]:
         """State of every request that changed since the last call. After a cache eviction,
-        waiting requests are re-reported with their current prefix hit in `num_cached_tokens`."""
+        waiting requests whose prefix hit changed are re-reported with it in `num_cached_tokens`
+        (`_rescan_waiting`)."""
         changed = self.changed
-        if self.cache_changes.evicted:
-            self.cache_changes.evicted = False
-            for request in self.scheduler.waiting:
-                changed[request.req_id] = request
+        self._rescan_waiting(changed)
         progress: list[RequestProgress] = []
         groups: dict[str, RequestGroup] = {}
         child_of = self.groups.child_of
@@ -112,6 +116,23 @@ class EngineReporter:
         progress.extend(self.groups.progress(group, self.progress) for group in groups.values())
         return progress
 
+    def _rescan_waiting(self, changed: dict[str, Request]) -> None:
+        """An eviction can shrink a waiting request's prefix hit, which the router counts in the
+        backend's queued work. Past saturation the queue is long and evictions come every step,
+        so a pass over the queue is spread over drains, `RESCAN_PER_DRAIN` requests each, and a
+        request is re-reported only when its hit differs from the one last reported: a drain's
+        cost and the router's traffic stay bounded however long the queue grows."""
+        if self.cache_changes.evicted and not self._rescan:
+            self.cache_changes.evicted = False
+            self._rescan.extend(self.scheduler.waiting)
+        reported = self._reported_cached
+        for _ in range(min(RESCAN_PER_DRAIN, len(self._rescan))):
+            request = self._rescan.popleft()
+            if request.status not in _QUEUED or request.req_id in changed:
+                continue
+            if reported.get(request.req_id) != self.kv_cache_manager.num_request_cached_tokens(request):
+                changed[request.req_id] = request
+
     def progress(self, request: Request) -> RequestProgress:
         if request.is_finished and not request.num_pending_tokens:
             status = "finished"
@@ -120,8 +141,10 @@ class EngineReporter:
         else:
             status = request.status.value
         cached = request.num_cached_tokens
-        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            cached = self.kv_cache_manager.num_cached_tokens(request.all_token_ids)
+        if request.status in _QUEUED:
+            cached = self._reported_cached[request.req_id] = self.kv_cache_manager.num_request_cached_tokens(request)
+        else:
+            self._reported_cached.pop(request.req_id, None)
         return RequestProgress(request.req_id, status, request.num_prompt_tokens, cached,
                                request.num_computed_prompt_tokens, request.num_resolved_output_tokens,
                                request.max_tokens)

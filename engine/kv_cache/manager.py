@@ -182,14 +182,21 @@ class KVCacheManager:
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many tokens of this prompt would hit now, in either tier. Changes no cache state or stats."""
-        hashes = hash_request_blocks(token_ids, self.block_size)
+        return self._num_cached_tokens(hash_request_blocks(token_ids, self.block_size), len(token_ids))
+
+    def num_request_cached_tokens(self, request: Request) -> int:
+        """`num_cached_tokens` of a request's tokens, from its memoized block hashes: a lookup
+        per cached block, no hashing (what re-reporting a long waiting queue can afford)."""
+        return self._num_cached_tokens(request.block_hashes(self.block_size), request.num_tokens)
+
+    def _num_cached_tokens(self, hashes: Sequence[int], num_tokens: int) -> int:
         cached = self.block_pool.cached_blocks
-        num_device = num_cached_prefix_tokens(hashes, len(token_ids), self.block_size, cached.__contains__)
+        num_device = num_cached_prefix_tokens(hashes, num_tokens, self.block_size, cached.__contains__)
         tier = self.host_tier
         if tier is None:
             return num_device
         first = num_device // self.block_size
-        return num_device + num_cached_prefix_tokens(hashes[first:], len(token_ids) - num_device, self.block_size,
+        return num_device + num_cached_prefix_tokens(hashes[first:], num_tokens - num_device, self.block_size,
                                                      tier.__contains__)
 
     # -- allocation ------------------------------------------------------------------------------
