@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# One device call per part: the host KV tier on the tenants workload (tandem bench tenants through
+# One device call for one or more parts: the host KV tier on the tenants workload (tandem bench tenants through
 # HTTP), with the GPU's KV cache holding a quarter of the tenants' prefixes and the host tier all
 # of them, at light load and past saturation; then prints one table from the summaries, with
 # route-sim's prediction (engine model) of each cell beside the live figures.
-#   single: one engine, `cost`, tier on (every evicted block kept), gated (only blocks hit once
-#           before) and off: the tier's own effect and its gate's; after the tier's CUDA tests
-#   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier on against off (no loss)
+#   single: one engine, `cost`, tier on (every evicted block kept) and off: the tier's own
+#           effect; after the tier's CUDA tests
+#   gated:  the same with the tier gated (only blocks hit before are kept): the gate's effect
+#   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier on against off,
+#           at FIT_RATES (no loss where the tier has nothing to do)
 #   shared: two engines on the GPU with the tier, cost against prefix-affinity and round-robin
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
 # later runs reuse those rates. Each run comes back as NAME-summary.json and NAME.tgz (everything).
-# Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART
+# Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART...
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
 set -uo pipefail
-part=${1:-single}
+parts=("${@:-single}")
 out=${OUT:-/tmp/out}
 work=${WORK:-/tmp/host-tier}
 backend=${BACKEND:-cuda}
@@ -20,6 +22,7 @@ model=${MODEL:-qwen2.5-0.5b-random}
 tenants=${TENANTS:-64}
 prefix=${PREFIX_TOKENS:-4096}
 rates=${RATES:-8,96}  # light, and past the untiered engine's saturation (about 80/s on an H100)
+fit_rates=${FIT_RATES:-96}
 duration=${DURATION_S:-12}
 runs=${RUNS:-2}
 max_active=${MAX_ACTIVE:-16}
@@ -42,23 +45,27 @@ run() {  # NAME ARGS...: one bench tenants run; the part's first profiles, the l
   cp "$work/$name/summary.json" "$out/$name-summary.json" 2>/dev/null
   tar czf "$out/$name.tgz" -C "$work" "$name" "$name.log"
 }
-case $part in
-  single)
-    [ "$backend" = cuda ] && python3 -m pytest -q -p no:cacheprovider tests/engine/test_host_tier_cuda.py 2>&1 \
-      | tee "$out/cuda-tests.log" | tail -3
-    run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
-      --kv-host-offload-min-hits 0
-    run single-gated --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
-      --kv-host-offload-min-hits 1
-    run single-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0 ;;
-  fit)
-    run fit-on --backends "$backend" --arms cost --kv-host-memory-gb "$host_gb"
-    run fit-off --backends "$backend" --arms cost --kv-host-memory-gb 0 ;;
-  shared)
-    run shared-on --backends "$backend*2" --arms cost,prefix-affinity,round-robin \
-      --num-kv-blocks "$(( quarter / 2 ))" --kv-host-memory-gb "$(( host_gb / 2 ))" ;;
-  *) echo "part: single, fit or shared"; exit 2 ;;
-esac
+for part in "${parts[@]}"; do
+  profiled=""
+  case $part in
+    single)
+      [ "$backend" = cuda ] && python3 -m pytest -q -p no:cacheprovider tests/engine/test_host_tier_cuda.py 2>&1 \
+        | tee "$out/cuda-tests.log" | tail -3
+      run single-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
+        --kv-host-offload-min-hits 0
+      run single-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0 ;;
+    gated)
+      run single-gated --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
+        --kv-host-offload-min-hits 1 ;;
+    fit)
+      run fit-on --backends "$backend" --arms cost --kv-host-memory-gb "$host_gb" --arrival-rates "$fit_rates"
+      run fit-off --backends "$backend" --arms cost --kv-host-memory-gb 0 --arrival-rates "$fit_rates" ;;
+    shared)
+      run shared-on --backends "$backend*2" --arms cost,prefix-affinity,round-robin \
+        --num-kv-blocks "$(( quarter / 2 ))" --kv-host-memory-gb "$(( host_gb / 2 ))" ;;
+    *) echo "part: single, gated, fit or shared"; exit 2 ;;
+  esac
+done
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 print(f"{'run':<13} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
