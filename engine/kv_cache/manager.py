@@ -13,10 +13,11 @@ count as computed. The step's copies are taken with `take_transfers` (the schedu
 on its output) and run before the step's forward, offloads first (host_tier.py says why that
 order is safe). Without a host tier nothing here changes.
 
-Only a block that has been hit is offloaded (`offload_min_hits`, 1 by default): a prefix used
-once is unlikely to come back, and copying every evicted block would put a copy of each block
-a workload without reuse allocates on the device's queue. SGLang's HiCache gates its
-write-through the same way. 0 offloads every evicted cached block.
+Every evicted cached block is offloaded by default (`offload_min_hits` 0), as vLLM's CPU
+offloading and LMCache store every block. `offload_min_hits` N keeps only blocks hit at least N
+times (SGLang HiCache's selective write-through): it spares a workload without reuse its copies,
+but on many tenants' prefixes the prefix a tenant sent once is gone by its next request, and
+measured on an H100 the gate cost more than it saved (docs/benchmarks/host-tier-h100.md).
 
 Every change of where a block hash is held goes to `on_change(block_hash, state)`:
 `TIER_DEVICE` (1) published on the device, `TIER_HOST` (2) evicted from the device but held in
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # engine.request imports engine.kv_cache.hashing: a runtime i
 TIER_NONE = 0
 TIER_DEVICE = 1
 TIER_HOST = 2
-DEFAULT_OFFLOAD_MIN_HITS = 1  # the host tier keeps an evicted block hit at least this often (module doc)
+DEFAULT_OFFLOAD_MIN_HITS = 0  # the host tier keeps an evicted block hit at least this often (module doc)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -101,9 +101,9 @@ def test_an_eviction_offloads_and_reports_the_host_tier():
     assert kv.take_transfers() is None  # taken once
 
 
-def test_by_default_an_evicted_block_is_offloaded_only_if_it_was_hit():
+def test_the_gate_offloads_an_evicted_block_only_if_it_was_hit():
     changes = Changes()
-    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=4)  # offload_min_hits 1
+    kv = KVCacheManager(num_blocks=4, block_size=BS, on_change=changes, num_host_blocks=4, offload_min_hits=1)
     h = hash_request_blocks(list(range(8)), BS)
     first = make_request("a", list(range(8)))
     kv.allocate_slots(first, 8)  # blocks 1, 2, published, never hit

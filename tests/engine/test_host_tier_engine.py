@@ -151,8 +151,8 @@ def test_the_profiler_measures_the_reload_rate_of_an_engine_with_a_host_tier():
     assert rate is not None and rate > 0
 
 
-def test_by_default_only_a_prefix_that_was_hit_is_kept_in_the_host_tier():
-    """Round one's prefixes are each used once, so none is offloaded when evicted; a prefix hit
+def test_gated_only_a_prefix_that_was_hit_is_kept_in_the_host_tier():
+    """With min hits 1, round one's prefixes are each used once, so none is offloaded when evicted; a prefix hit
     once (asked twice in round one) is, and its later request reloads it."""
     first, second = workload()
     engine = cpu_engine(kv_host_blocks=32, kv_host_offload_min_hits=1)
