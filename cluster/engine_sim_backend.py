@@ -31,6 +31,11 @@ the prompt ids of its own; the engine's hash of each block is mapped back to the
 in the reports, since the router's mirror speaks route-sim's hashes. Generated blocks have no
 route-sim hash and are not reported (the router never asks for them).
 
+Engines sharing a device. Backends that name one device (`cuda*4` on one GPU) share its time
+through routing/sim_device.py's `SimDevice`, as route-sim's own backends do: a step's time from
+the step-time model is its work, done at 1/k speed while k members are in a step, and the device
+advances its members in time order.
+
 It lives in the cluster layer because it needs both the engine and routing, which may not
 import each other.
 """
@@ -52,6 +57,7 @@ from tandem.routing.errors import ConfigError
 from tandem.routing.messages import ProgressEvent
 from tandem.routing.scenario import Scenario, SimBackendSpec
 from tandem.routing.sim_backend import Reporter, SimJob
+from tandem.routing.sim_device import SimDevice
 from tandem.routing.step_time import StepTimeModel
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # the engine's on cuda
@@ -63,8 +69,9 @@ class EngineSimBackend:
     def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
                  block_size: int, reporter: Reporter | None = None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0,
-                 offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS) -> None:
-        """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times."""
+                 offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS, device: SimDevice | None = None) -> None:
+        """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times;
+        `device` is the SimDevice this backend shares with others (None: a device of its own)."""
         if num_host_kv_blocks and step_time.host_reload_tok_s is None:
             raise ValueError("a host KV tier needs a step-time model with a reload rate (host_reload_tok_s)")
         self.backend_id = backend_id
@@ -85,6 +92,14 @@ class EngineSimBackend:
         self.now = -math.inf
         self.step_end_s = math.inf
         self._step = None  # the SchedulerOutput running now
+        self.device = device
+        if device is not None:
+            device.add(self)
+
+    @property
+    def step(self):
+        """The step running now (SimDevice's member protocol: None when idle)."""
+        return self._step
 
     # -- route-sim's backend protocol --------------------------------------------------------
     def next_boundary(self) -> float:
@@ -100,6 +115,10 @@ class EngineSimBackend:
         self.pending.append(job)
 
     def advance_to(self, t: float) -> None:
+        """Process every boundary strictly before `t` (through the device, if shared)."""
+        if self.device is not None:
+            self.device.advance_to(t)
+            return
         while self.next_boundary() < t:
             self.process_boundary()
 
@@ -137,7 +156,11 @@ class EngineSimBackend:
                 events.append(ProgressEvent(request.req_id, messages.ADMITTED))
         self._step = sched
         self._shape = step_shape(sched)
-        self.step_end_s = t + self.step_time.step_s(*self._shape) + self._reload_s(sched.kv_transfers)
+        work_s = self.step_time.step_s(*self._shape) + self._reload_s(sched.kv_transfers)
+        if self.device is None:
+            self.step_end_s = t + work_s
+        else:
+            self.device.begin_step(self, work_s)  # it sets the end, once it knows who else is busy
 
     def _reload_s(self, transfers: KVTransfers | None) -> float:
         """The step's reloads from the host tier (engine/sim_runner.py's rule). A schedule that
@@ -205,9 +228,6 @@ def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED
 
     def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None, device) -> EngineSimBackend:
         backend_id, rates = sim_spec.spec.backend_id, sim_spec.actual_rates
-        if device is not None:
-            raise ValueError(f"backend {backend_id}: engines sharing a device are not modelled on "
-                             "the engine's scheduler; drop `device`, or use route-sim's own backends")
         if sim_spec.num_host_kv_blocks and rates.reload_tok_s is None:
             raise ConfigError(f"backend {backend_id}: a host KV tier ({sim_spec.num_host_kv_blocks} blocks) needs "
                               "the rate its blocks are reloaded at: give reload_tok_s in its actual rates")
@@ -216,6 +236,6 @@ def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED
                                 (sim_spec.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS) + 1, scenario.block_size, reporter,
                                 max_num_batched_tokens, sim_spec.num_host_kv_blocks,
                                 DEFAULT_OFFLOAD_MIN_HITS if sim_spec.kv_host_offload_min_hits is None
-                                else sim_spec.kv_host_offload_min_hits)
+                                else sim_spec.kv_host_offload_min_hits, device)
 
     return make

@@ -183,3 +183,45 @@ def test_the_simulators_mirror_answers_as_the_live_routers_mirror_does():
             assert sim.num_cached_tokens(hashes, num_tokens, BS) == device
             assert (sim.num_host_cached_tokens(hashes, num_tokens, BS, device)
                     == live.num_host_cached_tokens(hashes, num_tokens, device))
+
+
+def test_engines_sharing_a_device_take_turns_on_its_time():
+    """Two engines on one device, each with one request: alone each takes 0.1 s of prefill; on
+    one device the two prefills run together at half speed and both end at 0.2 s, and the
+    device's member boundaries come in time order."""
+    from tandem.routing.sim_device import SimDevice
+
+    device, rec = SimDevice("cuda:0"), Recorder()
+    model = StepTimeModel(RateProfile(1000.0, 100.0))
+    a, b = (EngineSimBackend(name, model, max_active=4, num_kv_blocks=65, block_size=BS, reporter=rec, device=device)
+            for name in ("a", "b"))
+    a.enqueue(job(0, 0.0, 100, 2))
+    b.enqueue(job(1, 0.0, 100, 2))
+    a.run_to_completion()  # through the device: b runs too
+    assert a.finished[0].first_token_s == pytest.approx(0.2) and b.finished[0].first_token_s == pytest.approx(0.2)
+    assert a.finished[0].finish_s == pytest.approx(0.22)  # then one decode step each, together: 2 x 10 ms
+    alone = backend()
+    alone.enqueue(job(0, 0.0, 100, 2))
+    alone.run_to_completion()
+    assert alone.finished[0].first_token_s == pytest.approx(0.1)
+
+
+def test_a_shared_device_scenario_runs_on_the_engine_model_as_on_route_sims_own():
+    def scenario(device):
+        return parse_scenario({
+            "backends": [{"backend_id": f"g{i}", "device_kind": "cuda", "max_active": 8, "device": device,
+                          "rates": {"prefill_tok_s": 20000, "decode_tok_s": 500,
+                                    "decode_tok_s_by_batch": {1: 500, 8: 3000}}} for i in range(2)],
+            "tenants": {"num_requests": 60, "rate_per_s": 40, "num_tenants": 8, "prefix_tokens": 256,
+                        "suffix_tokens": 64, "max_tokens": 16, "seed": 5}}, source="test")
+
+    def run(scenario, factory=None):
+        return summarize("cost", simulate(scenario, "cost", factory).outcomes, ["g0", "g1"])
+
+    shared = run(scenario("cuda:0"), engine_backend_factory())
+    apart = run(scenario(None), engine_backend_factory())
+    own = run(scenario("cuda:0"))
+    assert sum(shared.num_requests_by_backend.values()) == 60 and min(shared.num_requests_by_backend.values()) > 0
+    assert shared.ttft_p50_s > 2 * apart.ttft_p50_s  # one device's time, shared, against two devices'
+    # route-sim's own scheduler (prefill first, no chunks) and the engine's agree within 2x
+    assert own.ttft_p50_s / 2 < shared.ttft_p50_s < own.ttft_p50_s * 2
