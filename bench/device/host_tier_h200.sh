@@ -10,7 +10,8 @@
 #           at FIT_RATES (no loss where the tier has nothing to do)
 #   shared: two engines on the GPU with the tier, cost against prefix-affinity and round-robin
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
-# later runs reuse those rates. Each run comes back as NAME-summary.json and NAME.tgz (everything).
+# later runs reuse those rates. Each run comes back as NAME-summary.json, and every run's whole
+# output (logs, per-request records, scenarios) in one host-tier-runs.tgz (a call returns 8 files).
 # Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART...
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
 set -uo pipefail
@@ -43,7 +44,6 @@ run() {  # NAME ARGS...: one bench tenants run; the part's first profiles, the l
   echo "$name: $(( SECONDS - start )) s"
   [ -n "$profiled" ] || { [ -f "$work/$name/rates.json" ] && profiled="$work/$name/rates.json"; }
   cp "$work/$name/summary.json" "$out/$name-summary.json" 2>/dev/null
-  tar czf "$out/$name.tgz" -C "$work" "$name" "$name.log"
 }
 for part in "${parts[@]}"; do
   profiled=""
@@ -66,6 +66,7 @@ for part in "${parts[@]}"; do
     *) echo "part: single, gated, fit or shared"; exit 2 ;;
   esac
 done
+tar czf "$out/host-tier-runs.tgz" -C "$work" .
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 print(f"{'run':<13} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
