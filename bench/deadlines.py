@@ -9,7 +9,10 @@ the share within the deadline, batch output tok/s, refusal latency, the projecti
 (observed TTFT minus `x-tandem-projected-ttft-ms`, biased late by the HTTP hops) overall and per
 backend, and how late the client sent (`--client-procs N` shares the arrivals among processes
 when one falls behind). It drives `--url` or starts a cluster; with `--routing-log` each run is
-also replayed through route-sim and the replayed TTFT p50 set beside the measured one.
+also replayed through route-sim and the replayed TTFT p50 set beside the measured one. While each
+run goes, every server process's CPU is sampled once a second (bench/soak_probe.py's
+`CpuTimeline`, the started cluster's tree or `--server-pid`'s), so a run that stalls says which
+process was out of CPU: the router, an engine core, Serve's proxy or the client.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ from typing import Any
 from bench.client import RequestResult, stream_completion
 from bench.harness import floats, ints, start_cluster, write_json
 from bench.metrics import percentile
+from bench.soak_probe import CpuTimeline
 from bench.workload import PriorityRequest, Traffic, priority_mix
 
 ARMS = ("deadline", "fcfs")
@@ -181,7 +187,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic: Traffic, seed: int,
-            arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1) -> dict[str, Any]:
+            arms: tuple[str, ...] = ARMS, routing_log: Path | None = None, client_procs: int = 1,
+            server_pid: int | None = None) -> dict[str, Any]:
     rows, runs = [], []
     pool = client_pool(client_procs)
     try:
@@ -189,10 +196,13 @@ def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic
             for arm in arms:
                 workload = priority_mix(rate, duration_s, traffic, seed, prompts_of=arm)
                 started = time.time()  # the routing log's clock
-                outcomes = run_clients(pool, client_procs, url, model, workload, arm, traffic)
+                with CpuTimeline(server_pid) if server_pid else nullcontext() as cpu:
+                    outcomes = run_clients(pool, client_procs, url, model, workload, arm, traffic)
                 span = (started, time.time())
-                rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic)})
-                runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes]})
+                peaks = dict(list(cpu.peaks().items())[:4]) if cpu else {}
+                rows.append({"arm": arm, "rate_per_s": rate, **summarize(outcomes, traffic), "cpu_peaks": peaks})
+                runs.append({"arm": arm, "rate_per_s": rate, "span": span, "requests": [asdict(o) for o in outcomes],
+                             **({"cpu_by_role": cpu.shares} if cpu else {})})
     finally:
         if pool is not None:
             pool.shutdown()
@@ -245,6 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-log", type=Path, default=None,
                         help="the server's routing log (a started server writes it): replay each run from it "
                              "and report the replayed TTFT p50 beside the measured one")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: the server's pid (`tandem serve`'s), whose process tree's CPU is sampled "
+                             "during each run; a started cluster's is sampled without it")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
 
 
@@ -257,11 +270,22 @@ def run(args: argparse.Namespace) -> int:
         warmup_tokens=48, routing_log=None if args.routing_log is None else str(args.routing_log))
     try:
         report = run_all(args.url or server.url, args.model, args.loads, args.duration_s, traffic, args.seed,
-                         routing_log=args.routing_log, client_procs=args.client_procs)
+                         routing_log=args.routing_log, client_procs=args.client_procs,
+                         server_pid=args.server_pid if args.url else os.getpid())
     finally:
         if server is not None:
             server.shutdown()
     if args.out is not None:
         write_json(args.out, report)
     print(format_table(report["summaries"]))
+    print(format_cpu_peaks(report["summaries"]))
     return 0
+
+
+def format_cpu_peaks(rows: list[dict[str, Any]]) -> str:
+    """Each run's busiest processes: the highest share of a core each used in any second."""
+    lines = ["", "busiest processes (peak share of a core in any second):"]
+    for row in rows:
+        peaks = ", ".join(f"{role} {share:.2f}" for role, share in row.get("cpu_peaks", {}).items()) or "not sampled"
+        lines.append(f"  {row['arm']} {row['rate_per_s']:g}/s: {peaks}")
+    return "\n".join(lines)

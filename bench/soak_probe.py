@@ -118,6 +118,62 @@ def total(samples: list[ProcessSample], value: str) -> float:
     return round(sum(getattr(s, value) for s in samples if s.role != IDLE_ROLE), 1)
 
 
+def cpu_seconds_by_role(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) each process of the tree has used, per role as
+    `by_role` names them: what `CpuTimeline` differences into shares of a core."""
+    import psutil
+
+    samples, used = sample_processes(root_pid), {}
+    for sample in samples:
+        try:
+            times = psutil.Process(sample.pid).cpu_times()
+            used[sample.pid] = times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return by_role(samples, used)
+
+
+class CpuTimeline:
+    """Each role's share of a core, interval by interval, sampled on a thread while a run goes:
+    past saturation it says which process ran out of CPU (the router, an engine core, Serve's
+    proxy, the client) where a client-side view cannot. Use as a context manager."""
+
+    def __init__(self, root_pid: int, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.root_pid, self.interval_s = root_pid, interval_s
+        self.shares: dict[str, list[float]] = {}  # role -> share of one core in each interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-timeline", daemon=True)
+
+    def __enter__(self) -> CpuTimeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import time
+
+        last, last_t, num = cpu_seconds_by_role(self.root_pid), time.monotonic(), 0
+        while not self._stop.wait(self.interval_s):
+            now, now_t = cpu_seconds_by_role(self.root_pid), time.monotonic()
+            for role, seconds in now.items():
+                series = self.shares.setdefault(role, [0.0] * num)
+                series.append(round(max(0.0, seconds - last.get(role, seconds)) / (now_t - last_t), 3))
+            num += 1
+            for series in self.shares.values():  # a role gone this interval used nothing in it
+                series.extend([0.0] * (num - len(series)))
+            last, last_t = now, now_t
+
+    def peaks(self) -> dict[str, float]:
+        """Each role's busiest interval, busiest role first."""
+        return dict(sorted(((role, max(series)) for role, series in self.shares.items() if series),
+                           key=lambda item: -item[1]))
+
+
 # Ray prefixes a worker's console lines with its pid; a backend names itself in its ready line.
 _BACKEND_LINE = re.compile(r"\(BackendActor pid=(\d+)\)(?:\x1b\[[0-9;]*m)?\s+backend (\S+): device")
 

@@ -116,6 +116,12 @@ def test_deadlines_bench_on_two_cpu_backends(tmp_path):
         assert set(s["projection_error_by_backend"]) <= {"cpu0", "cpu1"}
         assert sum(e["n"] for e in s["projection_error_by_backend"].values()) == served
     assert "projection error (observed - projected TTFT) by backend" in done.stdout
+    # The started server's processes were sampled during each run: the backends worked.
+    assert "busiest processes" in done.stdout
+    for run in report["runs"]:
+        assert len(run["cpu_by_role"]["ray::BackendActor"]) >= 1
+        assert any(share > 0 for role, series in run["cpu_by_role"].items() for share in series
+                   if role.startswith("ray::BackendActor"))
 
 
 def test_a_run_the_routing_log_does_not_cover_keeps_its_figures_and_says_why(tmp_path):

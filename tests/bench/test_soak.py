@@ -127,6 +127,31 @@ def test_process_tree_finds_children_with_their_memory_and_fds():
         child.wait()
 
 
+def test_the_cpu_timeline_names_the_process_that_is_busy():
+    """A child spinning on a core and one sleeping: the timeline gives the spinner about a core in
+    its busy seconds and the sleeper about nothing, and names the spinner first."""
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with soak_probe.CpuTimeline(os.getpid(), interval_s=0.5) as timeline:
+            import time
+
+            time.sleep(2.2)
+        # two processes of one role: the lower pid takes the role's name, the other `#2` (by_role)
+        name = Path(sys.executable).name
+        first, second = sorted((spinner.pid, sleeper.pid))
+        role = {first: name, second: f"{name}#2"}
+        shares = timeline.shares
+        assert len(shares["serve"]) >= 3  # one share per interval, for every role
+        assert max(shares[role[spinner.pid]]) > 0.3  # a shared 2-core box may give it less than a core
+        assert max(shares[role[sleeper.pid]]) < 0.1
+        assert next(iter(timeline.peaks())) == role[spinner.pid]
+    finally:
+        for child in (spinner, sleeper):
+            child.kill()
+            child.wait()
+
+
 def test_roles_name_actors_and_their_children():
     assert soak_probe.role_of(7, 7, ["python", "-m", "tandem.cluster.cli"]) == "serve"
     assert soak_probe.role_of(8, 7, ["ray::BackendActor.step", ""]) == "ray::BackendActor"
