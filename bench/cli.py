@@ -44,6 +44,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "fanout-step": ("bench.fanout_step", "the engine core's I/O work per step, and the caller's"),
     "serve-load": ("bench.serve_load", "tandem serve configurations under closed-loop HTTP load"),
     "deadlines": ("bench.deadlines", "TTFT deadlines and priorities against FCFS through HTTP"),
+    "engine-queue": ("bench.engine_queue", "the engine's host time per step with a long queue past saturation"),
     "router-decision": ("bench.router_decision", "router decision latency with a deep backlog"),
     "router-scaling": ("bench.router_scaling", "one router actor's CPU per placement and report, by backends"),
     "route-sim-grid": ("bench.route_sim_grid", "the multi-tenant routing grid in the simulator"),

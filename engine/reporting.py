@@ -24,7 +24,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.request_groups import RequestGroup, RequestGroups
 from tandem.engine.scheduler import Scheduler
 
-RESCAN_PER_DRAIN = 64  # waiting requests whose prefix hit one progress drain re-checks after an eviction
+RESCAN_BLOCKS_PER_DRAIN = 4096  # block lookups one progress drain spends re-checking waiting requests' hits
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -119,17 +119,19 @@ class EngineReporter:
     def _rescan_waiting(self, changed: dict[str, Request]) -> None:
         """An eviction can shrink a waiting request's prefix hit, which the router counts in the
         backend's queued work. Past saturation the queue is long and evictions come every step,
-        so a pass over the queue is spread over drains, `RESCAN_PER_DRAIN` requests each, and a
-        request is re-reported only when its hit differs from the one last reported: a drain's
-        cost and the router's traffic stay bounded however long the queue grows."""
+        so a pass over the queue is spread over drains, each re-checking requests until it has
+        spent `RESCAN_BLOCKS_PER_DRAIN` block lookups (at least one request), and a request is
+        re-reported only when its hit differs from the one last reported: a drain's cost and the
+        router's traffic stay bounded however long the queue and its prompts grow."""
         if self.cache_changes.evicted and not self._rescan:
             self.cache_changes.evicted = False
             self._rescan.extend(self.scheduler.waiting)
-        reported = self._reported_cached
-        for _ in range(min(RESCAN_PER_DRAIN, len(self._rescan))):
+        reported, budget, block_size = self._reported_cached, RESCAN_BLOCKS_PER_DRAIN, self.kv_cache_manager.block_size
+        while budget > 0 and self._rescan:
             request = self._rescan.popleft()
             if request.status not in _QUEUED or request.req_id in changed:
                 continue
+            budget -= request.num_tokens // block_size + 1
             if reported.get(request.req_id) != self.kv_cache_manager.num_request_cached_tokens(request):
                 changed[request.req_id] = request
 

@@ -26,7 +26,7 @@ No torch here: the scheduler is tested on exact block ids in milliseconds.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,6 +91,9 @@ class Scheduler:
         self.clock = clock  # the clock of Request.arrival_time
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(config.num_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
+        # waiting requests per priority class: one class is plain FCFS, told in O(1) (a long
+        # queue past saturation would otherwise be scanned on every step)
+        self._waiting_classes: Counter[int] = Counter()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -99,7 +102,7 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self._queue(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -146,7 +149,7 @@ class Scheduler:
         """The admission order, and for the requests placed by taking turns whether each is
         the aged one (admitting one passes the turn to the other side)."""
         waiting = list(self.waiting)
-        if all(r.priority == waiting[0].priority for r in waiting):
+        if len(self._waiting_classes) <= 1:
             return waiting, {}  # one class: FCFS, preempted requests already at the front
         now, bound = self.clock(), self.config.max_priority_wait_s
         preempted = [r for r in waiting if r.status is RequestStatus.PREEMPTED]
@@ -167,7 +170,7 @@ class Scheduler:
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
                 break  # nobody overtakes the head of the admission order
-            self.waiting.remove(request)
+            self._unqueue(request)
             if request.req_id in turns:
                 self._aged_turn = not turns[request.req_id]
             if request.num_cached_tokens < 0:
@@ -188,7 +191,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._queue(request, front=True)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
         out.preempted_req_ids.append(request.req_id)
 
@@ -233,6 +236,20 @@ class Scheduler:
                 self.finish_request(request.req_id, stop_status)
         return progressed
 
+    def _queue(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+        self._waiting_classes[request.priority] += 1
+
+    def _unqueue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        classes = self._waiting_classes
+        classes[request.priority] -= 1
+        if not classes[request.priority]:
+            del classes[request.priority]
+
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a waiting or running request and free its blocks."""
         request = self.requests.pop(req_id, None)
@@ -241,7 +258,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self._unqueue(request)
         self.kv_cache_manager.free(request)
         request.status = status
         request.finished_time = time.time()
