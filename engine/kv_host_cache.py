@@ -18,7 +18,9 @@ before the offloads already queued on the device have written it. On cpu the hos
 memory and the copies run at once, which is in order too.
 
 The pinned tensors come from PyTorch's pinned allocator, which rounds each allocation up to a
-power of two: a layer's host cache may hold up to twice its size in pinned memory.
+power of two. So a pinned tier is rounded down to the blocks whose layer tensor fills a power of
+two bytes (`pinned_num_blocks`): what it pins is what it uses and never more than asked, at the
+cost of up to half the blocks asked for (none where a layer's share is a power of two already).
 """
 
 from __future__ import annotations
@@ -32,12 +34,29 @@ from tandem.engine.host_tensors import to_device
 from tandem.engine.kv_cache.host_tier import KVTransfers
 
 
+def pinned_num_blocks(num_blocks: int, layer_block_bytes: int) -> int:
+    """The most blocks, at most `num_blocks`, whose layer tensor the pinned allocator gives
+    without rounding: its bytes are the largest power of two the asked tensor holds."""
+    if num_blocks < 1 or layer_block_bytes < 1:
+        return 0
+    power = 1 << ((num_blocks * layer_block_bytes).bit_length() - 1)
+    return power // layer_block_bytes
+
+
+def _layer_block_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block in one layer's cache ([2, blocks, block_size, heads, dim])."""
+    return cache[:, 0].numel() * cache.element_size()
+
+
 class HostKVCache:
     def __init__(self, device_caches: list[torch.Tensor], num_blocks: int) -> None:
         self.device_caches = device_caches
         self.num_blocks = num_blocks
         self.device = device_caches[0].device
         pin = self.device.type == "cuda"
+        if pin:
+            num_blocks = pinned_num_blocks(num_blocks, _layer_block_bytes(device_caches[0]))
+            self.num_blocks = num_blocks
         self.host_caches = [torch.zeros((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
                             for c in device_caches]
         # What the copies index: on cuda, device views of the pinned memory (module doc).

@@ -163,3 +163,21 @@ def test_gated_only_a_prefix_that_was_hit_is_kept_in_the_host_tier():
     run(engine, [hit_twice, [second[0]]])
     stats = engine.get_stats()
     assert 0 < stats.kv_host_offloaded_blocks <= PREFIX_LEN // 16 and stats.kv_host_reloaded_blocks > 0
+
+
+def test_a_pinned_tier_is_rounded_down_to_what_the_pinned_allocator_gives_exactly():
+    """PyTorch's pinned allocator rounds an allocation up to a power of two, so a pinned layer
+    tensor is sized to the largest power of two of bytes within what was asked: it pins what it
+    uses and never more than asked."""
+    from tandem.engine.kv_host_cache import pinned_num_blocks
+
+    assert pinned_num_blocks(1024, 8192) == 1024  # a power of two already: all of it
+    assert pinned_num_blocks(1000, 8192) == 512
+    for asked, block_bytes in [(1000, 6144), (123_457, 12_288), (7, 3), (1, 8192)]:
+        n = pinned_num_blocks(asked, block_bytes)
+        power = 1 << ((n * block_bytes - 1).bit_length()) if n else 0  # what the allocator pins for n blocks
+        assert n <= asked and power <= asked * block_bytes  # never more than asked
+        assert (n + 1) * block_bytes > 1 << ((asked * block_bytes).bit_length() - 1)  # and the most that fits
+    # a quarter of 125 GiB over qwen2.5-0.5b's 24 layers (8 KiB a block a layer): 1 GiB a layer, not 2 pinned
+    asked = int(125 / 4 * (1 << 30)) // (24 * 8192)
+    assert pinned_num_blocks(asked, 8192) * 8192 == 1 << 30
