@@ -209,12 +209,19 @@ SCENARIO_BLOCK_SIZE = 16  # the cluster's block size (its default)
 
 def host_kv_blocks(model: str, backend: dict[str, Any], block_size: int) -> int:
     """The blocks of a backend's host KV tier of `kv_host_memory_gb` GiB, as its engine converts
-    them (EngineConfig.resolved_kv_host_blocks, at the KV bytes of a block in the engine's dtype)."""
+    them (EngineConfig.resolved_kv_host_blocks, at the KV bytes of a block in the engine's dtype),
+    and on cuda as its pinned tensors round them (engine/kv_host_cache.py's pinned_num_blocks)."""
     from tandem.engine.config import EngineConfig
+    from tandem.engine.kv_host_cache import pinned_num_blocks
+    from tandem.engine.model.loader import load_model_meta
 
     config = EngineConfig(model=model, device=backend["device"], dtype=backend.get("dtype", "auto"),
                           block_size=block_size, kv_host_memory_gb=backend["kv_host_memory_gb"])
-    return config.resolved_kv_host_blocks(kv_bytes_per_block(model, block_size, config.torch_dtype))
+    block_bytes = kv_bytes_per_block(model, block_size, config.torch_dtype)
+    blocks = config.resolved_kv_host_blocks(block_bytes)
+    if backend["device"] != "cuda":
+        return blocks
+    return pinned_num_blocks(blocks, block_bytes // load_model_meta(model).model_config.num_hidden_layers)
 
 
 def kv_bytes_per_block(model: str, block_size: int, dtype: Any) -> int:
