@@ -51,12 +51,11 @@ def _layer_block_bytes(cache: torch.Tensor) -> int:
 class HostKVCache:
     def __init__(self, device_caches: list[torch.Tensor], num_blocks: int) -> None:
         self.device_caches = device_caches
-        self.num_blocks = num_blocks
         self.device = device_caches[0].device
         pin = self.device.type == "cuda"
         if pin:
             num_blocks = pinned_num_blocks(num_blocks, _layer_block_bytes(device_caches[0]))
-            self.num_blocks = num_blocks
+        self.num_blocks = num_blocks
         self.host_caches = [torch.zeros((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, pin_memory=pin)
                             for c in device_caches]
         # What the copies index: on cuda, device views of the pinned memory (module doc).
