@@ -72,6 +72,7 @@ class _BackendState:
     spec: BackendSpec
     rates: RateProfile  # current rates: the design's profile, calibrated if calibration is on
     ledger: Ledger
+    alone_prefill_tok_s: float  # prefill rate calibrated from steps that decoded nothing (Router.observe_step)
     ratio: NewTokenRatio
     inflight: InflightPrefixes = field(default_factory=InflightPrefixes)
     cordoned: bool = False  # scored (for the log) but given no new requests
@@ -133,8 +134,8 @@ class Router:
             raise ValueError(f"backend {spec.backend_id!r} is already registered")
         position = self._free_positions.pop() if self._free_positions else self._next_position
         self._next_position = max(self._next_position, position + 1)
-        state = _BackendState(spec, spec.rates, Ledger(), NewTokenRatio(self._new_token_ratio_config),
-                              InflightPrefixes(self._inflight_index, 1 << position), position=position)
+        state = _BackendState(spec, spec.rates, Ledger(), spec.rates.prefill_tok_s,
+                              NewTokenRatio(self._new_token_ratio_config), InflightPrefixes(self._inflight_index, 1 << position), position=position)
         states = [*self._backends.values(), state]
         states.sort(key=lambda s: s.spec.preference_key())
         self._backends = {s.spec.backend_id: s for s in states}
@@ -502,7 +503,7 @@ class Router:
                 self._req_to_backend.pop(event.req_id, None)
                 state.inflight.remove(event.req_id)
         state.ratio.on_decode_steps(num_decode_steps)
-        self._reset_ratio_if_idle(state)
+        self._settle_if_idle(state)
         return num_applied
 
     def observe_step(
@@ -525,8 +526,13 @@ class Router:
         # With device_shares, a step slowed by its neighbours on the device says 1/share of its alone rate.
         elapsed_s /= self._shares().get(backend_id, 1)
         rates = calibrate(state.rates, self._calibration, num_prefill_tokens, num_decode_tokens, batch_size, elapsed_s)
+        alone = state.alone_prefill_tok_s
+        if num_prefill_tokens > 0 and num_decode_tokens == 0:
+            alpha = self._calibration.alpha
+            alone = (1 - alpha) * alone + alpha * num_prefill_tokens / elapsed_s
         for sibling in self._siblings(state):
             sibling.rates = rates
+            sibling.alone_prefill_tok_s = alone
 
     def _siblings(self, state: _BackendState) -> list[_BackendState]:
         """`state` and the backends that share its device and profile (just `state` if it has none)."""
@@ -544,7 +550,7 @@ class Router:
         state = self._backends[backend_id]
         state.ledger.remove(req_id)
         state.inflight.remove(req_id)
-        self._reset_ratio_if_idle(state)
+        self._settle_if_idle(state)
         return True
 
     def backend_of(self, req_id: str) -> str | None:
@@ -571,10 +577,27 @@ class Router:
         except KeyError:
             raise KeyError(f"unknown backend {backend_id!r}; registered: {list(self._backends)}") from None
 
-    @staticmethod
-    def _reset_ratio_if_idle(state: _BackendState) -> None:
-        if len(state.ledger) == 0:
-            state.ratio.reset()
+    def _settle_if_idle(self, state: _BackendState) -> None:
+        """A backend whose ledger empties starts afresh: its new_token_ratio resets, and once its
+        device has nothing left on any engine, its prefill rate goes back to the rate calibrated
+        from steps that prefilled alone.
+
+        Under load a backend prefills in mixed steps, beside the requests decoding, and
+        calibration counts those as prefill at the slower rate they run at (`calibrate`): right
+        while the load lasts. An idle backend's next prefill runs alone, so keeping the loaded
+        rate scores idle engines as slower than busy ones, and an idle engine takes no steps that
+        would correct it."""
+        if len(state.ledger) != 0:
+            return
+        state.ratio.reset()
+        if self._calibration is None:
+            return
+        siblings = self._siblings(state)
+        if any(len(s.ledger) for s in siblings) or state.rates.prefill_tok_s == state.alone_prefill_tok_s:
+            return
+        rates = replace(state.rates, prefill_tok_s=state.alone_prefill_tok_s)
+        for sibling in siblings:
+            sibling.rates = rates
 
 
 def _has_free_slot(s: BackendScore) -> bool:

@@ -125,6 +125,62 @@ def test_a_busy_spell_on_a_shared_device_does_not_send_a_cached_prompt_elsewhere
     assert rec.backend_id == expected
 
 
+def test_an_idle_backend_prefills_at_its_alone_rate_not_the_rate_it_learnt_under_load():
+    """Mixed steps teach the loaded prefill rate, and it is used while the load lasts. Once the
+    backend's ledger empties, its next prefill runs alone: its prefill rate goes back to the one
+    calibrated from steps that prefilled alone (the profile's until such a step is seen)."""
+    router = Router([spec("cuda0", "cuda", prefill=1_000, decode=100)], calibration=CalibrationConfig(alpha=0.5))
+    router.route(req("a", prompt=100, max_tokens=50))
+    router.observe_step("cuda0", 500, 0, 1, 0.25)  # alone: 2,000 tok/s
+    assert router.rates("cuda0").prefill_tok_s == 1_500
+    for _ in range(4):  # beside 8 decoding requests: 500 tok/s
+        router.observe_step("cuda0", 492, 8, 9, 1.0)
+    loaded = router.rates("cuda0").prefill_tok_s
+    assert loaded < 700
+    router.on_progress("cuda0", [ProgressEvent("a", "generated", 4)])
+    assert router.rates("cuda0").prefill_tok_s == loaded  # still busy: the loaded rate holds
+    router.on_progress("cuda0", [ProgressEvent("a", "finished")])
+    assert router.rates("cuda0").prefill_tok_s == 1_500
+    assert router.rates("cuda0").decode_tok_s == 100  # decode is calibrated per batch size: kept
+
+
+def test_the_sim16_miss_goes_to_the_idle_engine_not_the_busy_one():
+    """The sim*16 grid's light-load tail, in miniature: cuda1 learnt a loaded prefill rate in a
+    busy spell, then went idle; cuda0 is running a request. A prompt neither caches must go to
+    the idle engine, as it would with the profile's rates."""
+    router = Router([spec("cuda0", "cuda", prefill=1_000, decode=100, max_active=8),
+                     spec("cuda1", "cuda", prefill=1_000, decode=100, max_active=8)],
+                    calibration=CalibrationConfig(alpha=0.5))
+    router.route(req("spell", prompt=100, max_tokens=50))
+    spell = router.backend_of("spell")
+    for _ in range(4):  # prefills beside 8 decoding requests at a third of the profile
+        router.observe_step(spell, 992, 8, 9, 3.0)
+    router.on_progress(spell, [ProgressEvent("spell", "finished")])
+    busy = "cuda1" if spell == "cuda0" else "cuda0"
+    router.route(req("running", prompt=10, max_tokens=2, cached={busy: 10}))
+    assert router.backend_of("running") == busy
+    rec = router.route(req("miss", prompt=2_000, max_tokens=10))
+    assert rec.backend_id == spell
+
+
+def test_an_idle_engine_keeps_the_loaded_rate_while_its_device_is_busy():
+    """Engines on one device share the device's calibration; one engine going idle while its
+    sibling still runs does not make the device idle."""
+    def on(backend_id):
+        return BackendSpec(backend_id, "cuda", RateProfile(1_000, 100), 4, "cuda:0")
+
+    router = Router([on("cuda0"), on("cuda1")], calibration=CalibrationConfig(alpha=0.5))
+    router.route(req("a", cached={"cuda0": 100}))
+    router.route(req("b", cached={"cuda1": 100}))
+    assert (router.backend_of("a"), router.backend_of("b")) == ("cuda0", "cuda1")
+    router.observe_step("cuda0", 492, 8, 9, 1.0)
+    loaded = router.rates("cuda0").prefill_tok_s
+    router.on_progress("cuda0", [ProgressEvent("a", "finished")])
+    assert router.rates("cuda0").prefill_tok_s == router.rates("cuda1").prefill_tok_s == loaded
+    router.forget("b")
+    assert router.rates("cuda0").prefill_tok_s == router.rates("cuda1").prefill_tok_s == 1_000
+
+
 def test_new_token_ratio_scales_existing_budgets_only():
     config = NewTokenRatioConfig(init_ratio=0.5, min_ratio=0.25, decay_steps=10)
     router = Router([spec("cuda0", "cuda", prefill=100, decode=10)], new_token_ratio=config)
