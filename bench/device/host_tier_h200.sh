@@ -9,6 +9,8 @@
 #   fit:    one engine, `cost`, the default KV cache (every prefix fits), tier on against off,
 #           at FIT_RATES (no loss where the tier has nothing to do)
 #   shared: two engines on the GPU with the tier, cost against prefix-affinity and round-robin
+#   noreuse: one engine, every prompt its own (one shared block per tenant), tier on against off,
+#           at NOREUSE_RATES: what keeping every evicted block costs where nothing is reloaded
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
 # later runs reuse those rates. Each run comes back as NAME-summary.json, and every run's whole
 # output (logs, per-request records, scenarios) in one host-tier-runs.tgz (a call returns 8 files).
@@ -24,6 +26,7 @@ tenants=${TENANTS:-64}
 prefix=${PREFIX_TOKENS:-4096}
 rates=${RATES:-8,96}  # light, and past the untiered engine's saturation (about 80/s on an H100)
 fit_rates=${FIT_RATES:-96}
+noreuse_rates=${NOREUSE_RATES:-8,48}  # light, and about 80% of the untiered engine's prefill rate
 duration=${DURATION_S:-12}
 runs=${RUNS:-2}
 max_active=${MAX_ACTIVE:-16}
@@ -63,7 +66,12 @@ for part in "${parts[@]}"; do
     shared)
       run shared-on --backends "$backend*2" --arms cost,prefix-affinity,round-robin \
         --num-kv-blocks "$(( quarter / 2 ))" --kv-host-memory-gb "$(( host_gb / 2 ))" ;;
-    *) echo "part: single, gated, fit or shared"; exit 2 ;;
+    noreuse)
+      unique=(--prefix-tokens 16 --suffix-tokens "$(( prefix + 48 ))" --arrival-rates "$noreuse_rates")
+      run noreuse-on --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb "$host_gb" \
+        --kv-host-offload-min-hits 0 "${unique[@]}"
+      run noreuse-off --backends "$backend" --arms cost --num-kv-blocks "$quarter" --kv-host-memory-gb 0 "${unique[@]}" ;;
+    *) echo "part: single, gated, fit, shared or noreuse"; exit 2 ;;
   esac
 done
 tar czf "$out/host-tier-runs.tgz" -C "$work" .
