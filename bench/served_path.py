@@ -9,7 +9,9 @@ streaming client (sizes scale with `--scale`, for a CPU):
   vocabulary); output tok/s from the first send to the last token, best of `--repeats` after a
   warm-up, every repeat's rate and the ratio of the medians; the burst's TTFT p50 and max from
   its start, and the client's own CPU share;
-- TTFT: one request at a time (516 -> 16), the median;
+- TTFT: one request at a time (516 -> 16, and a long prompt, 4160 -> 16), the median at each
+  length: what the serving path adds per request, and per prompt token (a long prompt's ids
+  travel and are hashed at every hop);
 - capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed rates from several
   client processes: achieved rate, p50 and p99 latency per offered rate.
 
@@ -48,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="engine dtype (default auto: bfloat16 on cuda)")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every size (requests, lengths, max_active)")
     parser.add_argument("--ttft-requests", type=int, default=20, help="one-at-a-time requests for TTFT")
+    parser.add_argument("--ttft-prompt-tokens", type=ints, default=[516, 4160],
+                        help="prompt lengths of the one-at-a-time TTFT rows (default 516,4160; scaled)")
     parser.add_argument("--capacity-rates", type=floats, default=[250.0, 500.0, 1000.0, 1500.0],
                         help="request rates of short requests ('' skips)")
     parser.add_argument("--capacity-seconds", type=float, default=3.0, help="seconds per capacity rate")
@@ -105,10 +109,20 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
                               "ttft": ttft_spread(best["ttft_s"]),
                               "steps": [best["steps"], round(1e3 * best["wall_s"] / best["steps"], 3)]}
     engine.set_max_active(4)
-    prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=2, high=vocab)
-    ttfts = [burst(engine, [p], 16, f"ttft-{i}")["ttft_s"][0] for i, p in enumerate(prompts)][2:]
-    results["ttft"] = statistics.median(ttfts)
+    results["ttft"] = {}
+    for num_tokens in ttft_lengths(args):
+        prompts = random_prompts(args.ttft_requests + 2, num_tokens, seed=2, high=vocab)
+        ttfts = [burst(engine, [p], 16, f"ttft-{num_tokens}-{i}")["ttft_s"][0] for i, p in enumerate(prompts)][2:]
+        results["ttft"][num_tokens] = statistics.median(ttfts)
     return results
+
+
+def ttft_lengths(args: argparse.Namespace) -> list[int]:
+    return [max(1, int(n * args.scale)) for n in args.ttft_prompt_tokens]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _sim_engine(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,9 +170,11 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
                                ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
                                sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
         await handle.set_max_active.remote(4)
-        prompts = random_prompts(args.ttft_requests + 2, max(1, int(516 * args.scale)), seed=3, high=vocab)
-        ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
-        results["ttft"] = statistics.median(ttfts[2:])
+        results["ttft"] = {}
+        for num_tokens in ttft_lengths(args):
+            prompts = random_prompts(args.ttft_requests + 2, num_tokens, seed=3, high=vocab)
+            ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
+            results["ttft"][num_tokens] = statistics.median(ttfts[2:])
     return results
 
 
@@ -261,17 +277,18 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
                      "ratio_of_medians": round(statistics.median(h["runs"]) / statistics.median(e["runs"]), 3),
                      "client_cpu": h.get("client_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
                      "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent")})
-    ttft = {"workload": f"1 at a time ({max(1, int(516 * args.scale))} -> 16), median TTFT",
-            "in_process_ms": round(1e3 * engine["ttft"], 2), "http_ms": round(1e3 * http["ttft"], 2),
-            "difference_ms": round(1e3 * (http["ttft"] - engine["ttft"]), 2)}
+    ttft = [{"workload": f"1 at a time ({n} -> 16), median TTFT", "prompt_tokens": n,
+             "in_process_ms": round(1e3 * engine["ttft"][n], 2), "http_ms": round(1e3 * http["ttft"][n], 2),
+             "difference_ms": round(1e3 * (http["ttft"][n] - engine["ttft"][n]), 2)} for n in ttft_lengths(args)]
     print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; cluster up in {started_s:.1f} s")
     for r in rows:
         print(f"{r['workload']:<58} engine {r['in_process_tok_s']:>8.0f} tok/s, HTTP {r['http_tok_s']:>8.0f} "
               f"({r['ratio']:.2f}x, medians {r['ratio_of_medians']:.2f}x), client CPU {r['client_cpu'] or 0:.0%}; "
               f"TTFT p50/max ms {r['ttft_p50_max_ms']['in_process']} | {r['ttft_p50_max_ms']['http']}; "
               f"sent in {r['client_send_spread_ms']} ms")
-    print(f"{ttft['workload']}: engine {ttft['in_process_ms']:.2f} ms, HTTP {ttft['http_ms']:.2f} ms "
-          f"({ttft['difference_ms']:+.2f})")
+    for t in ttft:
+        print(f"{t['workload']}: engine {t['in_process_ms']:.2f} ms, HTTP {t['http_ms']:.2f} ms "
+              f"({t['difference_ms']:+.2f})")
     for c in curve:
         print(f"capacity {c['offered_req_s']:.0f} req/s offered: {c['achieved_req_s']:.0f} achieved, "
               f"p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms, {c['errors']} errors")

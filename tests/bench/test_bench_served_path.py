@@ -31,4 +31,6 @@ def test_served_path_runs_every_row_at_toy_scale(tmp_path):
             assert 0 < p50 <= worst
         steps, mean_ms = row["in_process_steps_mean_ms"]
         assert steps > 0 and mean_ms > 0
-    assert result["ttft"]["http_ms"] > 0
+    # one lone-request row per prompt length (516 and 4160, scaled)
+    assert [t["prompt_tokens"] for t in result["ttft"]] == [25, 208]
+    assert all(t["http_ms"] > 0 and t["in_process_ms"] > 0 for t in result["ttft"])
