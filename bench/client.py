@@ -172,15 +172,22 @@ def _apply_chunk(chunk: dict[str, Any], now_s: float, result: RequestResult) -> 
         result.num_cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
+def is_plain_text_chunk(line: bytes) -> bool:
+    """Whether an SSE `data:` line is a text chunk with nothing else to read: no usage (or a null
+    one) and no error. Generated text cannot hold either key: its quotes are escaped."""
+    return b'"usage":null' in line or (b'"usage"' not in line and b'"error"' not in line)
+
+
 async def post_streamed(session: Any, url: str, body: dict[str, Any],
                         headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One streamed completion on an aiohttp session: `sent` (time.time()), and in seconds from it
     `first_event` (the first chunk with choices), `ttft` (the first with text, else `first_event`)
     and `e2e` (the end or the failure); `status` (0 without an answer), `tokens` (usage's
     completion_tokens) and `error` (None if it succeeded; a 429 is a refusal, not an error).
-    Chunks after the first text are parsed only when they are not plain text chunks (Tandem's
-    carry `"usage":null`): the usage chunk and error events. A quote inside a JSON string is
-    escaped, so generated text cannot fake the marker."""
+    Chunks after the first text are parsed only when they name a usage or an error (the usage
+    chunk, error events, and servers that put `"usage":null` in every chunk); plain text chunks,
+    which leave both keys out as OpenAI's do, are skipped unparsed. A quote inside a JSON string
+    is escaped, so generated text cannot fake either key."""
     record: dict[str, Any] = {"sent": time.time(), "first_event": None, "ttft": None, "e2e": None, "status": 0,
                               "tokens": 0, "error": None}
     start = time.perf_counter()
@@ -198,7 +205,7 @@ async def post_streamed(session: Any, url: str, body: dict[str, Any],
                     if line.startswith(b"data: [DONE]"):
                         done = True
                         break
-                    if record["ttft"] is not None and b'"usage":null' in line:
+                    if record["ttft"] is not None and is_plain_text_chunk(line):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
