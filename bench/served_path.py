@@ -11,7 +11,7 @@ streaming client (sizes scale with `--scale`, for a CPU):
   its start, and the client's own CPU share;
 - TTFT: one request at a time (516 -> 16, and a long prompt, 4160 -> 16), the median at each
   length: what the serving path adds per request, and per prompt token (a long prompt's ids
-  travel and are hashed at every hop);
+  pass through every hop);
 - capacity: short requests (prompt 32, max_tokens 1, not streamed) at fixed rates from several
   client processes: achieved rate, p50 and p99 latency per offered rate.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from bench._machine import stamp
 from bench.client import post_streamed
-from bench.harness import burst, floats, make_engine, start_cluster, write_json
+from bench.harness import burst, floats, ints, make_engine, start_cluster, write_json
 from bench.workload import random_prompts, varied_requests
 
 VOCAB_HIGH = 20000  # token ids are drawn from [3, min(vocab, VOCAB_HIGH))
@@ -120,9 +120,6 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
 def ttft_lengths(args: argparse.Namespace) -> list[int]:
     return [max(1, int(n * args.scale)) for n in args.ttft_prompt_tokens]
 
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _sim_engine(args: argparse.Namespace) -> dict[str, Any]:

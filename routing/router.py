@@ -135,7 +135,8 @@ class Router:
         position = self._free_positions.pop() if self._free_positions else self._next_position
         self._next_position = max(self._next_position, position + 1)
         state = _BackendState(spec, spec.rates, Ledger(), spec.rates.prefill_tok_s,
-                              NewTokenRatio(self._new_token_ratio_config), InflightPrefixes(self._inflight_index, 1 << position), position=position)
+                              NewTokenRatio(self._new_token_ratio_config),
+                              InflightPrefixes(self._inflight_index, 1 << position), position=position)
         states = [*self._backends.values(), state]
         states.sort(key=lambda s: s.spec.preference_key())
         self._backends = {s.spec.backend_id: s for s in states}
