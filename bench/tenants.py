@@ -288,14 +288,10 @@ def summarize_cell(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-ROUTE_SIM_MODELS = ("route-sim", "engine")  # route-sim's own backends; the engine's scheduler in virtual time
-
-
 def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
-    """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm, with each
-    backend model (`ROUTE_SIM_MODELS`): what the simulator says beside what the live cluster did.
-    A cluster with a host KV tier is predicted by the engine model alone (route-sim's own
-    backends do not model the tier)."""
+    """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm, on the
+    engine's scheduler and KV cache (`tandem route-sim`'s model): what the simulator says beside
+    what the live cluster did. Keyed by arm, then by model ("engine")."""
     from tandem.cluster.engine_sim_backend import engine_backend_factory
     from tandem.routing.scenario import load_scenario
     from tandem.routing.sim_report import summarize as summarize_sim
@@ -303,16 +299,11 @@ def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str,
 
     scenario = load_scenario(scenario_path)
     backend_ids = [b.spec.backend_id for b in scenario.backends]
-    factories = {"route-sim": None, "engine": engine_backend_factory()}
-    if any(b.num_host_kv_blocks for b in scenario.backends):
-        del factories["route-sim"]
     out: dict[str, dict[str, dict[str, float]]] = {}
     for arm in arms:
-        for model, factory in factories.items():
-            summary = summarize_sim(arm, simulate(scenario, arm, factory).outcomes, backend_ids)
-            out.setdefault(arm, {})[model] = {
-                "ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
-                "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}
+        summary = summarize_sim(arm, simulate(scenario, arm, engine_backend_factory()).outcomes, backend_ids)
+        out[arm] = {"engine": {"ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
+                               "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}}
     return out
 
 

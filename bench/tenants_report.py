@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -119,8 +120,8 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
              "cut off at the drain deadline count in TTFT and E2E with their time so far (lower bounds) and not in "
              "the hit rate or output tokens.", "",
              "route-sim: the simulator's prediction of the cell under the arm (run 1's arrivals, the served rates), "
-             "TTFT p50 ms / hit rate %, on its own backends and on the engine's scheduler "
-             "(`tandem route-sim --engine-scheduler`).", "",
+             "TTFT p50 ms / hit rate %, on the engine's scheduler and KV cache (`tandem route-sim`; older summaries "
+             "also give route-sim's own backends, `--fast-backends`).", "",
              "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p90 ms | TTFT p95 ms | E2E p95 ms | "
              "out tok/s | requests per backend (mean) | cut off / failed | route-sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -136,7 +137,42 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
                 f"{fmt(agg['ttft_p95_s'], 1000)}{_mark(cell, arm, 'ttft_p95_s')} | {fmt(agg['e2e_p95_s'], 1000)} | "
                 f"{fmt(agg['output_tok_s'], 1, 0)}{_mark(cell, arm, 'output_tok_s')} | {shares} | "
                 f"{agg['num_cut_requests']} / {agg['num_failed_requests']} | {_predicted(cell, arm)} |")
-    return lines
+    return lines + _prediction_error_lines(cells)
+
+
+def prediction_error(cells: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """How far route-sim's predictions were from the live cells, per backend model: over every
+    (cell, arm) pair predicted, the median factor between predicted and live TTFT p50 (1.0:
+    exact; 1.25 either way) and the median gap in hit rate, in points."""
+    errors: dict[str, tuple[list[float], list[float]]] = {}
+    for cell in cells:
+        for arm, agg in cell["arms"].items():
+            predicted = (cell.get("route_sim") or {}).get(arm) or {}
+            if "ttft_p50_s" in predicted:  # a summary from before the engine model
+                predicted = {"route-sim": predicted}
+            live_ttft, live_hit = _mean(agg.get("ttft_p50_s")), _mean(agg.get("hit_rate"))
+            for model, p in predicted.items():
+                ttft, hit = errors.setdefault(model, ([], []))
+                if live_ttft and p.get("ttft_p50_s"):
+                    ttft.append(abs(math.log(p["ttft_p50_s"] / live_ttft)))
+                if live_hit is not None and p.get("hit_rate") is not None:
+                    hit.append(100 * abs(p["hit_rate"] - live_hit))
+    return {model: {"pairs": len(ttft), "ttft_p50_factor": math.exp(statistics.median(ttft)),
+                    "hit_rate_points": statistics.median(hit) if hit else math.nan}
+            for model, (ttft, hit) in errors.items() if ttft}
+
+
+def _mean(value: Any) -> float | None:
+    return value.get("mean") if isinstance(value, dict) else value
+
+
+def _prediction_error_lines(cells: Sequence[dict[str, Any]]) -> list[str]:
+    errors = prediction_error(cells)
+    if not errors:
+        return []
+    return ["", "route-sim against the live cells, median over the (cell, arm) pairs: " + "; ".join(
+        f"{model}: TTFT p50 off by x{e['ttft_p50_factor']:.2f}, hit rate by {e['hit_rate_points']:.1f} points "
+        f"({e['pairs']} pairs)" for model, e in errors.items()) + "."]
 
 
 def _predicted(cell: dict[str, Any], arm: str) -> str:

@@ -46,22 +46,25 @@ import math
 import random
 from collections import deque
 
+from tandem.engine.config import default_max_num_batched_tokens
 from tandem.engine.kv_cache.host_tier import KVTransfers
 from tandem.engine.kv_cache.manager import DEFAULT_OFFLOAD_MIN_HITS, KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerConfig
-from tandem.engine.sim_runner import step_shape
+from tandem.engine.sim_runner import SIM_DEVICE, step_shape
 from tandem.routing import messages
 from tandem.routing.errors import ConfigError
 from tandem.routing.messages import ProgressEvent
 from tandem.routing.scenario import Scenario, SimBackendSpec
-from tandem.routing.sim_backend import Reporter, SimJob
+from tandem.routing.sim_backend import Reporter, SimBackend, SimJob
 from tandem.routing.sim_device import SimDevice
+from tandem.routing.simulator import make_backend
 from tandem.routing.step_time import StepTimeModel
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # the engine's on cuda
-DEFAULT_NUM_KV_BLOCKS = 1 << 20  # a scenario without a cache size: room for everything
+# A sim backend's profiles emulate GPUs (a scenario may set its budget per backend).
+_ENGINE_DEVICE = {SIM_DEVICE: "cuda"}
 _TOKEN = 1  # every generated token (its id does not matter to the schedule)
 
 
@@ -223,19 +226,38 @@ class EngineSimBackend:
             self._changes[route_hash] = state
 
 
-def engine_backend_factory(max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
-    """`routing.simulator.simulate`'s `backend_factory` for backends on the engine's scheduler."""
+def engine_backend_factory(max_num_batched_tokens: int | None = None):
+    """`routing.simulator.simulate`'s `backend_factory` for backends on the engine's scheduler.
 
-    def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None, device) -> EngineSimBackend:
+    A scenario without prefix caches (fixed hits per request, the design's experiment) has no
+    cache for the engine to model, and its fixed hits are not prompts the engine's cache could
+    produce: its backends are route-sim's own (routing/simulator.py's `make_backend`), so one
+    factory serves every scenario. `max_num_batched_tokens` overrides every backend's step budget
+    (default: the scenario's per backend, else the engine's default for its device kind)."""
+
+    def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None,
+             device) -> EngineSimBackend | SimBackend:
+        if not scenario.has_prefix_caches:
+            return make_backend(scenario, sim_spec, reporter, device)
         backend_id, rates = sim_spec.spec.backend_id, sim_spec.actual_rates
         if sim_spec.num_host_kv_blocks and rates.reload_tok_s is None:
             raise ConfigError(f"backend {backend_id}: a host KV tier ({sim_spec.num_host_kv_blocks} blocks) needs "
                               "the rate its blocks are reloaded at: give reload_tok_s in its actual rates")
         step_time = StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if sim_spec.num_host_kv_blocks else None)
-        return EngineSimBackend(backend_id, step_time, sim_spec.spec.max_active,
-                                (sim_spec.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS) + 1, scenario.block_size, reporter,
-                                max_num_batched_tokens, sim_spec.num_host_kv_blocks,
+        budget = (max_num_batched_tokens or sim_spec.max_num_batched_tokens
+                  or default_max_num_batched_tokens(_ENGINE_DEVICE.get(sim_spec.spec.device_kind,
+                                                                       sim_spec.spec.device_kind)))
+        num_kv_blocks = sim_spec.num_kv_blocks or _room_for_everything(scenario)
+        return EngineSimBackend(backend_id, step_time, sim_spec.spec.max_active, num_kv_blocks + 1,
+                                scenario.block_size, reporter, budget, sim_spec.num_host_kv_blocks,
                                 DEFAULT_OFFLOAD_MIN_HITS if sim_spec.kv_host_offload_min_hits is None
                                 else sim_spec.kv_host_offload_min_hits, device)
 
     return make
+
+
+def _room_for_everything(scenario: Scenario) -> int:
+    """Blocks for every request's prompt and output at once: a backend without a cache size (a
+    replayed log) never evicts. Sized to the scenario, since the block pool is built up front."""
+    block_size = scenario.block_size
+    return sum(-(-(r.num_prompt_tokens + r.max_tokens) // block_size) for r in scenario.requests)

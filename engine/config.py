@@ -36,6 +36,13 @@ CPU_KERNELS = ("auto", "torch", "ggml", "ggml-graph")
 GGML_KERNELS = ("ggml", "ggml-graph")
 
 
+def default_max_num_batched_tokens(device_type: str) -> int:
+    """Tokens per engine step when the config leaves it open. A CPU's step time grows with its
+    tokens, so small steps keep decodes moving; an H200 runs a 516-token prefill in ~10 ms of
+    launch-bound time, so big steps pay (docs/benchmarks/fast-path-h200.md compares step sizes)."""
+    return {"cpu": 512, "cuda": 8192}.get(device_type, 2048)
+
+
 def check_cpu_kernels(kernels: str, dtype: str, cpu_compile: bool) -> None:
     """What each choice of CPU kernels can run (asked by the engine's config and, before Ray starts
     anything, by the cluster's); raises ValueError for a pair that cannot work."""
@@ -149,10 +156,7 @@ class EngineConfig:
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        # A CPU's step time grows with its tokens, so small steps keep decodes moving; an H200
-        # runs a 516-token prefill in ~10 ms of launch-bound time, so big steps pay
-        # (docs/benchmarks/fast-path-h200.md compares step sizes).
-        return {"cpu": 512, "cuda": 8192}.get(self.device_type, 2048)
+        return default_max_num_batched_tokens(self.device_type)
 
     @property
     def kv_cache_from_share(self) -> bool:

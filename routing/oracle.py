@@ -1,10 +1,11 @@
 """The oracle split: the best makespan over which backend each request goes to.
 
-Given a fixed assignment, the backends are independent (each serves its own requests FIFO, as
-routing/sim_backend.py models), so an assignment is scored by replaying each backend alone on
-its subset, memoised by that subset. Backends that share a device (routing/sim_device.py) are
-not independent: they are replayed together, memoised by what each of them was given. The objective is the makespan (last finish minus first
-arrival), ties broken by the sum of end-to-end latencies.
+Given a fixed assignment, the backends are independent (each serves its own requests, on the
+backend model the policies were simulated on), so an assignment is scored by replaying each
+backend alone on its subset, memoised by that subset. Backends that share a device
+(routing/sim_device.py) are not independent: they are replayed together, memoised by what each
+of them was given. The objective is the makespan (last finish minus first arrival), ties broken
+by the sum of end-to-end latencies.
 
 Search:
 - exhaustive over all `num_backends ** num_requests` assignments when that is at most
@@ -27,7 +28,7 @@ from typing import Iterable, Iterator, Sequence
 
 from tandem.routing.scenario import Scenario
 from tandem.routing.sim_backend import SimBackend
-from tandem.routing.simulator import RequestOutcome, collect_outcomes, make_backends, make_job
+from tandem.routing.simulator import BackendFactory, RequestOutcome, collect_outcomes, make_backends, make_job
 
 Assignment = tuple[int, ...]  # backend index per request, scenario order
 Share = tuple[tuple[int, int], ...]  # (request index, backend index) pairs of one replay unit
@@ -43,8 +44,10 @@ class OracleResult:
 
 
 class AssignmentEvaluator:
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, backend_factory: BackendFactory | None = None) -> None:
+        """`backend_factory`: the backend model replayed (routing/simulator.py's; None: its own)."""
         self.scenario = scenario
+        self.backend_factory = backend_factory
         self.backend_ids = [b.spec.backend_id for b in scenario.backends]
         self.first_arrival_s = min(r.arrival_s for r in scenario.requests)
         self.units = replay_units(scenario)
@@ -86,7 +89,7 @@ class AssignmentEvaluator:
 
     def _replay(self, u: int, share: Share) -> list[SimBackend]:
         sim_specs = [self.scenario.backends[b] for b in self.units[u]]
-        backends = make_backends(self.scenario, sim_specs=sim_specs)
+        backends = make_backends(self.scenario, sim_specs=sim_specs, backend_factory=self.backend_factory)
         for i, b in share:
             backend_id = self.backend_ids[b]
             backends[backend_id].enqueue(make_job(i, self.scenario.requests[i], backend_id))
@@ -109,9 +112,11 @@ def find_oracle(
     seeds: Sequence[Sequence[str]] = (),
     exhaustive_max: int = 2**16,
     num_starts: int = 3,
+    backend_factory: BackendFactory | None = None,
 ) -> OracleResult:
-    """Best assignment found; `seeds` are backend_id lists (e.g. the policies' assignments)."""
-    evaluator = AssignmentEvaluator(scenario)
+    """Best assignment found; `seeds` are backend_id lists (e.g. the policies' assignments);
+    `backend_factory`: the backend model, the one the policies were simulated on."""
+    evaluator = AssignmentEvaluator(scenario, backend_factory)
     num_backends, num_requests = len(evaluator.backend_ids), len(scenario.requests)
     index_of = {backend_id: b for b, backend_id in enumerate(evaluator.backend_ids)}
     seed_assignments = [tuple(index_of[x] for x in seed) for seed in seeds]

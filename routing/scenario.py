@@ -10,7 +10,8 @@ tenants, each with a shared prefix, picked with Zipf popularity, arriving as a P
 process; then every backend simulates a prefix cache of `num_kv_blocks` blocks with LRU
 eviction (routing/sim_prefix_cache.py), and what hits is decided by where requests went. A
 backend's `num_host_kv_blocks` adds a host-memory KV tier below that cache, which only the engine
-model (`tandem route-sim --engine-scheduler`) simulates. The format is documented in
+model (`tandem route-sim`'s default for such scenarios) simulates; its `max_num_batched_tokens`
+sets that model's step budget (default: the engine's for the device kind). The format is documented in
 docs/routing.md with examples in docs/route-sim-examples/.
 
 The file is validated with pydantic at this edge, and every error names its field
@@ -60,11 +61,13 @@ class SimBackendSpec:
     num_kv_blocks: int | None = None  # prefix-cache room (tenants scenarios); None: unlimited
     device: str | None = None  # backends naming the same device share it; None: a device of its own
     # Blocks of a host-memory KV tier below the prefix cache (tenants scenarios); 0: none. Only
-    # the engine model (`--engine-scheduler`) simulates it; its reloads run at
+    # the engine model (cluster/engine_sim_backend.py) simulates it; its reloads run at
     # `actual_rates.reload_tok_s`.
     num_host_kv_blocks: int = 0
     # The tier keeps only evicted blocks hit at least this many times; None: the engine's default.
     kv_host_offload_min_hits: int | None = None
+    # Tokens per step on the engine model; None: the engine's default for the device kind.
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass
@@ -118,6 +121,7 @@ class _BackendModel(BaseModel):
     device: str | None = Field(None, min_length=1)  # e.g. "cuda:0"; backends naming one device share it
     num_host_kv_blocks: int = Field(0, ge=0)  # tenants scenarios: the host KV tier's room in blocks; 0: none
     kv_host_offload_min_hits: int | None = Field(None, ge=0)  # the tier's gate; None: the engine's default
+    max_num_batched_tokens: int | None = Field(None, ge=1)  # the engine model's step budget
 
 
 class _RequestFields(BaseModel):
@@ -362,7 +366,7 @@ def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
                           f"rate its blocks are reloaded at: give {path}.{where}.reload_tok_s")
     spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
     return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device, model.num_host_kv_blocks,
-                          model.kv_host_offload_min_hits)
+                          model.kv_host_offload_min_hits, model.max_num_batched_tokens)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:

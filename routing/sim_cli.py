@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, backend_factory: Any = None) -> int:
-    """`backend_factory`: how each backend is simulated (routing/simulator.py's BackendFactory;
-    None: routing/sim_backend.py's model); the oracle always uses the latter."""
+    """`backend_factory`: how each backend is simulated, the oracle's too (routing/simulator.py's
+    BackendFactory; None: routing/sim_backend.py's model)."""
     replay = None
     try:
         if (args.scenario is None) == (args.replay is None):
@@ -177,7 +177,8 @@ def _report(scenario: Scenario, results: list[SimResult], args: argparse.Namespa
         # (a small replayed log is searched exhaustively).
         oracle_method = "skipped (not searched in tenants scenarios or large replays)"
     elif not args.no_oracle:
-        oracle = find_oracle(scenario, [r.assignment for r in by_policy.values()], args.oracle_exhaustive_max)
+        oracle = find_oracle(scenario, [r.assignment for r in by_policy.values()], args.oracle_exhaustive_max,
+                             backend_factory=backend_factory)
         oracle_summary = summarize("oracle", oracle.outcomes, backend_ids)
         oracle_method, oracle_assignment = oracle.method, oracle.assignment
         summaries.append(oracle_summary)

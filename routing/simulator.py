@@ -123,8 +123,8 @@ def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporte
     if sim_spec.num_host_kv_blocks:
         raise ConfigError(f"backend {sim_spec.spec.backend_id}: num_host_kv_blocks "
                           f"({sim_spec.num_host_kv_blocks}): route-sim's own backends do not model a host KV "
-                          "tier; simulate on the engine's scheduler and KV cache (tandem route-sim "
-                          "--engine-scheduler), or set num_host_kv_blocks to 0")
+                          "tier; simulate on the engine's scheduler and KV cache (tandem route-sim without "
+                          "--fast-backends), or set num_host_kv_blocks to 0")
     cache = None
     if scenario.has_prefix_caches:
         cache = SimPrefixCache(sim_spec.num_kv_blocks, scenario.block_size)

@@ -172,5 +172,23 @@ def test_written_scenario_carries_a_host_tier_where_the_live_backend_has_one(tmp
     assert [b.num_host_kv_blocks for b in scenario.backends] == [768, 0]
     assert scenario.backends[0].actual_rates.reload_tok_s == 50000
     predictions = tenants.route_sim_predictions(tmp_path / "cell.yaml", ["cost"])
-    assert list(predictions["cost"]) == ["engine"]  # route-sim's own backends do not model the tier
+    assert list(predictions["cost"]) == ["engine"]  # the engine model, the one that runs the tier
     assert 0 < predictions["cost"]["engine"]["hit_rate"] < 1
+
+
+def test_prediction_error_is_the_median_factor_and_point_gap_per_model():
+    from bench.tenants_report import prediction_error
+
+    def arm(ttft_s, hit):
+        return {"ttft_p50_s": {"mean": ttft_s}, "hit_rate": {"mean": hit}}
+
+    cells = [{"arms": {"cost": arm(0.2, 0.5), "random": arm(1.0, 0.2)},
+              "route_sim": {"cost": {"engine": {"ttft_p50_s": 0.1, "hit_rate": 0.52}},  # x2 off, 2 points
+                            "random": {"engine": {"ttft_p50_s": 1.25, "hit_rate": 0.2}}}},  # x1.25, 0 points
+             {"arms": {"cost": arm(0.4, 0.6)},  # an older summary: route-sim's own backends, unkeyed
+              "route_sim": {"cost": {"ttft_p50_s": 0.4, "hit_rate": 0.5}}}]
+    errors = prediction_error(cells)
+    assert errors["engine"]["pairs"] == 2
+    assert errors["engine"]["ttft_p50_factor"] == pytest.approx((2 * 1.25) ** 0.5)  # the median of two logs
+    assert errors["engine"]["hit_rate_points"] == pytest.approx(1.0)
+    assert errors["route-sim"] == {"pairs": 1, "ttft_p50_factor": 1.0, "hit_rate_points": pytest.approx(10.0)}

@@ -225,3 +225,98 @@ def test_a_shared_device_scenario_runs_on_the_engine_model_as_on_route_sims_own(
     assert shared.ttft_p50_s > 2 * apart.ttft_p50_s  # one device's time, shared, against two devices'
     # route-sim's own scheduler (prefill first, no chunks) and the engine's agree within 2x
     assert own.ttft_p50_s / 2 < shared.ttft_p50_s < own.ttft_p50_s * 2
+
+
+# -- `tandem route-sim`: the engine model by default ---------------------------------------------
+def run_route_sim(capsys, *argv):
+    import argparse
+
+    from tandem.cluster import route_sim_cli
+
+    parser = argparse.ArgumentParser()
+    route_sim_cli.add_arguments(parser)
+    code = route_sim_cli.run(parser.parse_args([str(a) for a in argv]))
+    return code, capsys.readouterr()
+
+
+def summaries(out):
+    import json
+
+    return {d["name"]: d for d in map(json.loads, (l for l in out.splitlines() if l.startswith("{")))
+            if d["type"] in ("summary", "oracle")}
+
+
+def test_route_sim_runs_a_cache_scenario_on_the_engine_model_unless_asked_for_its_fast_backends(capsys, tmp_path):
+    import yaml
+
+    path = tmp_path / "tier.yaml"
+    data = tier_scenario(1024)
+    raw = {"policy": "cost", "block_size": 16,
+           "backends": [{"backend_id": b.spec.backend_id, "device_kind": "cuda", "max_active": 4, "num_kv_blocks": 80,
+                         "num_host_kv_blocks": 1024,
+                         "rates": {"prefill_tok_s": 4000, "decode_tok_s": 400, "reload_tok_s": 100000}}
+                        for b in data.backends],
+           "tenants": {"num_requests": 40, "rate_per_s": 8, "num_tenants": 8, "prefix_tokens": 512,
+                       "suffix_tokens": 32, "max_tokens": 4, "seed": 1}}
+    path.write_text(yaml.safe_dump(raw))
+    code, captured = run_route_sim(capsys, path, "--no-decisions")
+    assert code == 0, captured.err  # only the engine model has a host tier to run
+    assert summaries(captured.out)["cost"]["cache_hit_rate"] > 0
+    code, captured = run_route_sim(capsys, path, "--no-decisions", "--fast-backends")
+    assert code == 2 and "route-sim's own backends do not model a host KV tier" in captured.err
+
+
+def test_a_fixed_hit_scenario_runs_on_route_sims_own_backends_either_way(capsys):
+    from pathlib import Path
+
+    # the design's experiment: fixed hits, no cache to model
+    example = Path(__file__).resolve().parents[2] / "docs" / "route-sim-examples" / "spec-m2.yaml"
+    default = run_route_sim(capsys, example, "--no-decisions")
+    fast = run_route_sim(capsys, example, "--no-decisions", "--fast-backends")
+    assert default[0] == fast[0] == 0
+    assert summaries(default[1].out) == summaries(fast[1].out)
+    assert "oracle" in summaries(default[1].out)
+
+
+def step_budgets(scenario, **kwargs):
+    make = engine_backend_factory(**kwargs)
+    return {s.spec.backend_id: make(scenario, s, None, None).scheduler.config.max_num_batched_tokens
+            for s in scenario.backends}
+
+
+def test_each_backend_steps_with_its_scenarios_budget_else_its_device_kinds_engine_default():
+    rates = {"prefill_tok_s": 4000, "decode_tok_s": 400}
+    scenario = parse_scenario({
+        "backends": [{"backend_id": "c", "device_kind": "cpu", "rates": rates},
+                     {"backend_id": "g", "device_kind": "cuda", "rates": rates},
+                     {"backend_id": "s", "device_kind": "sim", "rates": rates},
+                     {"backend_id": "m", "device_kind": "mps", "rates": rates},
+                     {"backend_id": "x", "device_kind": "cuda", "rates": rates, "max_num_batched_tokens": 1024}],
+        "tenants": {"num_requests": 1, "rate_per_s": 1, "num_tenants": 1, "prefix_tokens": 16,
+                    "suffix_tokens": 16, "max_tokens": 1}}, source="test")
+    assert step_budgets(scenario) == {"c": 512, "g": 8192, "s": 8192, "m": 2048, "x": 1024}
+    assert set(step_budgets(scenario, max_num_batched_tokens=256).values()) == {256}
+
+
+def test_the_oracle_replays_on_the_model_the_policies_ran_on():
+    from tandem.routing.oracle import find_oracle
+
+    made = []
+
+    def counting(scenario, sim_spec, reporter, device):
+        backend = engine_backend_factory()(scenario, sim_spec, reporter, device)
+        made.append(type(backend).__name__)
+        return backend
+
+    scenario = parse_scenario({
+        "backends": [{"backend_id": f"g{i}", "device_kind": "cuda", "num_kv_blocks": 8,
+                      "rates": {"prefill_tok_s": 4000, "decode_tok_s": 400}} for i in range(2)],
+        "tenants": {"num_requests": 6, "rate_per_s": 20, "num_tenants": 2, "prefix_tokens": 32,
+                    "suffix_tokens": 16, "max_tokens": 2, "seed": 3}}, source="test")
+    oracle = find_oracle(scenario, backend_factory=counting)
+    assert made and set(made) == {"EngineSimBackend"}
+    assert oracle.method == "exhaustive over 64 assignments"
+    first_arrival_s = min(r.arrival_s for r in scenario.requests)
+    for policy in ("cost", "round-robin"):  # no policy beats the oracle on the oracle's own model
+        outcomes = simulate(scenario, policy, engine_backend_factory()).outcomes
+        assert oracle.makespan_s <= max(o.finish_s for o in outcomes) - first_arrival_s + 1e-9
