@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -59,10 +58,13 @@ from tandem.actors.messages import BackendInfo, Decision, Placement, PlaceReques
 from tandem.actors.metrics import ROUTER_METRICS, Recorder
 from tandem.engine.errors import BackendUnavailableError, DeadlineUnmetError, InvalidRequestError
 from tandem.engine.kv_cache.hashing import hash_request_blocks
+from tandem.routing.decision import DecisionRecord
 
 PENDING_EXPORT_S = 0.05
 _NOT_RUNNING = frozenset({"finished", "waiting", "preempted"})  # the statuses _events_for reads
 HEALTH_CHECK_MISSES = 3  # pings timed out in a row before a live-but-silent backend leaves routing
+_LOG_ENCODER = msgspec.json.Encoder()  # the routing log's lines: compact JSON
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(DecisionRecord))
 
 logger = logging.getLogger("tandem.router")
 
@@ -120,7 +122,7 @@ class RouterActor:
         self._log = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "a", buffering=1)  # line-buffered: one decision per line
+            self._log = open(self.log_path, "ab", buffering=0)  # unbuffered: each decision's line written whole
         self._health_task: asyncio.Task | None = None
         self._misses: dict[str, int] = {}  # backend -> health checks timed out in a row
         self._silent: dict[str, _Backend] = {}  # dropped for timeouts, still pinged (see the module doc)
@@ -275,7 +277,7 @@ class RouterActor:
         self.routed[req_id] = _Routed(record.backend_id, num_cached.get(record.backend_id, 0), now, chosen.score_s,
                                       chosen.projected_ttft_s)
         if self._log is not None:
-            self._log_decision(now, record.to_dict(), request, attempt)
+            self._log_decision(now, record, request, attempt)
         self._export_decision(record)
         if attempt > 1:
             self.metrics.inc("tandem_router_reroutes", tags={"backend": record.backend_id})
@@ -284,7 +286,7 @@ class RouterActor:
     def _refused(self, exc: Any, request: Any, attempt: int) -> None:
         """Account a request refused for its deadline: the log line and the refusal counter."""
         if self._log is not None and exc.record is not None:
-            self._log_decision(time.time(), exc.record.to_dict(), request, attempt)
+            self._log_decision(time.time(), exc.record, request, attempt)
         self.metrics.inc("tandem_router_deadline_refusals", tags={"backend": exc.backend_id})
 
     def _cache_answers(self, hashes: dict[int, list[int]], num_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -326,20 +328,24 @@ class RouterActor:
             self._export_pending()
         return found
 
-    def _log_decision(self, now: float, record: dict[str, Any], request: Any, attempt: int) -> None:
-        """One JSON line: the decision, the cache answers, and what `tandem route-sim --replay`
-        needs to replay the request (its lengths and its prompt's block hashes). The first line
-        that scores a backend after it (re)joined also carries its whole rate profile under
-        `rates`, the batch table included, so a replay decodes in batches as the backend does."""
-        line = {"ts": round(now, 6), **record, "cache_answers": request.num_cached_tokens,
+    def _log_decision(self, now: float, record: Any, request: Any, attempt: int) -> None:
+        """One JSON line: the decision (the `DecisionRecord`'s fields, floats at full precision),
+        the cache answers, and what `tandem route-sim --replay` needs to replay the request (its
+        lengths and its prompt's block hashes). The first line that scores a backend after it
+        (re)joined also carries its whole rate profile under `rates`, the batch table included, so
+        a replay decodes in batches as the backend does. msgspec encodes the records' dataclasses
+        as they are: rounding and copying them into dicts cost the router more than the decision
+        (docs/benchmarks/router-scaling-2core.md)."""
+        fields = {name: getattr(record, name) for name in _RECORD_FIELDS}
+        line = {"ts": round(now, 6), **fields, "cache_answers": request.num_cached_tokens,
                 "host_cache_answers": request.num_host_cached_tokens, "attempt": attempt,
                 "num_prompt_tokens": request.num_prompt_tokens, "max_tokens": request.max_tokens,
                 "block_size": request.block_size, "block_hashes": list(request.block_hashes)}
-        unlogged = [backend_id for backend_id in record["per_backend"] if backend_id not in self._rates_logged]
+        unlogged = [backend_id for backend_id in record.per_backend if backend_id not in self._rates_logged]
         if unlogged:
             line["rates"] = {backend_id: dataclasses.asdict(self.router.rates(backend_id)) for backend_id in unlogged}
             self._rates_logged.update(unlogged)
-        self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._log.write(_LOG_ENCODER.encode(line) + b"\n")
 
     def _export_decision(self, record: Any) -> None:
         self.metrics.inc("tandem_router_decisions", tags={"backend": record.backend_id, "policy": self.policy})

@@ -8,7 +8,8 @@ changes; a busy backend sends one every 20 ms). Both grow with the number of bac
 placement scores each one, and each one reports. This times both on the real `RouterActor`
 class, in this process without Ray (a Ray call adds its own overhead on top), with N backends
 holding `--active` running requests each, and prompts of `--prompt-tokens` tokens that share a
-tenant's prefix. From the two costs it gives the router's CPU share at `--rate` placements/s
+tenant's prefix; `--routing-log` adds the routing log's line to each placement, as
+`tandem serve --routing-log` (and every `tandem bench tenants` run) writes it. From the two costs it gives the router's CPU share at `--rate` placements/s
 with every backend busy (reporting every 20 ms), and the placement rate at which it reaches one
 core. A placement is timed through `place_many`, the batched path callers use.
 """
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +30,13 @@ from bench.harness import ints, write_json
 REPORT_INTERVAL_S = 0.02  # a busy backend's report interval (actors/backend.py's default)
 
 
-def build_router(num_backends: int, active: int, prompt_tokens: int, seed: int):
+def build_router(num_backends: int, active: int, prompt_tokens: int, seed: int, routing_log: str | None = None):
     from tandem.actors.messages import BackendInfo, PlaceRequest
     from tandem.actors.router import RouterActor
 
     # round-robin while filling: `active` requests on every backend; no health checks (no actors to ping)
-    router = RouterActor(policy="round-robin", calibration_alpha=0.2, health_check_period_s=1e9)
+    router = RouterActor(policy="round-robin", calibration_alpha=0.2, health_check_period_s=1e9,
+                         routing_log=routing_log)
     rates = {"prefill_tok_s": 240000.0, "decode_tok_s": 900.0, "decode_tok_s_by_batch": {1: 900.0, 32: 25000.0}}
     loop = asyncio.new_event_loop()
     for i in range(num_backends):
@@ -91,7 +94,13 @@ def time_reports(router, loop, placed: dict[str, list[str]], num: int) -> list[f
 
 
 def row(num_backends: int, args: argparse.Namespace) -> dict:
-    router, loop, prefixes, placed = build_router(num_backends, args.active, args.prompt_tokens, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = f"{tmp}/routing.jsonl" if args.routing_log else None
+        return _row(num_backends, args, build_router(num_backends, args.active, args.prompt_tokens, args.seed, log))
+
+
+def _row(num_backends: int, args: argparse.Namespace, built: tuple) -> dict:
+    router, loop, prefixes, placed = built
     place = sorted(time_placements(router, loop, prefixes, args.num_placements, args.seed + 1))
     report = sorted(time_reports(router, loop, placed, args.num_reports))
     place_us, report_us = statistics.median(place), statistics.median(report)
@@ -113,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-placements", type=int, default=2000)
     parser.add_argument("--num-reports", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing-log", action="store_true",
+                        help="placements also write the routing log (tandem serve --routing-log), to a temp file")
     parser.add_argument("--out", type=Path, default=Path("out/router_scaling.json"))
 
 

@@ -10,7 +10,7 @@ what `cost` would have done.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -76,7 +76,7 @@ class DecisionRecord:
             "placed": self.placed,
             "retry_after_s": None if self.retry_after_s is None else round(self.retry_after_s, ndigits),
             "per_backend": {
-                backend_id: _rounded(asdict(score), ndigits)
+                backend_id: _rounded(vars(score), ndigits)  # a score's fields are flat: no asdict's deep copy
                 for backend_id, score in self.per_backend.items()
             },
         }

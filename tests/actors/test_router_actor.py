@@ -95,6 +95,23 @@ def test_spec_worked_example_through_the_actor(tmp_path):
     assert lines[0]["rates"]["cuda0"]["prefill_tok_s"] == 2551
 
 
+def test_a_log_line_holds_the_decision_record_at_full_precision(tmp_path):
+    async def scenario():
+        router, gpu, cpu = make_router(tmp_path)
+        await router.add_backend(gpu.info("cuda"), gpu)
+        await router.add_backend(cpu.info("cpu"), cpu)
+        return await router.place("r0", list(range(100)), 8)
+
+    decision = run(scenario())
+    (line,) = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    record = {k: v for k, v in line.items() if k in decision.record}
+    assert record.keys() == decision.record.keys()
+    for backend_id, score in record.pop("per_backend").items():  # the dict a decision answers is rounded
+        assert score == pytest.approx(decision.record["per_backend"][backend_id], abs=1e-6)
+        assert score["score_s"] != round(score["score_s"], 6)  # ... the log's is not
+    assert record == {k: v for k, v in decision.record.items() if k != "per_backend"}
+
+
 def test_a_backend_that_rejoins_has_its_rates_logged_again(tmp_path):
     async def scenario():
         router, gpu, cpu = make_router(tmp_path)

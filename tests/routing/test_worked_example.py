@@ -2,9 +2,12 @@
 GPU), 3.444 (request 8 -> CPU), with queued requests keeping their cache discount; and the
 original bug (queued requests losing that discount) sending request 7 to the CPU instead."""
 
+import dataclasses
+
 import pytest
 
 from tandem.routing import BackendSpec, ProgressEvent, RateProfile, RouteRequest, Router
+from tandem.routing.decision import BackendScore
 
 PROMPT, CACHED, BUDGET = 516, 496, 128
 
@@ -95,3 +98,13 @@ def test_decision_record_is_one_json_line():
     assert set(data["per_backend"]["cpu0"]) >= {
         "prefill_term_s", "decode_term_s", "score_s", "num_cached_tokens", "num_active", "num_queued"
     }
+
+
+def test_a_records_dict_is_every_score_field_rounded_as_asdict_gives_it():
+    from dataclasses import asdict
+
+    rec = router_at_request_7().route(request(7))
+    reference = {backend_id: {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(score).items()}
+                 for backend_id, score in rec.per_backend.items()}
+    assert rec.to_dict()["per_backend"] == reference
+    assert list(rec.to_dict()["per_backend"]["mps0"]) == [f.name for f in dataclasses.fields(BackendScore)]
