@@ -330,6 +330,7 @@ def _run_tenants(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
         records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar,
                                        args.drain_timeout_s)
+    harness.write_json(out_dir / "meta.json", ctx.meta)  # with what the run measured first (serving_latency)
     cells_summary = tenants.summarize(records)
     for cell in cells_summary:
         scenario = out_dir / "scenarios" / f"{cell['cell']}.yaml"

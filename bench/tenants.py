@@ -126,8 +126,13 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
     pending = max(c.num_requests for c in cells) + 16
     bar.set_description(f"one cluster for {len(cells)} cells: starting")
     with ctx.cluster(HYBRID_ARM, max_active, max_pending_requests=pending) as cluster:
+        bar.set_description("the serving path's latency, lone requests")
+        latency = measure_serving_latency(cluster, sorted({16 + c.suffix_tokens for c in cells}
+                                                          | {c.prefix_tokens + c.suffix_tokens for c in cells}))
+        ctx.meta["serving_latency"] = latency
         for cell in cells:
-            write_scenario(ctx.out_dir / "scenarios" / f"{cell.name}.yaml", cell, cluster, seed=_arrival_seed(cell, 1))
+            write_scenario(ctx.out_dir / "scenarios" / f"{cell.name}.yaml", cell, cluster, seed=_arrival_seed(cell, 1),
+                           serving=latency)
         for run in range(1, runs + 1):
             for cell in cells:
                 for arm in arm_order(list(arms), run):
@@ -142,6 +147,46 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
                     write_json(ctx.out_dir / "runs" / f"{cell.name}-{arm}-run{run}.json", record)
                     records.append(record)
     return records
+
+
+def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats: int = 4,
+                            seed: int = 7) -> dict[str, Any]:
+    """The serving path's latency that route-sim's backends do not hold (routing/scenario.py's
+    `ServingLatency`), from lone requests through HTTP: each prompt is sent twice, far enough apart
+    that nothing queues, and its second TTFT, less the step the profile gives its uncached tail on
+    the backend it hit, is the path's time (HTTP, tokenizing, hashing, routing, the hops). A line
+    through the shortest and the longest prompt's medians gives the fixed and per-token parts."""
+    import asyncio
+
+    from bench.client import run_workload
+    from tandem.routing.rates import load_rate_profiles
+    from tandem.routing.step_time import StepTimeModel
+
+    rates = load_rate_profiles(cluster.rates_path)
+    slowest_prefill_s = max(max(prompt_lengths) / r.prefill_tok_s for r in rates.values())
+    gap_s = 2 * slowest_prefill_s + 0.1
+    rng, requests = random.Random(seed), []
+    for length in prompt_lengths:
+        for _ in range(repeats):
+            prompt = random_tokens(rng, length)
+            for _ in range(2):  # a miss, then the hit that is measured
+                requests.append(WorkloadRequest(len(requests), len(requests) * gap_s, prompt, 1))
+    workload = Workload("serving-latency", requests, seed_prompts=[], num_shared_prefix_tokens=0)
+    results = asyncio.run(run_workload(cluster.tandem.url, cluster.layout.model, workload))
+    seconds: dict[int, list[float]] = {}
+    for result in results[1::2]:
+        if result.ttft_s is None or result.backend is None:
+            continue
+        profile = rates.get(result.backend) or next(iter(rates.values()))
+        model_s = StepTimeModel(profile).step_s(result.num_prompt_tokens - result.num_cached_tokens, 0)
+        seconds.setdefault(result.num_prompt_tokens, []).append(result.ttft_s - model_s)
+    medians = {n: statistics.median(v) for n, v in sorted(seconds.items())}
+    if not medians:
+        return {"fixed_s": 0.0, "per_prompt_token_s": 0.0, "by_prompt_tokens": {}}
+    (short, short_s), (long, long_s) = next(iter(medians.items())), list(medians.items())[-1]
+    per_token_s = max(0.0, (long_s - short_s) / (long - short)) if long > short else 0.0
+    return {"fixed_s": round(max(0.0, short_s - per_token_s * short), 6), "per_prompt_token_s": per_token_s,
+            "by_prompt_tokens": {n: round(v, 6) for n, v in medians.items()}}
 
 
 def _arrival_seed(cell: TenantsCell, run: int) -> int:
@@ -170,8 +215,10 @@ def compact_decision(decision: dict[str, Any]) -> dict[str, Any]:
             "per_backend": {b: {k: s.get(k) for k in keep} for b, s in decision["per_backend"].items()}}
 
 
-def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> None:
-    """The route-sim scenario of `cell` on this cluster's backends (run 1's arrivals)."""
+def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
+                   serving: dict[str, Any] | None = None) -> None:
+    """The route-sim scenario of `cell` on this cluster's backends (run 1's arrivals), with the
+    serving path's latency (`measure_serving_latency`) when measured."""
     import json
 
     import yaml
@@ -198,6 +245,8 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int) -> No
                            **({"calibration": {"alpha": router["calibration_alpha"]}}
                               if router.get("calibration_alpha") else {})},
                 "tenants": cell.scenario_tenants(seed)}
+    if serving:
+        scenario["serving"] = {"fixed_s": serving["fixed_s"], "per_prompt_token_s": serving["per_prompt_token_s"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# tandem bench tenants, cell {cell.name}, run 1's arrivals; replay with\n"
                     f"#   tandem route-sim {path.name} --policy {','.join(ARMS)} --no-decisions\n"

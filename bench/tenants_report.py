@@ -87,6 +87,11 @@ def header_lines(meta: dict[str, Any], runs: Sequence[dict[str, Any]]) -> list[s
         threads = f"{b['threads']} torch thread{'s' if b['threads'] != 1 else ''}"
         lines.append(f"- Backend `{b['backend_id']}`: {b['device']}, dtype {b['dtype']}, {threads}, "
                      f"max_active {b['max_active']}")
+    latency = meta.get("serving_latency")
+    if latency:
+        lines.append(f"- The serving path's latency before the router, measured with lone requests and given to "
+                     f"route-sim: {1000 * latency['fixed_s']:.2f} ms + {1e6 * latency['per_prompt_token_s']:.2f} µs "
+                     f"a prompt token")
     router = next((r["cluster"].get("router") for r in runs if r["cluster"].get("router")), None)
     if router:
         lines.append(f"- Router: online calibration alpha {router.get('calibration_alpha')}, spill margin "

@@ -21,6 +21,7 @@ is plain dataclasses (`Scenario`, `SimRequest`, `SimBackendSpec`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -52,6 +53,23 @@ class SimRequest:
     num_host_cached_tokens: dict[str, int] = field(default_factory=dict)
     block_hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (tenants)
     tenant: int | None = None
+    # When the client sent it, where a scenario's `serving:` latency puts `arrival_s` (the router
+    # seeing it) later; None: at `arrival_s`. TTFT and E2E count from here.
+    sent_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ServingLatency:
+    """The serving path's own time from a client's send to the router seeing the request
+    (HTTP, tokenizing, hashing, the hops), which no backend model holds: `fixed_s` plus
+    `per_prompt_token_s` a prompt token. `tandem bench tenants` measures it on the live server
+    with lone requests before its cells."""
+
+    fixed_s: float = 0.0
+    per_prompt_token_s: float = 0.0
+
+    def seconds(self, num_prompt_tokens: int) -> float:
+        return self.fixed_s + self.per_prompt_token_s * num_prompt_tokens
 
 
 @dataclass
@@ -232,6 +250,12 @@ class _RouterModel(BaseModel):
     device_shares: bool = False  # true: the cost model divides rates among busy engines of a device
 
 
+class _ServingModel(BaseModel):
+    model_config = _STRICT
+    fixed_s: float = Field(0.0, ge=0)
+    per_prompt_token_s: float = Field(0.0, ge=0)
+
+
 class _ScenarioModel(BaseModel):
     model_config = _STRICT
     name: str = "scenario"
@@ -242,6 +266,7 @@ class _ScenarioModel(BaseModel):
     tenants: _TenantsModel | None = None
     block_size: int = Field(16, ge=1)  # tenants scenarios: tokens per KV block
     router: _RouterModel = Field(default_factory=_RouterModel)
+    serving: _ServingModel | None = None  # the serving path's latency before the router (ServingLatency)
 
     @field_validator("policy")
     @classmethod
@@ -320,6 +345,14 @@ def apply_override(data: Any, override: str) -> None:
         raise ConfigError(f"--set {override!r}: cannot set {path}: {exc}") from None
 
 
+def with_serving_latency(requests: list[SimRequest], latency: ServingLatency) -> list[SimRequest]:
+    """The requests as the router sees them: each arriving its serving latency after it was sent
+    (`sent_s`), in the order they reach the router (stable)."""
+    shifted = [dataclasses.replace(r, sent_s=r.arrival_s, arrival_s=r.arrival_s + latency.seconds(r.num_prompt_tokens))
+               for r in requests]
+    return sorted(shifted, key=lambda r: r.arrival_s)
+
+
 def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None = None) -> Scenario:
     """Validate an already-parsed scenario document and build the dataclasses."""
     if num_requests is not None and isinstance(data, dict):
@@ -338,6 +371,8 @@ def parse_scenario(data: Any, source: str = "scenario", num_requests: int | None
         requests = tenant_requests(model.tenants, model.block_size)
     else:
         requests = _requests(model, backend_ids)
+    if model.serving is not None:
+        requests = with_serving_latency(requests, ServingLatency(**model.serving.model_dump()))
     affinity = model.router.prefix_affinity
     return Scenario(
         name=model.name,

@@ -51,14 +51,19 @@ class RequestOutcome:
     num_output_tokens: int
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the backend reused (its prefix-cache hit)
+    sent_s: float | None = None  # the client's send, before the serving path (None: arrival_s)
 
     @property
     def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
+        return self.first_token_s - self._sent_s
 
     @property
     def e2e_s(self) -> float:
-        return self.finish_s - self.arrival_s
+        return self.finish_s - self._sent_s
+
+    @property
+    def _sent_s(self) -> float:
+        return self.arrival_s if self.sent_s is None else self.sent_s
 
 
 @dataclass
@@ -192,6 +197,6 @@ def collect_outcomes(scenario: Scenario, backends) -> list[RequestOutcome]:
             by_index[job.index] = RequestOutcome(
                 job.req_id, backend.backend_id, job.arrival_s, job.first_token_s,
                 job.finish_s, job.num_output_tokens, job.num_prompt_tokens,
-                job.num_prompt_tokens - job.num_prefill_tokens,
+                job.num_prompt_tokens - job.num_prefill_tokens, scenario.requests[job.index].sent_s,
             )
     return [by_index[i] for i in range(len(scenario.requests))]

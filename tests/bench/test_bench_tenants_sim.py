@@ -53,3 +53,13 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
         # Each tenant's first request misses wherever it goes, so no arm reaches 100%; a tenant
         # spread over the four backends misses up to four times (round-robin's loss).
         assert hit["cost"] < 256 / 272 and hit["round-robin"] < hit["cost"]
+
+    # The serving path's latency, measured with lone requests before the cells, goes into every
+    # cell's route-sim scenario: route-sim's TTFT counts from the client's send, as the live one does.
+    latency = summary["meta"]["serving_latency"]
+    assert sorted(map(int, latency["by_prompt_tokens"])) == [32, 272]
+    assert latency["fixed_s"] > 0 and latency["per_prompt_token_s"] >= 0
+    import yaml
+
+    scenario = yaml.safe_load((out / "scenarios" / "t8-p256-r10.yaml").read_text())
+    assert scenario["serving"] == {k: latency[k] for k in ("fixed_s", "per_prompt_token_s")}
