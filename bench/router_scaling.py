@@ -9,7 +9,8 @@ placement scores each one, and each one reports. This times both on the real `Ro
 class, in this process without Ray (a Ray call adds its own overhead on top), with N backends
 holding `--active` running requests each, and prompts of `--prompt-tokens` tokens that share a
 tenant's prefix; `--routing-log` adds the routing log's line to each placement, as
-`tandem serve --routing-log` (and every `tandem bench tenants` run) writes it. From the two costs it gives the router's CPU share at `--rate` placements/s
+`tandem serve --routing-log` (and every `tandem bench tenants` run) writes it. From the two costs
+it gives the router's CPU share at `--rate` placements/s
 with every backend busy (reporting every 20 ms), and the placement rate at which it reaches one
 core. A placement is timed through `place_many`, the batched path callers use.
 """

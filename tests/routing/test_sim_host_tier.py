@@ -61,7 +61,7 @@ def test_a_host_tier_needs_a_tenants_section():
 # -- routing's own backends ----------------------------------------------------------------------
 def test_routings_own_backends_refuse_a_host_tier_and_name_the_engine_model(capsys, tmp_path):
     scenario = parse_scenario(scenario_data(num_host_kv_blocks=8))
-    with pytest.raises(ConfigError, match=r"backend g0: num_host_kv_blocks \(8\).*tandem route-sim without --fast-backends"):
+    with pytest.raises(ConfigError, match=r"backend g0: num_host_kv_blocks \(8\).*without --fast-backends"):
         simulate(scenario, "cost")
     path = tmp_path / "tier.json"
     path.write_text(json.dumps(scenario_data(num_host_kv_blocks=8)))
