@@ -10,9 +10,9 @@ class, in this process without Ray (a Ray call adds its own overhead on top), wi
 holding `--active` running requests each, and prompts of `--prompt-tokens` tokens that share a
 tenant's prefix; `--routing-log` adds the routing log's line to each placement, as
 `tandem serve --routing-log` (and every `tandem bench tenants` run) writes it. From the two costs
-it gives the router's CPU share at `--rate` placements/s
-with every backend busy (reporting every 20 ms), and the placement rate at which it reaches one
-core. A placement is timed through `place_many`, the batched path callers use.
+it gives the router's CPU share at `--rate` placements/s with every backend busy (reporting every
+20 ms), and the placement rate at which it reaches one core. A placement is timed through
+`place_many`, the batched path callers use.
 """
 
 from __future__ import annotations
