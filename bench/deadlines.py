@@ -215,6 +215,7 @@ def run_all(url: str, model: str, rates: list[float], duration_s: float, traffic
 def replayed(routing_log: Path, span: tuple[float, float], requests: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's part of the routing log replayed under the policy that served it: its TTFT p50
     beside the measured one (every request served, from send to the first text)."""
+    from tandem.cluster.engine_sim_backend import engine_backend_factory
     from tandem.routing.errors import ConfigError
     from tandem.routing.replay import first_decision_s, load_replay
     from tandem.routing.sim_report import summarize as summarize_sim
@@ -226,7 +227,7 @@ def replayed(routing_log: Path, span: tuple[float, float], requests: list[dict[s
         replay = load_replay(routing_log, window)
     except (ConfigError, OSError) as exc:  # no log, or nothing placed in this run: the run's figures stand
         return {"replay_error": str(exc)}
-    result = simulate(replay.scenario, replay.served_policy)
+    result = simulate(replay.scenario, replay.served_policy, engine_backend_factory())  # `tandem route-sim`'s model
     simulated = summarize_sim(result.policy, result.outcomes, [b.spec.backend_id for b in replay.scenario.backends])
     measured = percentile([r["first_text_s"] - r["send_s"] for r in requests
                            if r["status"] == 200 and r["first_text_s"] is not None], 50)
