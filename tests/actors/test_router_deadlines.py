@@ -47,8 +47,8 @@ def test_placement_carries_the_projection_and_a_refusal_places_nothing(tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
     assert [(x["req_id"], x["placed"], x["priority"], x["ttft_deadline_s"]) for x in lines] == [
         ("r1", True, -1, 1.0), ("r2", False, 0, 0.03), ("r3", False, 0, 0.03)]
-    assert lines[1]["retry_after_s"] == round(128 / 2551 - 0.03, 6)
-    assert lines[0]["per_backend"]["cuda0"]["projected_ttft_s"] == round(64 / 2551, 6)
+    assert lines[1]["retry_after_s"] == pytest.approx(128 / 2551 - 0.03)  # the log keeps full precision
+    assert lines[0]["per_backend"]["cuda0"]["projected_ttft_s"] == pytest.approx(64 / 2551)
 
 
 def test_the_first_report_of_a_token_is_compared_with_the_projection_once(tmp_path):
