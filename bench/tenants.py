@@ -150,12 +150,14 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
 
 
 def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats: int = 4,
-                            seed: int = 7) -> dict[str, Any]:
+                            seed: int = 7, budget_s: float = 60.0) -> dict[str, Any]:
     """The serving path's latency that route-sim's backends do not hold (routing/scenario.py's
     `ServingLatency`), from lone requests through HTTP: each prompt is sent twice, far enough apart
     that nothing queues, and its second TTFT, less the step the profile gives its uncached tail on
     the backend it hit, is the path's time (HTTP, tokenizing, hashing, routing, the hops). A line
-    through the shortest and the longest prompt's medians gives the fixed and per-token parts."""
+    through the shortest and the longest prompt's medians gives the fixed and per-token parts.
+    Fewer repeats (one at least) where the backends prefill so slowly that four would pass
+    `budget_s`."""
     import asyncio
 
     from bench.client import run_workload
@@ -165,6 +167,7 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
     rates = load_rate_profiles(cluster.rates_path)
     slowest_prefill_s = max(max(prompt_lengths) / r.prefill_tok_s for r in rates.values())
     gap_s = 2 * slowest_prefill_s + 0.1
+    repeats = max(1, min(repeats, int(budget_s / (2 * len(prompt_lengths) * gap_s))))
     rng, requests = random.Random(seed), []
     for length in prompt_lengths:
         for _ in range(repeats):
