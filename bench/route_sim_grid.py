@@ -3,9 +3,9 @@ prefix, rate, seed) cell and every arm: one JSON, one table and a plot of TTFT p
 
 The live grid (`tandem bench tenants`) needs GPUs; this runs the same cells through routing's
 simulator on any CPU in about a minute, so a routing change is judged on every cell-seed. It runs
-route-sim's own backends (`tandem route-sim --fast-backends`), about 3x faster than the engine's
-scheduler and KV cache that `tandem route-sim` runs by default, and less faithful under cache
-pressure: a sweep to compare routing changes, not a prediction of a live cell. The
+route-sim's own backends (`tandem route-sim --fast-backends`), faster than the engine's scheduler
+and KV cache that `tandem route-sim` runs by default, and less faithful under cache pressure: a
+sweep to compare routing changes, not a prediction of a live cell. The
 scenario is docs/route-sim-examples/tenants-2gpu.yaml (two H200-profiled GPUs); each backend's
 prefix cache holds `--cache-prefixes` prefixes. The verdict per cell-seed: `cost` at least as
 good as the best other arm on TTFT p50, TTFT p95 and output tok/s, within a rounding tolerance

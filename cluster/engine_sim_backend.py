@@ -62,7 +62,7 @@ from tandem.routing.sim_device import SimDevice
 from tandem.routing.simulator import make_backend
 from tandem.routing.step_time import StepTimeModel
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # the engine's on cuda
+DEFAULT_MAX_NUM_BATCHED_TOKENS = default_max_num_batched_tokens("cuda")
 # A sim backend's profiles emulate GPUs (a scenario may set its budget per backend).
 _ENGINE_DEVICE = {SIM_DEVICE: "cuda"}
 _TOKEN = 1  # every generated token (its id does not matter to the schedule)

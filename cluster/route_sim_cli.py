@@ -8,8 +8,8 @@ eviction order, host KV tiers included. That is the code the `sim` device runs i
 behind the real server, so a fidelity measurement of one checks the other. A scenario of fixed
 hits per request (the design's experiment) has no cache to model and runs on route-sim's own
 backends. `--fast-backends` runs every scenario on route-sim's own backends and their
-approximate prefix cache (routing/sim_prefix_cache.py): about 3x faster on a 16-backend tenants
-cell of 1,440 requests (2.5 s against 6.7 s on a 2-core box), less faithful under cache pressure.
+approximate prefix cache (routing/sim_prefix_cache.py): faster, for wide sweeps, and less
+faithful under cache pressure (docs/routing.md compares the two).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulate on route-sim's own prefill-first backends and approximate prefix cache "
                              "instead of the engine's scheduler and KV cache: faster for wide sweeps, less "
                              "faithful under cache pressure, no host KV tier")
-    parser.add_argument("--engine-scheduler", action="store_true", help=argparse.SUPPRESS)  # the default now
+    parser.add_argument("--engine-scheduler", action="store_true", help=argparse.SUPPRESS)  # older commands name the default
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                         help="tokens per engine step on every backend (default: the scenario's per backend, "
                              "else the engine's for its device kind: 512 on cpu, 8192 on cuda and sim)")

@@ -11,8 +11,8 @@ process; then every backend simulates a prefix cache of `num_kv_blocks` blocks w
 eviction (routing/sim_prefix_cache.py), and what hits is decided by where requests went. A
 backend's `num_host_kv_blocks` adds a host-memory KV tier below that cache, which only the engine
 model (`tandem route-sim`'s default for such scenarios) simulates; its `max_num_batched_tokens`
-sets that model's step budget (default: the engine's for the device kind). The format is documented in
-docs/routing.md with examples in docs/route-sim-examples/.
+sets that model's step budget (default: the engine's for the device kind). The format is
+documented in docs/routing.md with examples in docs/route-sim-examples/.
 
 The file is validated with pydantic at this edge, and every error names its field
 (`backends.0.rates.prefill_tok_s: Input should be greater than 0 (got -1.0)`); the result

@@ -250,12 +250,11 @@ def test_route_sim_runs_a_cache_scenario_on_the_engine_model_unless_asked_for_it
     import yaml
 
     path = tmp_path / "tier.yaml"
-    data = tier_scenario(1024)
     raw = {"policy": "cost", "block_size": 16,
-           "backends": [{"backend_id": b.spec.backend_id, "device_kind": "cuda", "max_active": 4, "num_kv_blocks": 80,
+           "backends": [{"backend_id": f"g{i}", "device_kind": "cuda", "max_active": 4, "num_kv_blocks": 80,
                          "num_host_kv_blocks": 1024,
                          "rates": {"prefill_tok_s": 4000, "decode_tok_s": 400, "reload_tok_s": 100000}}
-                        for b in data.backends],
+                        for i in range(2)],
            "tenants": {"num_requests": 40, "rate_per_s": 8, "num_tenants": 8, "prefix_tokens": 512,
                        "suffix_tokens": 32, "max_tokens": 4, "seed": 1}}
     path.write_text(yaml.safe_dump(raw))
