@@ -31,6 +31,15 @@ the prompt ids of its own; the engine's hash of each block is mapped back to the
 in the reports, since the router's mirror speaks route-sim's hashes. Generated blocks have no
 route-sim hash and are not reported (the router never asks for them).
 
+Asynchronous scheduling. An engine on cuda or the sim device plans step N+1 while step N runs
+(engine/llm_engine.py), so a step's requests are those that had arrived when the step before it
+started: a request that arrives while a step runs waits for that step and the one already
+planned behind it, one step more than a synchronous engine. With `async_scheduling` this
+backend does the same: at each step's start it plans the next one (`Scheduler.schedule` and
+`advance`, the placeholders the engine uses), and a step's tokens, events and finished requests
+are those planned for it, reported at its end. Where the engine plans synchronously (cpu), so
+does this backend; `engine_backend_factory` takes the engine's own rule per device kind.
+
 Engines sharing a device. Backends that name one device (`cuda*4` on one GPU) share its time
 through routing/sim_device.py's `SimDevice`, as route-sim's own backends do: a step's time from
 the step-time model is its work, done at 1/k speed while k members are in a step, and the device
@@ -45,13 +54,14 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from dataclasses import dataclass
 
-from tandem.engine.config import default_max_num_batched_tokens
+from tandem.engine.config import default_async_scheduling, default_max_num_batched_tokens
 from tandem.engine.kv_cache.host_tier import KVTransfers
 from tandem.engine.kv_cache.manager import DEFAULT_OFFLOAD_MIN_HITS, KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tandem.engine.sim_runner import SIM_DEVICE, step_shape
 from tandem.routing import messages
 from tandem.routing.errors import ConfigError
@@ -68,13 +78,28 @@ _ENGINE_DEVICE = {SIM_DEVICE: "cuda"}
 _TOKEN = 1  # every generated token (its id does not matter to the schedule)
 
 
+@dataclass
+class _Step:
+    """A planned step: what runs, how long it takes alone, and what each scheduled request will
+    have at its end (planned with `Scheduler.advance`, as the engine plans a launch)."""
+
+    sched: SchedulerOutput
+    shape: tuple[int, int, int]  # engine/sim_runner.py's step_shape, taken before the advance
+    work_s: float
+    computed: list[int]  # each scheduled request's computed tokens after the step
+    output_index: list[int | None]  # the output each scheduled request samples (None: a prefill chunk)
+    finishes: list[bool]  # whether the step's token is the request's last
+
+
 class EngineSimBackend:
     def __init__(self, backend_id: str, step_time: StepTimeModel, max_active: int, num_kv_blocks: int,
                  block_size: int, reporter: Reporter | None = None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, num_host_kv_blocks: int = 0,
-                 offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS, device: SimDevice | None = None) -> None:
+                 offload_min_hits: int = DEFAULT_OFFLOAD_MIN_HITS, device: SimDevice | None = None,
+                 async_scheduling: bool = False) -> None:
         """`num_host_kv_blocks` > 0 adds a host KV tier, whose reloads `step_time.reload_s` times;
-        `device` is the SimDevice this backend shares with others (None: a device of its own)."""
+        `device` is the SimDevice this backend shares with others (None: a device of its own);
+        `async_scheduling` plans each step while the one before it runs (module doc)."""
         if num_host_kv_blocks and step_time.host_reload_tok_s is None:
             raise ValueError("a host KV tier needs a step-time model with a reload rate (host_reload_tok_s)")
         self.backend_id = backend_id
@@ -94,13 +119,16 @@ class EngineSimBackend:
         self.finished: list[SimJob] = []
         self.now = -math.inf
         self.step_end_s = math.inf
-        self._step = None  # the SchedulerOutput running now
+        self.async_scheduling = async_scheduling
+        self._step: _Step | None = None  # the step running now
+        self._step_start_s = -math.inf
+        self._planned: _Step | None = None  # the step planned behind it (asynchronous scheduling)
         self.device = device
         if device is not None:
             device.add(self)
 
     @property
-    def step(self):
+    def step(self) -> _Step | None:
         """The step running now (SimDevice's member protocol: None when idle)."""
         return self._step
 
@@ -133,7 +161,8 @@ class EngineSimBackend:
 
     def process_boundary(self) -> None:
         """End the running step (its tokens, events, timing, cache changes), admit arrivals,
-        start the next step."""
+        start the next step: the one planned while this one ran, else one planned now. With
+        asynchronous scheduling, plan the step after it."""
         t = self.next_boundary()
         events: list[ProgressEvent] = []
         if self._step is not None:
@@ -141,29 +170,41 @@ class EngineSimBackend:
         self.now = t
         while self.pending and self.pending[0].arrival_s <= t:
             self._add(self.pending.popleft(), events)
-        self._start_step(t, events)
+        step, self._planned = self._planned or self._plan(events), None
+        if step is not None:
+            self._start_step(step, t)
+            if self.async_scheduling:
+                self._planned = self._plan(events)
+        else:
+            self.step_end_s = math.inf
         if self.reporter is not None and events:
             self.reporter.on_events(self.backend_id, events)
 
     # -- steps ---------------------------------------------------------------------------------
-    def _start_step(self, t: float, events: list[ProgressEvent]) -> None:
+    def _plan(self, events: list[ProgressEvent]) -> _Step | None:
+        """Schedule a step and advance its requests past it, as the engine does at a launch."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self._step, self.step_end_s = None, math.inf
-            return
+            return None
         for s in sched.scheduled:
             request = s.request
             if request.req_id in self._waiting:  # scheduled for the first time: its prefix hit is known
                 self._waiting.discard(request.req_id)
                 self.jobs[request.req_id].num_prefill_tokens = request.num_prompt_tokens - request.num_cached_tokens
                 events.append(ProgressEvent(request.req_id, messages.ADMITTED))
-        self._step = sched
-        self._shape = step_shape(sched)
-        work_s = self.step_time.step_s(*self._shape) + self._reload_s(sched.kv_transfers)
+        shape = step_shape(sched)
+        work_s = self.step_time.step_s(*shape) + self._reload_s(sched.kv_transfers)
+        sampled = {request.req_id: index for request, index in self.scheduler.advance(sched)}
+        scheduled = [s.request for s in sched.scheduled]
+        return _Step(sched, shape, work_s, [r.num_computed_tokens for r in scheduled],
+                     [sampled.get(r.req_id) for r in scheduled], [r.is_finished for r in scheduled])
+
+    def _start_step(self, step: _Step, t: float) -> None:
+        self._step, self._step_start_s = step, t
         if self.device is None:
-            self.step_end_s = t + work_s
+            self.step_end_s = t + step.work_s
         else:
-            self.device.begin_step(self, work_s)  # it sets the end, once it knows who else is busy
+            self.device.begin_step(self, step.work_s)  # it sets the end, once it knows who else is busy
 
     def _reload_s(self, transfers: KVTransfers | None) -> float:
         """The step's reloads from the host tier (engine/sim_runner.py's rule). A schedule that
@@ -173,27 +214,31 @@ class EngineSimBackend:
         return self.step_time.reload_s(len(transfers.reloads) * self.block_size)
 
     def _end_step(self, t: float, events: list[ProgressEvent]) -> None:
-        sched, self._step = self._step, None
-        sampled = {s.request.req_id: _TOKEN for s in sched.scheduled if s.completes_prefill}
-        self.scheduler.update_from_output(sched, sampled)
-        for s in sched.scheduled:
+        """The step's sampled tokens land: each request gets what was planned for it."""
+        step, self._step = self._step, None
+        num_sampled = 0
+        for s, computed, index, finishes in zip(step.sched.scheduled, step.computed, step.output_index,
+                                                step.finishes):
             request = s.request
             job = self.jobs[request.req_id]
-            if request.req_id not in sampled:
-                events.append(ProgressEvent(request.req_id, messages.PREFILL, request.num_computed_tokens))
+            if index is None:
+                events.append(ProgressEvent(request.req_id, messages.PREFILL, computed))
                 continue
+            num_sampled += 1
+            request.resolve_placeholder(index, _TOKEN)
             if job.first_token_s is None:
                 job.first_token_s = t
                 events.append(ProgressEvent(request.req_id, messages.PREFILL, request.num_prompt_tokens))
-            job.num_output_tokens = request.num_output_tokens
+            job.num_output_tokens = index + 1
             events.append(ProgressEvent(request.req_id, messages.GENERATED, job.num_output_tokens))
-            if request.is_finished:
+            if finishes:
                 job.finish_s = t
                 self.finished.append(self.jobs.pop(request.req_id))
                 events.append(ProgressEvent(request.req_id, messages.FINISHED))
         if self.reporter is not None:
-            num_prefill, num_decode, _ = self._shape
-            self.reporter.on_step(self.backend_id, num_prefill, num_decode, num_decode or len(sampled), t - self.now)
+            num_prefill, num_decode, _ = step.shape
+            self.reporter.on_step(self.backend_id, num_prefill, num_decode, num_decode or num_sampled,
+                                  t - self._step_start_s)
             if self._changes:
                 changes, self._changes = self._changes, {}
                 self.reporter.on_cache_changes(self.backend_id, changes)
@@ -226,14 +271,15 @@ class EngineSimBackend:
             self._changes[route_hash] = state
 
 
-def engine_backend_factory(max_num_batched_tokens: int | None = None):
+def engine_backend_factory(max_num_batched_tokens: int | None = None, async_scheduling: bool | None = None):
     """`routing.simulator.simulate`'s `backend_factory` for backends on the engine's scheduler.
 
     A scenario without prefix caches (fixed hits per request, the design's experiment) has no
     cache for the engine to model, and its fixed hits are not prompts the engine's cache could
     produce: its backends are route-sim's own (routing/simulator.py's `make_backend`), so one
     factory serves every scenario. `max_num_batched_tokens` overrides every backend's step budget
-    (default: the scenario's per backend, else the engine's default for its device kind)."""
+    (default: the scenario's per backend, else the engine's default for its device kind), and
+    `async_scheduling` whether they plan a step ahead (default: the engine's rule for the kind)."""
 
     def make(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporter | None,
              device) -> EngineSimBackend | SimBackend:
@@ -244,14 +290,14 @@ def engine_backend_factory(max_num_batched_tokens: int | None = None):
             raise ConfigError(f"backend {backend_id}: a host KV tier ({sim_spec.num_host_kv_blocks} blocks) needs "
                               "the rate its blocks are reloaded at: give reload_tok_s in its actual rates")
         step_time = StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if sim_spec.num_host_kv_blocks else None)
-        budget = (max_num_batched_tokens or sim_spec.max_num_batched_tokens
-                  or default_max_num_batched_tokens(_ENGINE_DEVICE.get(sim_spec.spec.device_kind,
-                                                                       sim_spec.spec.device_kind)))
+        device_kind = _ENGINE_DEVICE.get(sim_spec.spec.device_kind, sim_spec.spec.device_kind)
+        budget = max_num_batched_tokens or sim_spec.max_num_batched_tokens or default_max_num_batched_tokens(device_kind)
         num_kv_blocks = sim_spec.num_kv_blocks or _room_for_everything(scenario)
         return EngineSimBackend(backend_id, step_time, sim_spec.spec.max_active, num_kv_blocks + 1,
                                 scenario.block_size, reporter, budget, sim_spec.num_host_kv_blocks,
                                 DEFAULT_OFFLOAD_MIN_HITS if sim_spec.kv_host_offload_min_hits is None
-                                else sim_spec.kv_host_offload_min_hits, device)
+                                else sim_spec.kv_host_offload_min_hits, device,
+                                default_async_scheduling(device_kind) if async_scheduling is None else async_scheduling)
 
     return make
 

@@ -43,6 +43,14 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     return {"cpu": 512, "cuda": 8192}.get(device_type, 2048)
 
 
+def default_async_scheduling(device_type: str) -> bool:
+    """Whether an engine plans step N+1 while step N runs when the config leaves it open: where a
+    step runs on a device beside the host (cuda, and the sim device that emulates one), the
+    host's scheduling and output processing then overlap the step; on a CPU they would compete
+    with it for the same cores."""
+    return device_type in ("cuda", "sim")
+
+
 def check_cpu_kernels(kernels: str, dtype: str, cpu_compile: bool) -> None:
     """What each choice of CPU kernels can run (asked by the engine's config and, before Ray starts
     anything, by the cluster's); raises ValueError for a pair that cannot work."""
@@ -94,7 +102,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto (triton on cuda, else torch) | torch (the reference path) | triton
     enforce_eager: bool = False  # fast path without CUDA graphs (debugging, profiling)
-    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on for cuda and sim
     pack_cpu_weights: bool = True  # cpu: linears in oneDNN's packed layout where torch supports it
     cpu_compile: bool = False  # cpu: decode steps through torch.compile'd graphs (engine/model/cpu_compile.py)
     # A waiting request older than this is admitted as if it were of the most urgent class, so

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from tandem.engine.admission import Admission, RequestLimits
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, default_async_scheduling
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, StepShape, activation_bytes, kv_cache_bytes
 from tandem.engine.model.loader import LoadedModel, load_model, load_model_meta
@@ -144,7 +144,7 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else self.device_kind in ("cuda", SIM_DEVICE))
+                                 else default_async_scheduling(self.device_kind))
         self.grammar_compiler = GrammarCompiler(
             loaded.tokenizer, loaded.sampling_vocab_size or self.model_config.vocab_size, self.eos_token_ids)
         self._make_parts(loaded.tokenizer, cache_changes)

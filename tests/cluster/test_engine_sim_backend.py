@@ -56,6 +56,37 @@ def test_a_request_takes_its_prefill_then_one_step_per_token_exactly():
     assert kinds[0] == "admitted" and kinds[-1] == "finished"
 
 
+def test_planning_a_step_ahead_costs_a_lone_request_nothing():
+    sync, planned_ahead = backend(), backend()
+    planned_ahead.async_scheduling = True
+    for b in (sync, planned_ahead):
+        b.reporter = Recorder()
+        b.enqueue(job(0, 0.0, 100, 3))
+        b.run_to_completion()
+    assert planned_ahead.reporter.steps == sync.reporter.steps == [(100, 0, 0.1), (0, 1, 0.01), (0, 1, 0.01)]
+    assert planned_ahead.finished[0].finish_s == pytest.approx(0.12)
+
+
+def test_planning_a_step_ahead_makes_an_arrival_wait_for_the_step_already_planned():
+    """r1 arrives while r0's prefill runs. A synchronous engine takes it into the next step; an
+    engine that planned that step (r0's first decode) when the prefill started takes it into the
+    one after, as a cuda engine does: its first token comes one decode step (10 ms) later."""
+    first_token_s = {}
+    for planned_ahead in (False, True):
+        b = backend()
+        b.async_scheduling = planned_ahead
+        b.reporter = rec = Recorder()
+        b.enqueue(job(0, 0.0, 100, 3))
+        b.enqueue(job(1, 0.05, 100, 1))
+        b.run_to_completion()
+        r0, r1 = sorted(b.finished, key=lambda j: j.index)
+        first_token_s[planned_ahead] = r1.first_token_s
+        assert r0.first_token_s == pytest.approx(0.1) and [o for _, o in sorted(
+            (j.index, j.num_output_tokens) for j in b.finished)] == [3, 1]
+        assert rec.events.count(("r1", "finished", 0)) == 1
+    assert first_token_s[True] == pytest.approx(first_token_s[False] + 0.01, abs=1e-4)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_step_budget():
     b, rec = backend(budget=64), Recorder()
     b.reporter = rec
@@ -218,13 +249,15 @@ def test_a_shared_device_scenario_runs_on_the_engine_model_as_on_route_sims_own(
     def run(scenario, factory=None):
         return summarize("cost", simulate(scenario, "cost", factory).outcomes, ["g0", "g1"])
 
-    shared = run(scenario("cuda:0"), engine_backend_factory())
-    apart = run(scenario(None), engine_backend_factory())
+    shared = run(scenario("cuda:0"), engine_backend_factory(async_scheduling=False))
+    apart = run(scenario(None), engine_backend_factory(async_scheduling=False))
     own = run(scenario("cuda:0"))
     assert sum(shared.num_requests_by_backend.values()) == 60 and min(shared.num_requests_by_backend.values()) > 0
     assert shared.ttft_p50_s > 2 * apart.ttft_p50_s  # one device's time, shared, against two devices'
-    # route-sim's own scheduler (prefill first, no chunks) and the engine's agree within 2x
+    # route-sim's own scheduler (prefill first, no chunks, synchronous) and the engine's agree within 2x
     assert own.ttft_p50_s / 2 < shared.ttft_p50_s < own.ttft_p50_s * 2
+    # planning a step ahead, as a cuda engine does, costs an arrival about one step more
+    assert run(scenario("cuda:0"), engine_backend_factory()).ttft_p50_s > shared.ttft_p50_s
 
 
 # -- `tandem route-sim`: the engine model by default ---------------------------------------------
@@ -295,6 +328,10 @@ def test_each_backend_steps_with_its_scenarios_budget_else_its_device_kinds_engi
                     "suffix_tokens": 16, "max_tokens": 1}}, source="test")
     assert step_budgets(scenario) == {"c": 512, "g": 8192, "s": 8192, "m": 2048, "x": 1024}
     assert set(step_budgets(scenario, max_num_batched_tokens=256).values()) == {256}
+    # and plans a step ahead where the engine on that kind does (engine/config.py's rule)
+    make = engine_backend_factory()
+    assert {s.spec.backend_id: make(scenario, s, None, None).async_scheduling for s in scenario.backends} == {
+        "c": False, "g": True, "s": True, "m": False, "x": True}
 
 
 def test_the_oracle_replays_on_the_model_the_policies_ran_on():
