@@ -100,16 +100,26 @@ def _write_sim_profiles(directory: str, found: dict) -> None:
     import json
     from pathlib import Path
 
-    from tandem.cluster.profile import rate_fields
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     for backend_id, entry in found.items():
         if "sim" not in entry:
             continue
         path = out / f"{backend_id}.json"
-        path.write_text(json.dumps({**rate_fields(entry), **entry["sim"]}, indent=1) + "\n")
+        path.write_text(json.dumps(sim_profile_fields(entry), indent=1) + "\n")
         print(f"wrote {path}; use it with: tandem serve --backends sim --sim-profile {path}")
+
+
+def sim_profile_fields(entry: dict) -> dict:
+    """A measured entry as a sim profile (routing/step_time.py's `SimProfile`): its rates, with a
+    host KV tier's reload rate under the profile's name for it, and the sim extras."""
+    from tandem.cluster.profile import rate_fields
+
+    fields = rate_fields(entry)
+    reload_tok_s = fields.pop("reload_tok_s", None)
+    if reload_tok_s is not None:
+        fields["host_reload_tok_s"] = reload_tok_s
+    return {**fields, **entry["sim"]}
 
 
 def _plan_key(config, plan, cuda_index: int | None) -> str:
