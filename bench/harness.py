@@ -321,11 +321,16 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
     router_rates = ray.get(cluster.tandem.router.rates_in_use.remote())
     log_offset = log_size(cluster.routing_log)
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    handles = {bid: cluster.tandem.backends[bid] for bid in cluster.infos}
+    before, start = ray.get([h.stats.remote() for h in handles.values()]), time.perf_counter()
     results: list[RequestResult] = asyncio.run(run_workload(
         cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done,
         drain_timeout_s=drain_timeout_s))
+    wall_s = time.perf_counter() - start
+    after = ray.get([h.stats.remote() for h in handles.values()])
     requests = [r.to_dict() for r in results]
     return {
+        "engine_work": {bid: engine_work(b, a, wall_s) for bid, b, a in zip(handles, before, after)},
         "workload": workload.summary(),
         "cluster": cluster.describe(),
         "temperature": temperature,
@@ -337,6 +342,21 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
         "decisions": read_decisions(cluster.routing_log, {r.req_id: r.index for r in results if r.req_id},
                                     log_offset),
     }
+
+
+def engine_work(before: Any, after: Any, wall_s: float) -> dict[str, float]:
+    """What one engine did over a run, from its stats before and after (engine/outputs.py's
+    EngineStats): the share of the wall its steps took (near 1: the engine itself is the
+    bottleneck; well below while requests queue: the wait is elsewhere), the share of that in
+    steps with prefill, and the tokens it computed and generated."""
+    prefill_s = after.prefill_time_s - before.prefill_time_s
+    busy_s = prefill_s + after.decode_time_s - before.decode_time_s
+    return {"wall_s": round(wall_s, 3), "busy_share": round(busy_s / wall_s, 4) if wall_s > 0 else 0.0,
+            "prefill_share_of_busy": round(prefill_s / busy_s, 4) if busy_s > 0 else 0.0,
+            "prompt_tokens": after.num_prompt_tokens_total - before.num_prompt_tokens_total,
+            "generated_tokens": after.num_generation_tokens_total - before.num_generation_tokens_total,
+            "host_reloaded_blocks": after.kv_host_reloaded_blocks - before.kv_host_reloaded_blocks,
+            "host_offloaded_blocks": after.kv_host_offloaded_blocks - before.kv_host_offloaded_blocks}
 
 
 def log_size(routing_log: Path | None) -> int:

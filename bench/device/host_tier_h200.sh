@@ -87,3 +87,11 @@ for summary in sorted(pathlib.Path(sys.argv[1]).glob("*-summary.json")):
                   f"{m['ttft_p50_s']['mean']:>8.3f}s {m['ttft_p90_s']['mean']:>8.3f}s {m['output_tok_s']['mean']:>8.0f}"
                   f" {sim:>7.3f}s")
 PY
+python3 - "$work" <<'PY'
+import json, pathlib, sys
+print("each engine's steps over the run's wall (busy: near 1, the engine is the bottleneck), and the prefill steps' part")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*/runs/*.json")):
+    work = json.loads(path.read_text()).get("engine_work", {})
+    print(f"{path.parent.parent.name:<13} {path.stem:<32} " + "  ".join(
+        f"{b}: busy {w['busy_share']:.2f}, prefill {w['prefill_share_of_busy']:.2f}" for b, w in work.items()))
+PY

@@ -45,6 +45,13 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
         assert all(r["error"] is None for r in record["requests"])
         assert all(r["num_output_tokens"] == 4 and r["num_prompt_tokens"] == 272 for r in record["requests"])
         assert {r["backend"] for r in record["requests"]} <= {"sim0", "sim1", "sim2", "sim3"}
+        # each engine's own work over the run: the tokens it generated for the requests sent to it
+        work = record["engine_work"]
+        assert set(work) == {"sim0", "sim1", "sim2", "sim3"}
+        for backend_id, w in work.items():
+            sent = sum(r["backend"] == backend_id for r in record["requests"])
+            assert w["generated_tokens"] >= 3 * sent  # the first of each request's 4 is a prefill's
+            assert (w["busy_share"] > 0) == (sent > 0) and w["busy_share"] <= 1.05
 
     summary = json.loads((out / "summary.json").read_text())
     for cell in summary["cells"]:
