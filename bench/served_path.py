@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -34,6 +35,7 @@ from typing import Any
 from bench._machine import stamp
 from bench.client import post_streamed
 from bench.harness import burst, floats, ints, make_engine, start_cluster, write_json
+from bench.soak_probe import cpu_seconds_by_role
 from bench.workload import random_prompts, varied_requests
 
 VOCAB_HIGH = 20000  # token ids are drawn from [3, min(vocab, VOCAB_HIGH))
@@ -153,17 +155,19 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
             await handle.set_max_active.remote(w["max_active"])
             row = results[w["name"]] = {"best": 0.0, "runs": []}
             for rep in range(args.repeats + 1):
+                server_cpu_start = cpu_seconds_by_role(os.getpid())
                 start, cpu_start = time.time(), time.process_time()
                 done = await asyncio.gather(*(post_streamed(session, url, _body(model, ids, m))
                                               for ids, m in zip(w["prompts"], w["max_tokens"])))
                 elapsed, cpu = time.time() - start, time.process_time() - cpu_start
+                server_cpu = busiest(server_cpu_start, cpu_seconds_by_role(os.getpid()), elapsed)
                 if any(r["error"] or r["status"] != 200 for r in done):
                     raise RuntimeError(f"a request failed: {next(r for r in done if r['error'] or r['status'] != 200)}")
                 rate = sum(r["tokens"] for r in done) / elapsed
                 if rep:  # the first burst warms up, as in-process
                     row["runs"].append(round(rate, 1))
                 if rep and rate > row["best"]:  # the client's own CPU: near 100% means the client set the pace
-                    row.update(best=rate, client_cpu=round(cpu / elapsed, 2),
+                    row.update(best=rate, client_cpu=round(cpu / elapsed, 2), server_cpu=server_cpu,
                                ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
                                sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
         await handle.set_max_active.remote(4)
@@ -173,6 +177,13 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
             ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
             results["ttft"][num_tokens] = statistics.median(ttfts[2:])
     return results
+
+
+def busiest(before: dict[str, float], after: dict[str, float], elapsed_s: float, top: int = 5) -> dict[str, float]:
+    """The processes of the server (and the bench's own, "cli.py") that used the most CPU over a
+    burst, as shares of one core: where a row is capped, the role near 1.0 is what caps it."""
+    shares = {role: round((seconds - before.get(role, 0.0)) / elapsed_s, 2) for role, seconds in after.items()}
+    return dict(sorted(shares.items(), key=lambda item: -item[1])[:top])
 
 
 def _capacity_client(url: str, model: str, vocab: int, rate: float, duration_s: float, start_at: float,
@@ -272,7 +283,7 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
                      "ratio": round(h["best"] / e["best"], 3), "in_process_tok_s_runs": e["runs"],
                      "http_tok_s_runs": h["runs"],  # the best alone flatters a noisy row
                      "ratio_of_medians": round(statistics.median(h["runs"]) / statistics.median(e["runs"]), 3),
-                     "client_cpu": h.get("client_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
+                     "client_cpu": h.get("client_cpu"), "server_cpu": h.get("server_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
                      "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent")})
     ttft = [{"workload": f"1 at a time ({n} -> 16), median TTFT", "prompt_tokens": n,
              "in_process_ms": round(1e3 * engine["ttft"][n], 2), "http_ms": round(1e3 * http["ttft"][n], 2),
@@ -283,6 +294,8 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
               f"({r['ratio']:.2f}x, medians {r['ratio_of_medians']:.2f}x), client CPU {r['client_cpu'] or 0:.0%}; "
               f"TTFT p50/max ms {r['ttft_p50_max_ms']['in_process']} | {r['ttft_p50_max_ms']['http']}; "
               f"sent in {r['client_send_spread_ms']} ms")
+        print(f"  busiest processes over the best HTTP burst, share of a core: "
+              f"{', '.join(f'{role} {share:.2f}' for role, share in (r['server_cpu'] or {}).items())}")
     for t in ttft:
         print(f"{t['workload']}: engine {t['in_process_ms']:.2f} ms, HTTP {t['http_ms']:.2f} ms "
               f"({t['difference_ms']:+.2f})")

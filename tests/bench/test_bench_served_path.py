@@ -31,6 +31,9 @@ def test_served_path_runs_every_row_at_toy_scale(tmp_path):
             assert 0 < p50 <= worst
         steps, mean_ms = row["in_process_steps_mean_ms"]
         assert steps > 0 and mean_ms > 0
+        # the busiest processes over the burst, by role: some of the server worked
+        assert 0 < len(row["server_cpu"]) <= 5 and sum(row["server_cpu"].values()) > 0
+        assert all(share >= 0 for share in row["server_cpu"].values())
     # one lone-request row per prompt length (516 and 4160, scaled)
     assert [t["prompt_tokens"] for t in result["ttft"]] == [25, 208]
     assert all(t["http_ms"] > 0 and t["in_process_ms"] > 0 for t in result["ttft"])
