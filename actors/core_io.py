@@ -14,8 +14,13 @@ world runs here, on one thread with its own asyncio event loop:
   call replies, the finished requests' timings) to the actor over the core pipe.
 
 Commands reach the step loop through one thread-safe queue (`inbox`), in the order they came;
-an abort queued after an add is applied after it. The step loop hands a step over with one
-`call_soon_threadsafe`, a wake-up per step, not per request.
+an abort queued after an add is applied after it. The step loop hands steps over through a
+queue of its own: a step wakes the I/O thread (`call_soon_threadsafe`, a self-pipe write) only
+if no drain is due yet; while one is (the thread is still handling earlier steps), it only
+appends, and that drain handles it too. Both threads share the process's GIL, and each wake-up is a system
+call across which the busy I/O thread takes the GIL from the step loop, so a step loop that
+outruns its I/O thread pays for no wake-ups it does not need; the news are handled in order
+either way.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +73,9 @@ class CoreIO:
         self.server = wire.WireServer()
         self.loop = asyncio.new_event_loop()
         self._channels: set[ChannelState] = set()
+        self._news: deque[StepNews] = deque()  # posted, not yet handled
+        self._drain_due = False  # a `_drain_news` is scheduled and will see what is queued
+        self._news_lock = threading.Lock()
         started: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(started,), daemon=True, name="core-io")
         self._thread.start()
@@ -78,7 +87,12 @@ class CoreIO:
 
     # -- the step loop's side ------------------------------------------------------------------
     def post(self, news: StepNews) -> None:
-        self.loop.call_soon_threadsafe(self._on_news, news)
+        """Queue a step's news; wake the I/O thread unless a drain is already due."""
+        with self._news_lock:
+            self._news.append(news)
+            wake, self._drain_due = not self._drain_due, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._drain_news)
 
     def post_failure(self, trace: str) -> None:
         """A step failed: fail every channel request (the engine aborts them) and tell the actor."""
@@ -121,6 +135,16 @@ class CoreIO:
             self.conn.send_bytes(encode(message))
         except OSError:  # the actor is gone; the pipe's end-of-file stops the step loop
             pass
+
+    def _drain_news(self) -> None:
+        """Handle every queued step's news, in order, including what is posted meanwhile."""
+        while True:
+            with self._news_lock:
+                if not self._news:
+                    self._drain_due = False
+                    return
+                news = self._news.popleft()
+            self._on_news(news)
 
     def _on_news(self, news: StepNews) -> None:
         self.fanout.on_step(news.added, news.refused, [EngineCoreOutput.of(o) for o in news.outputs])

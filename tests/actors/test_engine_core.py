@@ -379,3 +379,31 @@ def test_step_timing_is_the_finished_steps_own_time_and_none_when_no_step_finish
     finished = [t for t in timings if t is not None]
     assert [(t.prefill_tokens, t.decode_tokens) for t in finished] == [(32, 0), (0, 1), (0, 1)]
     assert all(t.elapsed_s >= 0.01 for t in finished)  # about its 20 ms step, never a launch's microseconds
+
+
+def test_steps_posted_faster_than_the_io_thread_handles_them_share_wake_ups_and_keep_their_order():
+    """The step loop wakes the I/O thread only when no drain is due: steps posted while it is
+    still busy with earlier ones are handled by that drain, in order, and a failure posted
+    after them is told after them."""
+    from tandem.actors.core_io import CoreIO, StepNews
+    from tandem.actors.messages import EngineCoreFailed, EngineCoreOutputs, decode
+
+    front, core_end = multiprocessing.Pipe()
+    io = CoreIO("b", core_end)
+    wakes = []
+    call_soon_threadsafe = io.loop.call_soon_threadsafe
+    io.loop.call_soon_threadsafe = lambda callback, *args: (wakes.append(callback), call_soon_threadsafe(callback, *args))
+    on_news = io._on_news
+
+    def slow(news):  # an I/O thread busier than the step loop, as under load
+        time.sleep(0.002)
+        on_news(news)
+
+    io._on_news = slow
+    for i in range(50):
+        io.post(StepNews(control=EngineCoreOutputs(cache_changes={i: 1})))
+    io.post_failure("Traceback\nRuntimeError: the step failed")
+    told = [decode(front.recv_bytes()) for _ in range(51)]
+    assert [next(iter(m.cache_changes)) for m in told[:50]] == list(range(50))
+    assert isinstance(told[50], EngineCoreFailed)
+    assert len(wakes) < 10  # one per drain that found nothing due, not one per step
