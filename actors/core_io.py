@@ -17,10 +17,10 @@ Commands reach the step loop through one thread-safe queue (`inbox`), in the ord
 an abort queued after an add is applied after it. The step loop hands steps over through a
 queue of its own: a step wakes the I/O thread (`call_soon_threadsafe`, a self-pipe write) only
 if no drain is due yet; while one is (the thread is still handling earlier steps), it only
-appends, and that drain handles it too. Both threads share the process's GIL, and each wake-up is a system
-call across which the busy I/O thread takes the GIL from the step loop, so a step loop that
-outruns its I/O thread pays for no wake-ups it does not need; the news are handled in order
-either way.
+appends, and that drain handles it too. Both threads share the process's GIL, and each wake-up
+is a system call across which the busy I/O thread takes the GIL from the step loop, so a step
+loop that outruns its I/O thread pays for no wake-ups it does not need; the news are handled
+in order either way.
 """
 
 from __future__ import annotations

@@ -322,15 +322,16 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
     log_offset = log_size(cluster.routing_log)
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     handles = {bid: cluster.tandem.backends[bid] for bid in cluster.infos}
-    before, start = ray.get([h.stats.remote() for h in handles.values()]), time.perf_counter()
+    before, start = engine_stats(handles), time.perf_counter()
     results: list[RequestResult] = asyncio.run(run_workload(
         cluster.tandem.url, cluster.layout.model, workload, temperature, on_done=on_done,
         drain_timeout_s=drain_timeout_s))
     wall_s = time.perf_counter() - start
-    after = ray.get([h.stats.remote() for h in handles.values()])
+    after = engine_stats(handles)
     requests = [r.to_dict() for r in results]
     return {
-        "engine_work": {bid: engine_work(b, a, wall_s) for bid, b, a in zip(handles, before, after)},
+        "engine_work": ({bid: engine_work(b, a, wall_s) for bid, b, a in zip(handles, before, after)}
+                        if before and after else {}),
         "workload": workload.summary(),
         "cluster": cluster.describe(),
         "temperature": temperature,
@@ -342,6 +343,17 @@ def measure(cluster: BenchCluster, workload: Workload, temperature: float, on_do
         "decisions": read_decisions(cluster.routing_log, {r.req_id: r.index for r in results if r.req_id},
                                     log_offset),
     }
+
+
+def engine_stats(handles: dict[str, Any]) -> list[Any] | None:
+    """Each backend's engine stats now, or None if one cannot answer (a diagnostic never fails a run)."""
+    import ray
+
+    try:
+        return ray.get([h.stats.remote() for h in handles.values()], timeout=30)
+    except Exception as exc:  # a backend gone or stuck: the run's record says so by leaving it out
+        logger.warning("engine stats unavailable: %s", exc)
+        return None
 
 
 def engine_work(before: Any, after: Any, wall_s: float) -> dict[str, float]:

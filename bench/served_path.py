@@ -180,8 +180,8 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
 
 
 def busiest(before: dict[str, float], after: dict[str, float], elapsed_s: float, top: int = 5) -> dict[str, float]:
-    """The processes of the server (and the bench's own, "cli.py") that used the most CPU over a
-    burst, as shares of one core: where a row is capped, the role near 1.0 is what caps it."""
+    """The processes of the server (and the bench's own) that used the most CPU over a burst, as
+    shares of one core: where a row is capped, the role near 1.0 is what caps it."""
     shares = {role: round((seconds - before.get(role, 0.0)) / elapsed_s, 2) for role, seconds in after.items()}
     return dict(sorted(shares.items(), key=lambda item: -item[1])[:top])
 
