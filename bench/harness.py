@@ -36,6 +36,7 @@ The benches below the cluster share the rest: in-process engines driven step by 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
@@ -356,15 +357,31 @@ def engine_stats(handles: dict[str, Any]) -> list[Any] | None:
         return None
 
 
+def step_work(before: Any, after: Any) -> dict[str, float]:
+    """An engine's steps between two of its stats (EngineStats): how many, and per step the
+    milliseconds of host work (scheduling, launching, outputs: the step loop's own time) and of
+    waiting for the device's sampled ids."""
+    steps = after.num_steps - before.num_steps
+    busy_s = after.prefill_time_s + after.decode_time_s - before.prefill_time_s - before.decode_time_s
+    wait_s = after.device_wait_time_s - before.device_wait_time_s
+    if steps <= 0:
+        return {"steps": 0, "host_ms_per_step": 0.0, "device_wait_ms_per_step": 0.0}
+    return {"steps": steps, "host_ms_per_step": round(1e3 * (busy_s - wait_s) / steps, 3),
+            "device_wait_ms_per_step": round(1e3 * wait_s / steps, 3)}
+
+
 def engine_work(before: Any, after: Any, wall_s: float) -> dict[str, float]:
     """What one engine did over a run, from its stats before and after (engine/outputs.py's
     EngineStats): the share of the wall its steps took (near 1: the engine itself is the
-    bottleneck; well below while requests queue: the wait is elsewhere), the share of that in
-    steps with prefill, and the tokens it computed and generated."""
+    bottleneck; well below while requests queue: the wait is elsewhere), the parts of that in
+    steps with prefill and spent waiting for the device (the rest of a step is host work), and
+    the tokens it computed and generated."""
     prefill_s = after.prefill_time_s - before.prefill_time_s
     busy_s = prefill_s + after.decode_time_s - before.decode_time_s
+    wait_s = after.device_wait_time_s - before.device_wait_time_s
     return {"wall_s": round(wall_s, 3), "busy_share": round(busy_s / wall_s, 4) if wall_s > 0 else 0.0,
             "prefill_share_of_busy": round(prefill_s / busy_s, 4) if busy_s > 0 else 0.0,
+            "device_wait_share_of_busy": round(wait_s / busy_s, 4) if busy_s > 0 else 0.0,
             "prompt_tokens": after.num_prompt_tokens_total - before.num_prompt_tokens_total,
             "generated_tokens": after.num_generation_tokens_total - before.num_generation_tokens_total,
             "host_reloaded_blocks": after.kv_host_reloaded_blocks - before.kv_host_reloaded_blocks,
@@ -523,6 +540,7 @@ def burst(engine: Any, prompts: list[list[int]], max_tokens: int | list[int], ta
     from the first submit, and per request (in order, seconds from that submit) when its first
     token and its last came back and the tokens it got."""
     sync_device()
+    stats_before = copy.copy(engine.get_stats())  # the engine updates its stats object in place
     start = time.perf_counter()
     ids = submit(engine, prompts, max_tokens, tag)
     first: dict[str, float] = {}
@@ -542,6 +560,7 @@ def burst(engine: Any, prompts: list[list[int]], max_tokens: int | list[int], ta
     wall = time.perf_counter() - start
     generated = sum(len(t) for t in tokens.values())
     return {"requests": len(ids), "generated": generated, "wall_s": wall, "steps": steps, "tok_s": generated / wall,
+            "step_work": step_work(stats_before, engine.get_stats()),
             "ttft_s": [first[r] for r in ids], "e2e_s": [end[r] for r in ids], "tokens": [tokens[r] for r in ids]}
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from bench._machine import stamp
 from bench.client import post_streamed
-from bench.harness import burst, floats, ints, make_engine, start_cluster, write_json
+from bench.harness import burst, floats, ints, make_engine, start_cluster, step_work, write_json
 from bench.soak_probe import cpu_seconds_by_role
 from bench.workload import random_prompts, varied_requests
 
@@ -109,7 +109,8 @@ def _in_process(args: argparse.Namespace) -> dict[str, Any]:
         best = max(runs[1:], key=lambda r: r["tok_s"])  # the first run warms up (graphs, allocator)
         results[w["name"]] = {"best": best["tok_s"], "runs": [round(r["tok_s"], 1) for r in runs[1:]],
                               "ttft": ttft_spread(best["ttft_s"]),
-                              "steps": [best["steps"], round(1e3 * best["wall_s"] / best["steps"], 3)]}
+                              "steps": [best["steps"], round(1e3 * best["wall_s"] / best["steps"], 3)],
+                              "step_work": best["step_work"]}
     engine.set_max_active(4)
     results["ttft"] = {}
     for num_tokens in ttft_lengths(args):
@@ -156,18 +157,20 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
             row = results[w["name"]] = {"best": 0.0, "runs": []}
             for rep in range(args.repeats + 1):
                 server_cpu_start = cpu_seconds_by_role(os.getpid())
+                stats_before = await handle.stats.remote()
                 start, cpu_start = time.time(), time.process_time()
                 done = await asyncio.gather(*(post_streamed(session, url, _body(model, ids, m))
                                               for ids, m in zip(w["prompts"], w["max_tokens"])))
                 elapsed, cpu = time.time() - start, time.process_time() - cpu_start
                 server_cpu = busiest(server_cpu_start, cpu_seconds_by_role(os.getpid()), elapsed)
+                work = step_work(stats_before, await handle.stats.remote())
                 if any(r["error"] or r["status"] != 200 for r in done):
                     raise RuntimeError(f"a request failed: {next(r for r in done if r['error'] or r['status'] != 200)}")
                 rate = sum(r["tokens"] for r in done) / elapsed
                 if rep:  # the first burst warms up, as in-process
                     row["runs"].append(round(rate, 1))
                 if rep and rate > row["best"]:  # the client's own CPU: near 100% means the client set the pace
-                    row.update(best=rate, client_cpu=round(cpu / elapsed, 2), server_cpu=server_cpu,
+                    row.update(best=rate, client_cpu=round(cpu / elapsed, 2), server_cpu=server_cpu, step_work=work,
                                ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
                                sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
         await handle.set_max_active.remote(4)
@@ -177,6 +180,12 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
             ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
             results["ttft"][num_tokens] = statistics.median(ttfts[2:])
     return results
+
+
+def _work(work: dict[str, float] | None) -> str:
+    if not work:
+        return "-"
+    return f"{work['steps']} steps, {work['host_ms_per_step']:.3f} / {work['device_wait_ms_per_step']:.3f}"
 
 
 def busiest(before: dict[str, float], after: dict[str, float], elapsed_s: float, top: int = 5) -> dict[str, float]:
@@ -284,7 +293,8 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
                      "http_tok_s_runs": h["runs"],  # the best alone flatters a noisy row
                      "ratio_of_medians": round(statistics.median(h["runs"]) / statistics.median(e["runs"]), 3),
                      "client_cpu": h.get("client_cpu"), "server_cpu": h.get("server_cpu"), "ttft_p50_max_ms": {"in_process": e["ttft"], "http": h["ttft"]},
-                     "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent")})
+                     "in_process_steps_mean_ms": e["steps"], "client_send_spread_ms": h.get("sent"),
+                     "step_work": {"in_process": e["step_work"], "http": h.get("step_work")}})
     ttft = [{"workload": f"1 at a time ({n} -> 16), median TTFT", "prompt_tokens": n,
              "in_process_ms": round(1e3 * engine["ttft"][n], 2), "http_ms": round(1e3 * http["ttft"][n], 2),
              "difference_ms": round(1e3 * (http["ttft"][n] - engine["ttft"][n]), 2)} for n in ttft_lengths(args)]
@@ -294,6 +304,9 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
               f"({r['ratio']:.2f}x, medians {r['ratio_of_medians']:.2f}x), client CPU {r['client_cpu'] or 0:.0%}; "
               f"TTFT p50/max ms {r['ttft_p50_max_ms']['in_process']} | {r['ttft_p50_max_ms']['http']}; "
               f"sent in {r['client_send_spread_ms']} ms")
+        work = r["step_work"]
+        print("  engine steps, host / device-wait ms per step: in process " + _work(work["in_process"])
+              + ", behind HTTP " + _work(work["http"]))
         print(f"  busiest processes over the best HTTP burst, share of a core: "
               f"{', '.join(f'{role} {share:.2f}' for role, share in (r['server_cpu'] or {}).items())}")
     for t in ttft:

@@ -373,8 +373,9 @@ class LLMEngine:
 
     def _finish(self, step: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids and turn them into outputs."""
+        wait_start = time.perf_counter()
         tokens = step.handle.tokens()
-        self.reporter.record_step(step.num_prefill, step.num_decode, step.start)
+        self.reporter.record_step(step.num_prefill, step.num_decode, step.start, time.perf_counter() - wait_start)
         processor = self.output_processor
         if step.has_grammar:
             processor.advance_grammars(step.pending, tokens)

@@ -107,6 +107,10 @@ class EngineStats:
     decode_time_s: float = 0.0
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0
+    # Of those steps' time, the part the step loop spent waiting for the device's sampled ids
+    # (the rest is host work: scheduling, launching, outputs); on a sim device, its emulated time.
+    device_wait_time_s: float = 0.0
+    num_steps: int = 0  # steps whose sampled ids landed, since start
     # The host KV tier (engine/kv_cache/host_tier.py); all 0 without one.
     prefix_cache_host_hits: int = 0  # prompt tokens that hit in the host tier since start
     kv_host_offloaded_blocks: int = 0  # blocks copied device -> host since start

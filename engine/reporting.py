@@ -60,8 +60,9 @@ class EngineReporter:
         self._rescan: deque[Request] = deque()  # the waiting requests an eviction's pass has still to look at
         self._reported_cached: dict[str, int] = {}  # queued request -> the prefix hit last reported
 
-    def record_step(self, num_prefill: int, num_decode: int, start: float) -> None:
-        """A step whose sampled ids just landed; `start` is perf_counter() when its launch began."""
+    def record_step(self, num_prefill: int, num_decode: int, start: float, device_wait_s: float = 0.0) -> None:
+        """A step whose sampled ids just landed; `start` is perf_counter() when its launch began,
+        `device_wait_s` how long the loop then waited for those ids."""
         now = time.perf_counter()
         # The step's share of the wall: from its launch, or from the previous step's end when
         # it was launched while that one ran.
@@ -77,6 +78,8 @@ class EngineReporter:
             st.decode_time_s += elapsed
         st.num_prompt_tokens_total += num_prefill
         st.num_generation_tokens_total += num_decode
+        st.device_wait_time_s += min(device_wait_s, elapsed)
+        st.num_steps += 1
 
     def get_stats(self) -> EngineStats:
         st, kv = self.stats, self.kv_cache_manager

@@ -31,6 +31,9 @@ def test_served_path_runs_every_row_at_toy_scale(tmp_path):
             assert 0 < p50 <= worst
         steps, mean_ms = row["in_process_steps_mean_ms"]
         assert steps > 0 and mean_ms > 0
+        # the engine's steps of the best burst, in process and behind HTTP, host work apart
+        for work in row["step_work"].values():
+            assert work["steps"] > 0 and work["host_ms_per_step"] > 0 and work["device_wait_ms_per_step"] >= 0
         # the busiest processes over the burst, by role: some of the server worked
         assert 0 < len(row["server_cpu"]) <= 5 and sum(row["server_cpu"].values()) > 0
         assert all(share >= 0 for share in row["server_cpu"].values())

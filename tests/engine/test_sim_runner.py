@@ -141,3 +141,14 @@ def test_the_prefill_table_measured_on_a_sim_engine_is_the_one_it_runs_with():
     table = measure_prefill_table(engine, repeats=1)
     assert sorted(table) == [64, 512, 2048, 8192]
     assert table[512] == pytest.approx(10000, rel=0.15) and table[2048] == pytest.approx(40000, rel=0.15)
+
+
+def test_the_stats_split_a_steps_time_into_host_work_and_waiting_for_the_device():
+    """Each step's wait for its sampled ids is counted apart (`device_wait_time_s`), within the
+    steps' time, and each step once (`num_steps`)."""
+    engine = sim_engine(step_s=0.02)
+    run(engine, [("a", list(range(10, 42)), SamplingParams(max_tokens=6, ignore_eos=True))])
+    stats = engine.get_stats()
+    busy_s = stats.prefill_time_s + stats.decode_time_s
+    assert stats.num_steps == 6  # the prefill's step samples the first token, then one step per token
+    assert 0 < stats.device_wait_time_s <= busy_s
