@@ -357,13 +357,20 @@ def engine_stats(handles: dict[str, Any]) -> list[Any] | None:
         return None
 
 
+def _step_seconds(before: Any, after: Any) -> tuple[float, float, float]:
+    """Between two of an engine's stats (EngineStats): seconds in steps with prefill, in all
+    steps, and of those spent waiting for the device's sampled ids."""
+    prefill_s = after.prefill_time_s - before.prefill_time_s
+    busy_s = prefill_s + after.decode_time_s - before.decode_time_s
+    return prefill_s, busy_s, after.device_wait_time_s - before.device_wait_time_s
+
+
 def step_work(before: Any, after: Any) -> dict[str, float]:
-    """An engine's steps between two of its stats (EngineStats): how many, and per step the
-    milliseconds of host work (scheduling, launching, outputs: the step loop's own time) and of
-    waiting for the device's sampled ids."""
+    """An engine's steps between two of its stats: how many, and per step the milliseconds of
+    host work (scheduling, launching, outputs: the step loop's own time) and of waiting for the
+    device's sampled ids."""
     steps = after.num_steps - before.num_steps
-    busy_s = after.prefill_time_s + after.decode_time_s - before.prefill_time_s - before.decode_time_s
-    wait_s = after.device_wait_time_s - before.device_wait_time_s
+    _, busy_s, wait_s = _step_seconds(before, after)
     if steps <= 0:
         return {"steps": 0, "host_ms_per_step": 0.0, "device_wait_ms_per_step": 0.0}
     return {"steps": steps, "host_ms_per_step": round(1e3 * (busy_s - wait_s) / steps, 3),
@@ -376,9 +383,7 @@ def engine_work(before: Any, after: Any, wall_s: float) -> dict[str, float]:
     bottleneck; well below while requests queue: the wait is elsewhere), the parts of that in
     steps with prefill and spent waiting for the device (the rest of a step is host work), and
     the tokens it computed and generated."""
-    prefill_s = after.prefill_time_s - before.prefill_time_s
-    busy_s = prefill_s + after.decode_time_s - before.decode_time_s
-    wait_s = after.device_wait_time_s - before.device_wait_time_s
+    prefill_s, busy_s, wait_s = _step_seconds(before, after)
     return {"wall_s": round(wall_s, 3), "busy_share": round(busy_s / wall_s, 4) if wall_s > 0 else 0.0,
             "prefill_share_of_busy": round(prefill_s / busy_s, 4) if busy_s > 0 else 0.0,
             "device_wait_share_of_busy": round(wait_s / busy_s, 4) if busy_s > 0 else 0.0,
