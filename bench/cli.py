@@ -329,7 +329,7 @@ def _run_tenants(args: argparse.Namespace) -> int:
     total = args.runs * len(args.arms) * sum(c.num_requests for c in cells)
     with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
         records = tenants.run_tenants(ctx, cells, args.arms, args.runs, args.max_active, bar,
-                                       args.drain_timeout_s)
+                                       args.drain_timeout_s, args.step_profile)
     harness.write_json(out_dir / "meta.json", ctx.meta)  # with what the run measured first (serving_latency)
     cells_summary = tenants.summarize(records)
     for cell in cells_summary:

@@ -132,16 +132,14 @@ def build_workload(name: str, args: argparse.Namespace, vocab: int) -> tuple[lis
 
 def load_or_measure_profile(engine: Any, path: str | None, write_to: Path) -> Any:
     """The real engine's sim profile: `path`, else measured now as `tandem profile --sim-profiles` does."""
-    from tandem.engine.profiler import engine_shape, measure_context_cost, measure_prefill_table, measure_rates
+    from tandem.engine.profiler import measure_rates, measure_sim_extras
     from tandem.routing.step_time import load_sim_profile, sim_profile_from_dict
 
     if path:
         return load_sim_profile(path)
     entry = measure_rates(engine, engine.config.max_active)
     entry.pop("spread", None)
-    entry.update(decode_s_per_context_token=measure_context_cost(engine),
-                 prefill_tok_s_by_tokens=measure_prefill_table(engine), **engine_shape(engine),
-                 description=f"bench fidelity: {engine.model_name} on {engine.config.device}")
+    entry.update(measure_sim_extras(engine), description=f"bench fidelity: {engine.model_name} on {engine.config.device}")
     write_to.write_text(json.dumps(entry, indent=1))
     return sim_profile_from_dict(entry)
 

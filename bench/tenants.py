@@ -117,8 +117,9 @@ def settings(args: argparse.Namespace, cells: Sequence[TenantsCell]) -> dict[str
 
 # -- running ---------------------------------------------------------------------------------
 def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], runs: int, max_active: int,
-                bar: Any, drain_timeout_s: float | None = None) -> list[dict[str, Any]]:
-    """Measure every cell under every arm, `runs` times, on one cluster; returns the run records."""
+                bar: Any, drain_timeout_s: float | None = None, step_profile: str | None = None) -> list[dict[str, Any]]:
+    """Measure every cell under every arm, `runs` times, on one cluster; returns the run records.
+    `step_profile` (a sim profile) times the accelerator backends' steps in the cells' scenarios."""
     from bench.harness import write_json
     from bench.runner import arm_order, token_seed
 
@@ -132,7 +133,7 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
         ctx.meta["serving_latency"] = latency
         for cell in cells:
             write_scenario(ctx.out_dir / "scenarios" / f"{cell.name}.yaml", cell, cluster, seed=_arrival_seed(cell, 1),
-                           serving=latency)
+                           serving=latency, step_profile=step_profile)
         for run in range(1, runs + 1):
             for cell in cells:
                 for arm in arm_order(list(arms), run):
@@ -219,9 +220,10 @@ def compact_decision(decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
-                   serving: dict[str, Any] | None = None) -> None:
+                   serving: dict[str, Any] | None = None, step_profile: str | None = None) -> None:
     """The route-sim scenario of `cell` on this cluster's backends (run 1's arrivals), with the
-    serving path's latency (`measure_serving_latency`) when measured."""
+    serving path's latency (`measure_serving_latency`) when measured, and each backend's step
+    timing beyond its rates (`step_timing`)."""
     import json
 
     import yaml
@@ -231,6 +233,9 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
     for b in cluster.layout.arm_backends(HYBRID_ARM, cluster.accel_max_active, cluster.cpu_max_active):
         backend = {"backend_id": b["id"], "device_kind": b["device"], "max_active": b["max_active"],
                    "rates": rates.get(b["id"]) or rates[b["device"]]}
+        timing = step_timing(b, cluster.layout, step_profile)
+        if timing:
+            backend["step_time"] = timing
         if b["id"] in cluster.layout.devices:  # engines on one GPU share it in the simulator too
             backend["device"] = cluster.layout.devices[b["id"]]
         if b.get("num_kv_blocks"):
@@ -257,6 +262,19 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
 
 
 SCENARIO_BLOCK_SIZE = 16  # the cluster's block size (its default)
+
+
+def step_timing(backend: dict[str, Any], layout: Any, step_profile: str | None) -> dict[str, Any]:
+    """What times `backend`'s steps beyond its rates in route-sim (the context cost, the prefill
+    table): a sim backend's own profile, as its emulated device runs it; an accelerator's,
+    `step_profile` where given (a sim profile of that device, `tandem profile --sim-profiles`)."""
+    from tandem.routing.step_time import load_sim_profile
+
+    if backend.get("profile"):
+        return load_sim_profile(backend["profile"]).dilated(layout.sim_time_scale).step_time_fields()
+    if step_profile and backend["device"] != "cpu":
+        return load_sim_profile(step_profile).step_time_fields()
+    return {}
 
 
 def host_kv_blocks(model: str, backend: dict[str, Any], block_size: int) -> int:

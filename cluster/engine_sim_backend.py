@@ -289,7 +289,7 @@ def engine_backend_factory(max_num_batched_tokens: int | None = None, async_sche
         if sim_spec.num_host_kv_blocks and rates.reload_tok_s is None:
             raise ConfigError(f"backend {backend_id}: a host KV tier ({sim_spec.num_host_kv_blocks} blocks) needs "
                               "the rate its blocks are reloaded at: give reload_tok_s in its actual rates")
-        step_time = StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if sim_spec.num_host_kv_blocks else None)
+        step_time = sim_spec.step_time(with_host_tier=bool(sim_spec.num_host_kv_blocks))
         device_kind = _ENGINE_DEVICE.get(sim_spec.spec.device_kind, sim_spec.spec.device_kind)
         budget = max_num_batched_tokens or sim_spec.max_num_batched_tokens or default_max_num_batched_tokens(device_kind)
         num_kv_blocks = sim_spec.num_kv_blocks or _room_for_everything(scenario)

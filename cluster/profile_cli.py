@@ -82,18 +82,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sim_extras(engine, plan, args: argparse.Namespace) -> dict:
-    """What a sim profile holds beyond the rates: the context cost and the engine's shape."""
+    """What a sim profile holds beyond the rates: the context cost by batch, the prefill table and
+    the engine's shape."""
     import platform
 
-    from tandem.engine.profiler import engine_shape, measure_context_cost, measure_prefill_table
+    from tandem.engine.profiler import measure_sim_extras
 
-    context_cost = measure_context_cost(engine, args.context_len, args.decode_tokens, repeats=args.repeats)
-    prefill_table = measure_prefill_table(engine, repeats=args.repeats)
+    extras = measure_sim_extras(engine, args.context_len, args.decode_tokens, repeats=args.repeats)
     description = (f"tandem profile of {engine.model_name} on {engine.config.device} ({plan.reason}), dtype "
                    f"{engine.config.dtype}, {plan.threads} thread{'s' if plan.threads != 1 else ''}, "
                    f"{platform.node() or 'this machine'}")
-    return {"description": description, "device_kind": engine.device_kind, "decode_s_per_context_token": context_cost,
-            "prefill_tok_s_by_tokens": prefill_table, **engine_shape(engine)}
+    return {"description": description, "device_kind": engine.device_kind, **extras}
 
 
 def _write_sim_profiles(directory: str, found: dict) -> None:

@@ -78,12 +78,12 @@ def _reload_rate(engine: Any) -> float | None:
 
 
 def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: int = 16, seed: int = 1,
-                         repeats: int = 3) -> float:
-    """Seconds a decode step gains per context token of its batch: decode steps of the largest
-    batch the cache holds twice over at `context_len` tokens against the same at 16, the
-    difference spread over the batch's extra context (median of `repeats`; 0 when longer contexts
-    measured no slower). The rates leave this out (their prompts are short); an emulated device
-    adds it back (routing/step_time.py).
+                         repeats: int = 3, batch: int | None = None) -> float:
+    """Seconds a decode step gains per context token of its batch: decode steps of `batch`
+    sequences (default: the largest batch the cache holds twice over) at `context_len` tokens
+    against the same at 16, the difference spread over the batch's extra context (median of
+    `repeats`; 0 when longer contexts measured no slower). The rates leave this out (their
+    prompts are short); an emulated device adds it back (routing/step_time.py).
 
     Each batch's prompts are prefilled once first, so the measured run finds them cached and
     prefills only their last blocks, in one step: its decode steps are then all at the full
@@ -92,9 +92,9 @@ def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: in
     those run at a smaller batch than the one the time is divided by.)"""
     rng = random.Random(seed)
     num_tokens = min(engine.model_config.vocab_size, len(engine.tokenizer))
-    context_len = max(32, min(context_len, engine.max_model_len - decode_tokens - 2))
-    batch = max(1, min(engine.config.max_active, engine.kv_cache_manager.num_usable_blocks * engine.config.block_size
-                       // (context_len + decode_tokens) // 2))
+    context_len = _context_len(engine, context_len, decode_tokens)
+    largest = _largest_context_batch(engine, context_len, decode_tokens)
+    batch = largest if batch is None else max(1, min(batch, largest))
 
     def step_s(prompt_len: int) -> float:
         prompts = [[rng.randrange(3, num_tokens) for _ in range(prompt_len)] for _ in range(batch)]
@@ -106,6 +106,37 @@ def measure_context_cost(engine: Any, context_len: int = 1024, decode_tokens: in
     costs = [(step_s(context_len) - step_s(16)) / (batch * (context_len - 16)) for _ in range(max(1, repeats))]
     engine.drain_progress()
     return max(0.0, _median(costs))
+
+
+def measure_context_cost_by_batch(engine: Any, context_len: int = 1024, decode_tokens: int = 16,
+                                  repeats: int = 3) -> dict[int, float]:
+    """`measure_context_cost` at batches 1, 4, 16, 64, ... up to the largest the cache holds
+    twice over (and that one): a decode step's attention spreads its work over the batch's
+    sequences, so a small batch of long contexts pays more per context token than a large one."""
+    context_len = _context_len(engine, context_len, decode_tokens)
+    largest = _largest_context_batch(engine, context_len, decode_tokens)
+    batches = sorted({*(4 ** i for i in range(largest.bit_length()) if 4 ** i <= largest), largest})
+    return {b: measure_context_cost(engine, context_len, decode_tokens, seed=b, repeats=repeats, batch=b)
+            for b in batches}
+
+
+def _context_len(engine: Any, context_len: int, decode_tokens: int) -> int:
+    return max(32, min(context_len, engine.max_model_len - decode_tokens - 2))
+
+
+def _largest_context_batch(engine: Any, context_len: int, decode_tokens: int) -> int:
+    """The most sequences of `context_len` tokens the cache holds twice over, up to max_active."""
+    room = engine.kv_cache_manager.num_usable_blocks * engine.config.block_size
+    return max(1, min(engine.config.max_active, room // (context_len + decode_tokens) // 2))
+
+
+def measure_sim_extras(engine: Any, context_len: int = 1024, decode_tokens: int = 16, repeats: int = 3) -> dict:
+    """What a sim profile holds beyond the rates (routing/step_time.py's `SimProfile`): the
+    context cost by batch (and at the largest batch, for one figure), the prefill rate by step
+    size, and the engine's shape."""
+    by_batch = measure_context_cost_by_batch(engine, context_len, decode_tokens, repeats)
+    return {"decode_s_per_context_token": by_batch[max(by_batch)], "decode_s_per_context_token_by_batch": by_batch,
+            "prefill_tok_s_by_tokens": measure_prefill_table(engine, repeats=repeats), **engine_shape(engine)}
 
 
 def measure_prefill_table(engine: Any, repeats: int = 3, seed: int = 2) -> dict[int, float]:

@@ -27,7 +27,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -38,6 +38,7 @@ from tandem.routing.new_token_ratio import NewTokenRatioConfig
 from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard
 from tandem.routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
 from tandem.routing.replication import ReplicationConfig
+from tandem.routing.step_time import StepTimeModel
 
 
 @dataclass
@@ -86,6 +87,15 @@ class SimBackendSpec:
     kv_host_offload_min_hits: int | None = None
     # Tokens per step on the engine model; None: the engine's default for the device kind.
     max_num_batched_tokens: int | None = None
+    # What times a step beyond `actual_rates` (routing/step_time.py): the context cost, by batch
+    # where measured so, and the prefill rate by step size; empty: the rates alone.
+    step_time_fields: dict[str, Any] = field(default_factory=dict)
+
+    def step_time(self, with_host_tier: bool = False) -> StepTimeModel:
+        """The simulated backend's step-time model; `with_host_tier` times reloads too."""
+        rates = self.actual_rates
+        return StepTimeModel(rates, host_reload_tok_s=rates.reload_tok_s if with_host_tier else None,
+                             **self.step_time_fields)
 
 
 @dataclass
@@ -128,6 +138,16 @@ class Scenario:
 _STRICT = ConfigDict(extra="forbid")
 
 
+class _StepTimeFields(BaseModel):
+    """A simulated backend's step timing beyond its rates, as a sim profile holds it
+    (routing/step_time.py's `StepTimeModel`, whose fields these are)."""
+
+    model_config = _STRICT
+    decode_s_per_context_token: float = Field(0.0, ge=0)
+    decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None
+    prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None
+
+
 class _BackendModel(BaseModel):
     model_config = _STRICT
     backend_id: str = Field(min_length=1)
@@ -140,6 +160,7 @@ class _BackendModel(BaseModel):
     num_host_kv_blocks: int = Field(0, ge=0)  # tenants scenarios: the host KV tier's room in blocks; 0: none
     kv_host_offload_min_hits: int | None = Field(None, ge=0)  # the tier's gate; None: the engine's default
     max_num_batched_tokens: int | None = Field(None, ge=1)  # the engine model's step budget
+    step_time: _StepTimeFields | None = None  # a step's timing beyond the actual rates
 
 
 class _RequestFields(BaseModel):
@@ -400,8 +421,9 @@ def _backend(model: _BackendModel, path: str) -> SimBackendSpec:
         raise ConfigError(f"{path}.num_host_kv_blocks: a host KV tier ({model.num_host_kv_blocks} blocks) needs the "
                           f"rate its blocks are reloaded at: give {path}.{where}.reload_tok_s")
     spec = BackendSpec(model.backend_id, model.device_kind, rates, model.max_active, model.device)
+    step_time = {} if model.step_time is None else model.step_time.model_dump(exclude_none=True)
     return SimBackendSpec(spec, actual, model.num_kv_blocks, model.device, model.num_host_kv_blocks,
-                          model.kv_host_offload_min_hits, model.max_num_batched_tokens)
+                          model.kv_host_offload_min_hits, model.max_num_batched_tokens, step_time)
 
 
 def _requests(model: _ScenarioModel, backend_ids: list[str]) -> list[SimRequest]:

@@ -134,7 +134,7 @@ def make_backend(scenario: Scenario, sim_spec: SimBackendSpec, reporter: Reporte
     if scenario.has_prefix_caches:
         cache = SimPrefixCache(sim_spec.num_kv_blocks, scenario.block_size)
     return SimBackend(sim_spec.spec.backend_id, sim_spec.actual_rates, sim_spec.spec.max_active, reporter, cache,
-                      device)
+                      device, sim_spec.step_time())
 
 
 class BackendFactory(Protocol):

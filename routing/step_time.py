@@ -9,7 +9,7 @@ A step that prefills `num_prefill_tokens` and decodes one token for each of `num
 sequences whose KV spans `num_context_tokens` lasts
 
     num_prefill_tokens / prefill_rate(num_prefill_tokens) + num_decode_seqs / decode_rate(num_decode_seqs)
-        + num_context_tokens * decode_s_per_context_token
+        + num_context_tokens * context_cost(num_decode_seqs)
 
 The terms are the cost model's own reading of a profile (routing/rates.py: aggregate prefill
 and batch-aware decode rates), so the router ranks work with the same numbers the emulator
@@ -18,6 +18,13 @@ prefill rate by the step's size (a GPU prefills a step of 8k tokens at several t
 one 512-token prompt) and the context cost (attention reads every cached token of every
 decoding sequence each step). Without them, every prefill runs at the rates' one prefill rate and
 every decode as if its context were short.
+
+The context cost is seconds per context token of a decode step, by the step's batch where the
+profile measured it so (`decode_s_per_context_token_by_batch`, interpolated like the decode
+rates), else one figure for every batch. It depends on the batch: a decode step's attention
+kernel spreads its work over the sequences (and heads) of the batch, so a batch of 16 long
+sequences keeps few of a GPU's multiprocessors busy and pays several times more per context
+token than a batch of 256 does.
 
 A *sim profile* is one device's measurement, written by `tandem profile` from a real device: the
 rates plus the engine shape the device was run with (max_active, KV tokens, batched-token
@@ -43,7 +50,7 @@ PROFILES_DIR = Path(__file__).resolve().parent / "sim_profiles"
 @dataclass(frozen=True)
 class StepTimeModel:
     rates: RateProfile
-    decode_s_per_context_token: float = 0.0
+    decode_s_per_context_token: float = 0.0  # at every batch, where the table below is None
     # Aggregate prefill tok/s by the step's prefill tokens (interpolated, clamped to the ends);
     # None: `rates.prefill_tok_s` at every size. A GPU prefills a step of thousands of tokens
     # at several times the rate of one 512-token prompt, which is what the rates measure.
@@ -51,6 +58,14 @@ class StepTimeModel:
     # Tokens a second the device reloads from a host KV tier (host-to-device copies); None:
     # the device is not modelled with a host tier.
     host_reload_tok_s: float | None = None
+    # Seconds per context token of a decode step by its batch (interpolated, clamped to the
+    # ends); None: `decode_s_per_context_token` at every batch (module doc).
+    decode_s_per_context_token_by_batch: dict[int, float] | None = None
+
+    def context_cost(self, num_decode_seqs: int) -> float:
+        """Seconds a decode step of `num_decode_seqs` sequences spends per context token."""
+        table = self.decode_s_per_context_token_by_batch
+        return interpolate(table, num_decode_seqs) if table else self.decode_s_per_context_token
 
     def reload_s(self, num_tokens: int) -> float:
         """Seconds to reload `num_tokens` tokens' KV from the host tier."""
@@ -71,7 +86,7 @@ class StepTimeModel:
             seconds += num_prefill_tokens / self.prefill_rate(num_prefill_tokens)
         if num_decode_seqs:
             seconds += self.rates.decode_step_s(num_decode_seqs)
-            seconds += num_context_tokens * self.decode_s_per_context_token
+            seconds += num_context_tokens * self.context_cost(num_decode_seqs)
         return seconds
 
 
@@ -100,6 +115,7 @@ class SimProfile(BaseModel):
     decode_tok_s: float = Field(gt=0)
     decode_tok_s_by_batch: dict[int, float] | None = None
     decode_s_per_context_token: float = Field(default=0.0, ge=0)
+    decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None  # StepTimeModel's
     prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None  # StepTimeModel's
     host_reload_tok_s: float | None = Field(default=None, gt=0)  # StepTimeModel's; None: no host KV tier
     # The engine the device ran, which an emulated engine takes as its defaults.
@@ -115,12 +131,15 @@ class SimProfile(BaseModel):
         scores stay those of the device it sees."""
         if time_scale == 1.0:
             return self
-        table, prefill = self.decode_tok_s_by_batch, self.prefill_tok_s_by_tokens
+        table, prefill, context = (self.decode_tok_s_by_batch, self.prefill_tok_s_by_tokens,
+                                   self.decode_s_per_context_token_by_batch)
         return self.model_copy(update={
             "prefill_tok_s": self.prefill_tok_s / time_scale, "decode_tok_s": self.decode_tok_s / time_scale,
             "decode_tok_s_by_batch": None if table is None else {b: r / time_scale for b, r in table.items()},
             "prefill_tok_s_by_tokens": None if prefill is None else {n: r / time_scale for n, r in prefill.items()},
             "decode_s_per_context_token": self.decode_s_per_context_token * time_scale,
+            "decode_s_per_context_token_by_batch": None if context is None else {b: c * time_scale
+                                                                                 for b, c in context.items()},
             "host_reload_tok_s": None if self.host_reload_tok_s is None else self.host_reload_tok_s / time_scale,
             "description": f"{self.description} [dilated {time_scale:g}x]"})
 
@@ -129,7 +148,15 @@ class SimProfile(BaseModel):
 
     def step_time(self) -> StepTimeModel:
         return StepTimeModel(self.rates(), self.decode_s_per_context_token, self.prefill_tok_s_by_tokens,
-                             self.host_reload_tok_s)
+                             self.host_reload_tok_s, self.decode_s_per_context_token_by_batch)
+
+    def step_time_fields(self) -> dict[str, Any]:
+        """What this profile times a step by beyond the rates (the context cost, the prefill
+        table), as a route-sim scenario's backend `step_time` holds it; those it does not have
+        are left out."""
+        fields = self.model_dump(include={"decode_s_per_context_token", "decode_s_per_context_token_by_batch",
+                                          "prefill_tok_s_by_tokens"})
+        return {name: value for name, value in fields.items() if value}
 
     def rate_fields(self) -> dict[str, Any]:
         """What the router's rates file holds for this device."""

@@ -12,7 +12,9 @@
 #   noreuse: one engine, every prompt its own (one shared block per tenant), tier on against off,
 #           at NOREUSE_RATES: what keeping every evicted block costs where nothing is reloaded
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
-# later runs reuse those rates. Each run comes back as NAME-summary.json, and every run's whole
+# later runs reuse those rates. On cuda, `tandem profile --sim-profiles` first measures the decode
+# step's context cost by batch at the prefixes' length (and the prefill table), which the rates
+# leave out: route-sim's prediction of every cell times its steps with them (--step-profile). Each run comes back as NAME-summary.json, and every run's whole
 # output (logs, per-request records, scenarios) in one host-tier-runs.tgz (a call returns 8 files).
 # Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART...
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
@@ -40,9 +42,23 @@ common=(--model "$model" --tenants "$tenants" --prefix-tokens "$prefix" --suffix
         --arrival-rates "$rates" --duration-s "$duration" --runs "$runs" --max-active "$max_active" --drain-timeout-s 120
         --time-budget-s "$budget" ${SIM_PROFILE:+--sim-profile "$SIM_PROFILE"})
 profiled=""
+step_profile=()
+if [ "$backend" = cuda ]; then
+  start=$SECONDS
+  python3 -m tandem.cluster.cli profile --backends cuda --model "$model" --max-active "$max_active" \
+    --sim-profiles "$work/step-profile" --context-len "$prefix" --output "$work/step-rates.json" \
+    > "$work/step-profile.log" 2>&1 || { echo "step profile failed:"; tail -20 "$work/step-profile.log"; }
+  if [ -f "$work/step-profile/cuda0.json" ]; then
+    step_profile=(--step-profile "$work/step-profile/cuda0.json")
+    echo "step profile: $(( SECONDS - start )) s; context cost by batch (s per context token):" \
+      "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_s_per_context_token_by_batch"])' \
+         "$work/step-profile/cuda0.json")"
+  fi
+fi
 run() {  # NAME ARGS...: one bench tenants run; the part's first profiles, the later ones reuse its rates
   local name=$1 start=$SECONDS; shift
-  python3 -m tandem.cluster.cli bench tenants --out "$work/$name" "${common[@]}" ${profiled:+--rates "$profiled"} "$@" \
+  python3 -m tandem.cluster.cli bench tenants --out "$work/$name" "${common[@]}" ${profiled:+--rates "$profiled"} \
+    "${step_profile[@]}" "$@" \
     > "$work/$name.log" 2>&1 || { echo "$name failed:"; tail -20 "$work/$name.log"; }
   echo "$name: $(( SECONDS - start )) s"
   [ -n "$profiled" ] || { [ -f "$work/$name/rates.json" ] && profiled="$work/$name/rates.json"; }

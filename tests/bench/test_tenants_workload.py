@@ -192,3 +192,29 @@ def test_prediction_error_is_the_median_factor_and_point_gap_per_model():
     assert errors["engine"]["ttft_p50_factor"] == pytest.approx((2 * 1.25) ** 0.5)  # the median of two logs
     assert errors["engine"]["hit_rate_points"] == pytest.approx(1.0)
     assert errors["route-sim"] == {"pairs": 1, "ttft_p50_factor": 1.0, "hit_rate_points": pytest.approx(10.0)}
+
+
+def test_written_scenario_times_steps_as_the_sim_profile_or_the_step_profile_says(tmp_path):
+    """A sim backend's scenario carries its own profile's context cost and prefill table (its
+    emulated device runs them); an accelerator's, the `--step-profile` given; a cpu's, neither."""
+    from bench.harness import Layout
+    from bench.tenants import write_scenario
+    from tandem.routing.scenario import load_scenario
+
+    extras = {"decode_s_per_context_token_by_batch": {"1": 4e-8, "64": 1e-8}, "prefill_tok_s_by_tokens": {"64": 9000}}
+    profile = tmp_path / "dev.json"
+    profile.write_text(json.dumps({"prefill_tok_s": 1000, "decode_tok_s": 100, **extras}))
+    rates = {"prefill_tok_s": 1000, "decode_tok_s": 100}
+    (tmp_path / "rates.json").write_text(json.dumps({"cuda": rates, "cpu": rates, "sim": rates}))
+    backends = [{"id": "cuda0", "device": "cuda"}, {"id": "cpu0", "device": "cpu"},
+                {"id": "sim0", "device": "sim", "profile": str(profile)}]
+    layout = Layout("m", backends, "cuda0", True, None, sim_kinds={"sim0": "cuda"}, sim_time_scale=2.0)
+    cluster = SimpleNamespace(rates_path=tmp_path / "rates.json", layout=layout, accel_max_active=8,
+                              cpu_max_active=4, router_settings={"spill_margin": 0.05, "spill_allow_queue": False})
+    write_scenario(tmp_path / "cell.yaml", CELL, cluster, seed=7, step_profile=str(profile))
+    cuda, cpu, sim = load_scenario(tmp_path / "cell.yaml").backends
+    assert cuda.step_time().step_s(0, 1, 1000) == pytest.approx(1 / 100 + 1000 * 4e-8)
+    assert cpu.step_time().step_s(0, 1, 1000) == pytest.approx(1 / 100)
+    assert sim.step_time().context_cost(64) == pytest.approx(2 * 1e-8)  # dilated as the sim runs it
+    write_scenario(tmp_path / "plain.yaml", CELL, cluster, seed=7)
+    assert load_scenario(tmp_path / "plain.yaml").backends[0].step_time_fields == {}

@@ -14,7 +14,7 @@ from tandem.routing.rates import RateProfile
 from tandem.routing.scenario import parse_scenario
 from tandem.routing.sim_report import summarize
 from tandem.routing.sim_backend import SimJob
-from tandem.routing.simulator import simulate
+from tandem.routing.simulator import make_backend, simulate
 from tandem.routing.step_time import StepTimeModel
 
 BS = 16
@@ -332,6 +332,28 @@ def test_each_backend_steps_with_its_scenarios_budget_else_its_device_kinds_engi
     make = engine_backend_factory()
     assert {s.spec.backend_id: make(scenario, s, None, None).async_scheduling for s in scenario.backends} == {
         "c": False, "g": True, "s": True, "m": False, "x": True}
+
+
+def test_a_scenarios_step_time_block_times_the_steps_of_both_backend_models():
+    """A backend's `step_time` (a sim profile's context cost by batch, its prefill table) times
+    its steps on the engine model and on route-sim's own; without it, the rates alone do."""
+    rates = {"prefill_tok_s": 4000, "decode_tok_s": 400}
+    extras = {"decode_s_per_context_token_by_batch": {1: 1e-4, 8: 1e-5}, "prefill_tok_s_by_tokens": {64: 1000}}
+    scenario = parse_scenario({
+        "backends": [{"backend_id": "t", "device_kind": "cuda", "rates": rates, "step_time": extras},
+                     {"backend_id": "r", "device_kind": "cuda", "rates": rates}],
+        "tenants": {"num_requests": 1, "rate_per_s": 1, "num_tenants": 1, "prefix_tokens": 16,
+                    "suffix_tokens": 16, "max_tokens": 1}}, source="test")
+    timed, plain = scenario.backends
+    for make in (engine_backend_factory(), make_backend):
+        model = make(scenario, timed, None, None).step_time
+        assert model.step_s(0, 1, 1000) == pytest.approx(1 / 400 + 1000 * 1e-4)
+        assert model.step_s(64, 0) == pytest.approx(64 / 1000)
+        assert make(scenario, plain, None, None).step_time.step_s(0, 1, 1000) == pytest.approx(1 / 400)
+    with pytest.raises(ConfigError, match="step_time.decode_s_per_context_token_by_batch"):
+        parse_scenario({"backends": [{"backend_id": "t", "device_kind": "cuda", "rates": rates,
+                                      "step_time": {"decode_s_per_context_token_by_batch": {1: -1.0}}}],
+                        "requests": [{"arrival_s": 0, "num_prompt_tokens": 4, "max_tokens": 1}]}, source="test")
 
 
 def test_the_oracle_replays_on_the_model_the_policies_ran_on():

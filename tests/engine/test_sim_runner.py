@@ -130,6 +130,25 @@ def test_the_context_cost_measured_on_a_sim_engine_is_the_one_it_runs_with():
     assert measured == pytest.approx(cost, rel=0.15)
 
 
+def test_the_context_cost_by_batch_measured_on_a_sim_engine_is_the_one_it_runs_with():
+    """A device whose decode pays more per context token at a small batch (its attention spread
+    over few sequences) measures as such at each batch, up to the largest the cache holds twice;
+    the sim extras keep the table and, as the one figure, its largest batch's cost."""
+    from tandem.engine.profiler import measure_context_cost_by_batch, measure_sim_extras
+
+    per_token = {1: 2e-5, 4: 1e-5, 8: 5e-6}
+    engine = LLMEngine(EngineConfig(model="tiny-llama-random", device="sim", max_active=8, num_kv_blocks=2048,
+                                    max_num_batched_tokens=8192),
+                       step_time=lambda p, d, c: 0.001 * d + c * per_token.get(d, 0.0))
+    measured = measure_context_cost_by_batch(engine, context_len=512, decode_tokens=8, repeats=1)
+    assert sorted(measured) == [1, 4, 8]
+    for batch, cost in per_token.items():
+        assert measured[batch] == pytest.approx(cost, rel=0.15), batch
+    extras = measure_sim_extras(engine, context_len=512, decode_tokens=8, repeats=1)
+    assert extras["decode_s_per_context_token"] == extras["decode_s_per_context_token_by_batch"][8]
+    assert {"prefill_tok_s_by_tokens", "max_active", "num_kv_tokens"} <= set(extras)
+
+
 def test_the_prefill_table_measured_on_a_sim_engine_is_the_one_it_runs_with():
     """A step of several prompts is timed by its size: a sim prefilling 4x faster per token in
     steps over 512 tokens measures as such."""

@@ -66,3 +66,20 @@ def test_a_host_reload_rate_times_reloads_and_dilates_with_the_rest():
         plain.step_time().reload_s(1000)
     with pytest.raises(ConfigError):
         sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0, "host_reload_tok_s": 0})
+
+
+def test_a_context_cost_by_batch_is_read_at_the_step_s_batch_and_dilates_with_the_rest():
+    model = StepTimeModel(RateProfile(1000.0, 100.0), decode_s_per_context_token=1.0,
+                          decode_s_per_context_token_by_batch={16: 4e-8, 256: 1e-8})
+    assert model.context_cost(1) == pytest.approx(4e-8)  # clamped below the table: the scalar is not used
+    assert model.context_cost(136) == pytest.approx(2.5e-8)  # halfway between 16 and 256
+    assert model.step_s(0, 16, 16 * 4096) == pytest.approx(16 / 100 + 16 * 4096 * 4e-8)
+    assert model.step_s(0, 512, 1000) == pytest.approx(512 / 100 + 1000 * 1e-8)
+    profile = sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0,
+                                     "decode_s_per_context_token_by_batch": {"16": 4e-8, "256": 1e-8}})
+    assert profile.step_time().context_cost(16) == pytest.approx(4e-8)
+    assert profile.dilated(3.0).step_time().context_cost(16) == pytest.approx(1.2e-7)
+    assert profile.step_time_fields() == {"decode_s_per_context_token_by_batch": {16: 4e-8, 256: 1e-8}}
+    assert load_sim_profile("h200-qwen2.5-0.5b").step_time_fields() == {}  # no context cost, no prefill table
+    with pytest.raises(ConfigError, match="decode_s_per_context_token_by_batch"):
+        sim_profile_from_dict({"prefill_tok_s": 1, "decode_tok_s": 2.0, "decode_s_per_context_token_by_batch": {"4": -1}})
