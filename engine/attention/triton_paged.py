@@ -14,6 +14,13 @@ The context is walked in tiles with an online softmax (flash attention), and the
 (query j of a request with `L` context tokens and `Q` new ones sees positions up to
 `L - Q + j`) covers a fresh prefill, a chunk on top of a cached prefix and a decode alike.
 
+A decode token's context is split over several programs (flash-decoding, `paged_decode`) in
+every step, a mixed one included: there the kernel above skips the one-token rows and the split
+kernel takes only them. Left to the kernel above, a decode row beside a prompt is one program
+per KV head walking its whole context tile after tile, so each mixed step would pay a long
+context's full latency once per layer (16 decodes of 4k-token contexts with 2 KV heads are 32
+programs of 33 tiles each, on a GPU of 132 SMs).
+
 Padded rows of a CUDA-graph bucket carry slot -1 (the write skips them) and a context of one
 token in the null block 0, so they read defined memory and their output is simply ignored.
 """
@@ -95,7 +102,7 @@ def _paged_attention_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, WORK_LIST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, WORK_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr,
 ):
     if WORK_LIST:  # grid (work items, KV heads): the item names the request and query tile
         kv_head = tl.program_id(1)
@@ -110,6 +117,8 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid is sized for the longest query in the batch
+    if SKIP_DECODES and q_len == 1:
+        return  # a one-token row is the split decode kernel's (module doc)
     num_before = seq_len - q_len  # context tokens that precede this step's new tokens
 
     # Row m of the tile is query token q_tile * BLOCK_Q + m // GROUP, head m % GROUP of the group.
@@ -151,10 +160,15 @@ def _paged_decode_split_kernel(
     block_size,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MIXED: tl.constexpr,
 ):
-    """One split of one decode token's context for one KV head's query group: unnormalised acc, max, sum."""
+    """One split of one decode token's context for one KV head's query group: unnormalised acc, max, sum.
+    MIXED: the batch also holds longer queries, whose requests this kernel leaves alone."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    if MIXED:
+        if tl.load(query_start_loc_ptr + req + 1) - token != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     kv_start = split * tiles_per_split * BLOCK_N
@@ -176,19 +190,23 @@ def _paged_decode_split_kernel(
             q, 0, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
             CAUSAL=False, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
-    # partials are [T, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+    # partials are [requests, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
+    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+                         BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
+    req, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    if MIXED:
+        if tl.load(query_start_loc_ptr + req + 1) - token != 1:
+            return
+    part = (req * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
     m_max = tl.max(m, 0)
@@ -214,8 +232,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    max_query_len: int) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, Hq, D] over each request's cached context."""
+                    max_query_len: int, skip_decodes: bool = False) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over each request's cached context;
+    `skip_decodes` leaves one-token rows unwritten (`paged_decode` writes them)."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -224,7 +243,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else prefill_block_m(group)
     block_q = block_m // group
     grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list=False)
+    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list=False,
+                            skip_decodes=skip_decodes)
     return out
 
 
@@ -239,7 +259,7 @@ def prefill_block_q(group: int) -> int:
 
 
 def paged_attention_work_list(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
+                              scale: float, skip_decodes: bool = False) -> torch.Tensor:
     """`paged_attention` over a fixed grid of work items (request, query tile of
     `prefill_block_q` tokens) from `meta.work_list`: the launch reads no host-side lengths,
     so a CUDA graph can hold it whatever the batch. Decode rows take one tile each."""
@@ -248,11 +268,13 @@ def paged_attention_work_list(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     block_q = prefill_block_q(group)
     out = torch.empty_like(q)
     grid = (meta.work_list.shape[0], num_kv_heads)
-    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, prefill_block_m(group), block_q, work_list=True)
+    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, prefill_block_m(group), block_q, work_list=True,
+                            skip_decodes=skip_decodes)
     return out
 
 
-def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list: bool) -> None:
+def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list: bool,
+                            skip_decodes: bool = False) -> None:
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -267,26 +289,31 @@ def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=_block_n(PREFILL_TUNING, q.dtype),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WORK_LIST=work_list, num_warps=PREFILL_TUNING["num_warps"], num_stages=PREFILL_TUNING["num_stages"],
+        WORK_LIST=work_list, SKIP_DECODES=skip_decodes,
+        num_warps=PREFILL_TUNING["num_warps"], num_stages=PREFILL_TUNING["num_stages"],
     )
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 num_splits: int) -> torch.Tensor:
+                 num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Flash-decoding: one query token per request, its context split over `num_splits` programs.
 
     A decode batch has too few (request, KV head) pairs to fill 132 SMs, and one program walking
     a 600-token context tile by tile is latency-bound (block-table load, then K, then V, each a
     round trip to memory). Splitting the context runs those tiles side by side; a second small
     kernel merges the partial softmaxes.
+
+    With `out`, the batch is a mixed one: only its one-token rows are attended, into their rows
+    of `out` (whose other rows `paged_attention(..., skip_decodes=True)` writes).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
+    num_heads, head_dim = q.shape[1:]
+    num_reqs, num_kv_heads = meta.num_reqs, kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    part_acc = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    _paged_decode_split_kernel[(meta.num_reqs, num_kv_heads, num_splits)](
+    mixed = out is not None
+    part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * _LOG2E, q.stride(0), q.stride(1),
@@ -294,13 +321,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         meta.block_size,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(DECODE_TUNING, q.dtype),
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIXED=mixed,
         num_warps=DECODE_TUNING["num_warps"], num_stages=DECODE_TUNING["num_stages"],
     )
-    out = torch.empty_like(q)
-    _merge_splits_kernel[(num_tokens, num_heads)](
-        part_acc, part_ml, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    if out is None:
+        out = torch.empty_like(q)
+    _merge_splits_kernel[(num_reqs, num_heads)](
+        part_acc, part_ml, out, meta.query_start_loc, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed,
     )
     return out
 
@@ -346,13 +374,19 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        if meta.work_list is not None:
-            return paged_attention_work_list(q, kv_cache, meta, scale)
+        num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])
+        if meta.work_list is not None:  # a CUDA graph's mixed step: its decode rows, if any, are not known here
+            if num_splits == 1:
+                return paged_attention_work_list(q, kv_cache, meta, scale)
+            out = paged_attention_work_list(q, kv_cache, meta, scale, skip_decodes=True)
+            return paged_decode(q, kv_cache, meta, scale, num_splits, out=out)
         max_query_len = max(meta.query_lens_cpu)
         if max_query_len == 1 and q.shape[0] == meta.num_reqs:
-            num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])
             if num_splits > 1:
                 return paged_decode(q, kv_cache, meta, scale, num_splits)
+        elif num_splits > 1 and 1 in meta.query_lens_cpu:  # a mixed step with decode rows (module doc)
+            out = paged_attention(q, kv_cache, meta, scale, max_query_len, skip_decodes=True)
+            return paged_decode(q, kv_cache, meta, scale, num_splits, out=out)
         return paged_attention(q, kv_cache, meta, scale, max_query_len)
 
     __call__ = forward
