@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One device call: what a mixed step costs beside long-context decodes, on this tree and on a
-# "before" tree, back to back. A mixed step (a prompt's prefill beside running decodes) splits
-# its decode rows' contexts over several programs as a pure decode step does
-# (engine/attention/triton_paged.py); the before tree walked each decode row's whole context in
-# one program per KV head. Per tree: the engine's wall ms per step (public LLMEngine API,
+# One device call: what a step with long contexts costs, on this tree and on a "before" tree,
+# back to back. A step whose programs are too few to fill the GPU splits every context over
+# several of them (engine/attention/triton_paged.py); the before tree split only the contexts of
+# steps of decodes alone, and walked every other row's whole context in one program per KV head
+# and query tile. Per tree: the engine's wall ms per step (public LLMEngine API,
 # qwen2.5-0.5b-random in bf16) with N requests decoding at a C-token context, in steps with no
-# arrival (decode) and in steps that each prefill one new 64-token prompt (mixed); then workload
-# W's throughput (tandem bench throughput --rows W), where no step's contexts pass 3k tokens.
+# arrival (decode) and in steps that each prefill one new 64-token prompt (mixed), fresh or on top
+# of a cached 4,096-token prefix (a tenant's prompt on a prefix hit); then workload W's
+# throughput (tandem bench throughput --rows W), whose steps hold many programs.
 # The CUDA attention and engine tests run first, on this tree.
 # Usage, on the device after `source .device-ray/activate.sh`:
 #   bench/device/mixed_decode_h200.sh [BEFORE_DIR]
@@ -32,9 +33,13 @@ label, path = sys.argv[1], sys.argv[2]
 engine = LLMEngine(EngineConfig(model="qwen2.5-0.5b-random", device="cuda", dtype="bfloat16", max_active=72))
 rng = random.Random(0)
 rows = []
-for num_decodes, context in ((16, 4096), (16, 512), (64, 2048)):
+shared = [rng.randrange(3, 30000) for _ in range(4096)]  # the hit arrivals' cached prefix
+engine.add_request(f"{label}-prefix", shared, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+while engine.has_unfinished_requests():
+    engine.step()
+for num_decodes, context, arrival in ((16, 4096, "fresh"), (16, 4096, "hit"), (16, 512, "fresh"), (64, 2048, "fresh")):
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    ids = [f"{label}-{context}-{i}" for i in range(num_decodes)]
+    ids = [f"{label}-{context}-{arrival}-{i}" for i in range(num_decodes)]
     for req_id in ids:
         engine.add_request(req_id, [rng.randrange(3, 30000) for _ in range(context)], long)
     started = set()
@@ -46,7 +51,8 @@ for num_decodes, context in ((16, 4096), (16, 512), (64, 2048)):
         start = time.perf_counter()
         for i in range(steps):
             if arrive:
-                engine.add_request(f"{label}-p{context}-{i}", [rng.randrange(3, 30000) for _ in range(64)],
+                prompt = [rng.randrange(3, 30000) for _ in range(64)]
+                engine.add_request(f"{ids[0]}-p{i}-{rng.random()}", shared + prompt if arrival == "hit" else prompt,
                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             engine.step()
         torch.cuda.synchronize()
@@ -60,10 +66,11 @@ for num_decodes, context in ((16, 4096), (16, 512), (64, 2048)):
         engine.abort_request(req_id)
     while engine.has_unfinished_requests():
         engine.step()
-    row = {"decodes": num_decodes, "context": context, **{k: statistics.median(v) for k, v in runs.items()}, "runs": runs}
+    row = {"decodes": num_decodes, "context": context, "arrival": arrival,
+           **{k: statistics.median(v) for k, v in runs.items()}, "runs": runs}
     rows.append(row)
-    print(f"{label}: {num_decodes} decodes at {context} tokens: decode step {row['decode']:.2f} ms, "
-          f"mixed step {row['mixed']:.2f} ms", flush=True)
+    print(f"{label}: {num_decodes} decodes at {context} tokens, {arrival} 64-token arrivals: decode step "
+          f"{row['decode']:.2f} ms, mixed step {row['mixed']:.2f} ms", flush=True)
 json.dump({"label": label, "rows": rows}, open(path, "w"), indent=1)
 PY
   ) 2>&1 | tee "$out/steps-$label.log" | grep -v Warning | tail -4
@@ -76,8 +83,8 @@ python3 - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 runs = {p.stem[6:]: json.loads(p.read_text()) for p in sorted(out.glob("steps-*.json"))}
-print(f"{'tree':<7} {'decodes':>7} {'context':>7} {'decode ms':>9} {'mixed ms':>9}  (median of 3 x 20 steps)")
+print(f"{'tree':<7} {'decodes':>7} {'context':>7} {'arrival':>7} {'decode ms':>9} {'mixed ms':>9}  (median of 3 x 20 steps)")
 for label, run in runs.items():
     for r in run["rows"]:
-        print(f"{label:<7} {r['decodes']:>7} {r['context']:>7} {r['decode']:>9.2f} {r['mixed']:>9.2f}")
+        print(f"{label:<7} {r['decodes']:>7} {r['context']:>7} {r['arrival']:>7} {r['decode']:>9.2f} {r['mixed']:>9.2f}")
 PY

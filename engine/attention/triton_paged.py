@@ -14,12 +14,14 @@ The context is walked in tiles with an online softmax (flash attention), and the
 (query j of a request with `L` context tokens and `Q` new ones sees positions up to
 `L - Q + j`) covers a fresh prefill, a chunk on top of a cached prefix and a decode alike.
 
-A decode token's context is split over several programs (flash-decoding, `paged_decode`) in
-every step, a mixed one included: there the kernel above skips the one-token rows and the split
-kernel takes only them. Left to the kernel above, a decode row beside a prompt is one program
-per KV head walking its whole context tile after tile, so each mixed step would pay a long
-context's full latency once per layer (16 decodes of 4k-token contexts with 2 KV heads are 32
-programs of 33 tiles each, on a GPU of 132 SMs).
+Long contexts are split. A program walks its context tile after tile, each tile a chain of
+dependent loads (block table, K, V), so a program over a 4k-token context is latency-bound
+whatever the batch's size; and a step with few programs (16 decodes, a 64-token prompt on top of
+a 4k-token cached prefix: a few dozen programs for 132 SMs) leaves the GPU mostly idle while
+they walk. Such a step splits every context over several programs, which write unnormalised
+partial results that a second small kernel merges (flash-decoding): `paged_decode` for a step of
+decodes alone, the kernel below with `NUM_SPLITS` > 1 for every other step whose programs are too
+few to fill the GPU. A step of many programs (a large prefill) runs unsplit.
 
 Padded rows of a CUDA-graph bucket carry slot -1 (the write skips them) and a context of one
 token in the null block 0, so they read defined memory and their output is simply ignored.
@@ -42,6 +44,9 @@ _LOG2E = 1.4426950408889634
 # retuned on W's shapes"). Each launch reads them, so a sweep can change them.
 DECODE_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3, "target_programs": 4096, "max_splits": 16}
 PREFILL_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3}
+# A split step's partial results hold (tokens x splits) rows of every query head: 4,096 rows
+# of Qwen2.5-0.5B's 14 heads are 15 MB of float32. Steps of more tokens split less, or not at all.
+MAX_PARTIAL_ROWS = 4096
 
 
 @triton.jit
@@ -94,7 +99,7 @@ def _attend_kv_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, work_list_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -102,23 +107,22 @@ def _paged_attention_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, WORK_LIST: tl.constexpr, SKIP_DECODES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, WORK_LIST: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
-    if WORK_LIST:  # grid (work items, KV heads): the item names the request and query tile
-        kv_head = tl.program_id(1)
+    # Grid dimension 1 is (KV head, split of the context): NUM_SPLITS programs per KV head.
+    kv_head, split = tl.program_id(1) // NUM_SPLITS, tl.program_id(1) % NUM_SPLITS
+    if WORK_LIST:  # grid (work items, KV heads x splits): the item names the request and query tile
         req = tl.load(work_list_ptr + 2 * tl.program_id(0))
         q_tile = tl.load(work_list_ptr + 2 * tl.program_id(0) + 1)
         if req < 0:
             return
-    else:  # grid (requests, KV heads, query tiles of the longest query)
-        req, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:  # grid (requests, KV heads x splits, query tiles of the longest query)
+        req, q_tile = tl.program_id(0), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     if q_tile * BLOCK_Q >= q_len:
         return  # the grid is sized for the longest query in the batch
-    if SKIP_DECODES and q_len == 1:
-        return  # a one-token row is the split decode kernel's (module doc)
     num_before = seq_len - q_len  # context tokens that precede this step's new tokens
 
     # Row m of the tile is query token q_tile * BLOCK_Q + m // GROUP, head m % GROUP of the group.
@@ -136,18 +140,28 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # The tile's last query sees positions < kv_end; nothing past it is loaded.
+    # The tile's last query sees positions < kv_end; nothing past it is loaded. A split walks
+    # its share of those positions' tiles.
     kv_end = tl.minimum(seq_len, num_before + (q_tile + 1) * BLOCK_Q)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    kv_start = split * tiles_per_split * BLOCK_N
+    kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_stop, BLOCK_N):
         m_i, l_i, acc = _attend_kv_tile(
-            q, q_pos, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            q, q_pos, m_i, l_i, acc, start, kv_stop, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
             CAUSAL=True, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    else:  # partials [T, Hq, NUM_SPLITS, ...], as `_paged_decode_split_kernel` writes them
+        part = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
 
 
 @triton.jit
@@ -160,15 +174,10 @@ def _paged_decode_split_kernel(
     block_size,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    MIXED: tl.constexpr,
 ):
-    """One split of one decode token's context for one KV head's query group: unnormalised acc, max, sum.
-    MIXED: the batch also holds longer queries, whose requests this kernel leaves alone."""
+    """One split of one decode token's context for one KV head's query group: unnormalised acc, max, sum."""
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    if MIXED:
-        if tl.load(query_start_loc_ptr + req + 1) - token != 1:
-            return
     seq_len = tl.load(seq_lens_ptr + req)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     kv_start = split * tiles_per_split * BLOCK_N
@@ -190,23 +199,19 @@ def _paged_decode_split_kernel(
             q, 0, m_i, l_i, acc, start, kv_end, table, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
             stride_cache_block, stride_cache_slot, stride_cache_head, block_size, offs_d, d_valid,
             CAUSAL=False, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
-    # partials are [requests, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
-    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+    # partials are [T, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split
     tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
-    req, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    if MIXED:
-        if tl.load(query_start_loc_ptr + req + 1) - token != 1:
-            return
-    part = (req * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+                         BLOCK_D: tl.constexpr):
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
     m_max = tl.max(m, 0)
@@ -232,20 +237,18 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    max_query_len: int, skip_decodes: bool = False) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, Hq, D] over each request's cached context;
-    `skip_decodes` leaves one-token rows unwritten (`paged_decode` writes them)."""
+                    max_query_len: int) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over each request's cached context."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
     # Decode packs a lone token's query heads into the 16 rows a tensor-core dot needs; longer
     # queries stack several tokens' groups into 64 rows so each K/V tile serves them all.
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else prefill_block_m(group)
     block_q = block_m // group
+    num_programs = sum(triton.cdiv(n, block_q) for n in meta.query_lens_cpu) * num_kv_heads
     grid = (meta.num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list=False,
-                            skip_decodes=skip_decodes)
-    return out
+    return _launch_paged_attention(q, kv_cache, meta, scale, grid, block_m, block_q, work_list=False,
+                                   num_splits=num_context_splits(num_programs, q.shape[0]))
 
 
 def prefill_block_m(group: int) -> int:
@@ -259,61 +262,81 @@ def prefill_block_q(group: int) -> int:
 
 
 def paged_attention_work_list(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                              scale: float, skip_decodes: bool = False) -> torch.Tensor:
+                              scale: float) -> torch.Tensor:
     """`paged_attention` over a fixed grid of work items (request, query tile of
     `prefill_block_q` tokens) from `meta.work_list`: the launch reads no host-side lengths,
-    so a CUDA graph can hold it whatever the batch. Decode rows take one tile each."""
+    so a CUDA graph can hold it whatever the batch. Decode rows take one tile each. The split
+    count is the bucket's (from its work items and tokens), fixed when the graph is captured."""
     num_kv_heads = kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     block_q = prefill_block_q(group)
-    out = torch.empty_like(q)
+    num_splits = num_context_splits(meta.work_list.shape[0] * num_kv_heads, q.shape[0])
     grid = (meta.work_list.shape[0], num_kv_heads)
-    _launch_paged_attention(q, kv_cache, meta, scale, out, grid, prefill_block_m(group), block_q, work_list=True,
-                            skip_decodes=skip_decodes)
-    return out
+    return _launch_paged_attention(q, kv_cache, meta, scale, grid, prefill_block_m(group), block_q, work_list=True,
+                                   num_splits=num_splits)
 
 
-def _launch_paged_attention(q, kv_cache, meta, scale, out, grid, block_m, block_q, work_list: bool,
-                            skip_decodes: bool = False) -> None:
-    _, num_heads, head_dim = q.shape
+def num_context_splits(num_programs: int, num_tokens: int) -> int:
+    """Splits per context for a step of `num_programs` (query tile, KV head) programs over
+    `num_tokens` tokens: enough for ~8 programs per SM as a decode step aims for, a power of two,
+    at most the decode's limit, and 1 once the step alone fills the GPU. The partial results
+    take `num_tokens` x splits rows, kept to `MAX_PARTIAL_ROWS`."""
+    splits = min(DECODE_TUNING["target_programs"] // max(1, num_programs), DECODE_TUNING["max_splits"],
+                 MAX_PARTIAL_ROWS // max(1, num_tokens))
+    return 1 << (max(1, splits).bit_length() - 1)
+
+
+def _launch_paged_attention(q, kv_cache, meta, scale, grid, block_m, block_q, work_list: bool,
+                            num_splits: int) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # not written
+    grid = (grid[0], grid[1] * num_splits, *grid[2:])
     _paged_attention_kernel[grid](
-        q, kv_cache[0], kv_cache[1], out,
+        q, kv_cache[0], kv_cache[1], out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.work_list if work_list else meta.seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         meta.block_size,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=_block_n(PREFILL_TUNING, q.dtype),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WORK_LIST=work_list, SKIP_DECODES=skip_decodes,
+        WORK_LIST=work_list, NUM_SPLITS=num_splits, NUM_HEADS=num_heads,
         num_warps=PREFILL_TUNING["num_warps"], num_stages=PREFILL_TUNING["num_stages"],
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        )
+    return out
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 num_splits: int) -> torch.Tensor:
     """Flash-decoding: one query token per request, its context split over `num_splits` programs.
 
     A decode batch has too few (request, KV head) pairs to fill 132 SMs, and one program walking
     a 600-token context tile by tile is latency-bound (block-table load, then K, then V, each a
     round trip to memory). Splitting the context runs those tiles side by side; a second small
     kernel merges the partial softmaxes.
-
-    With `out`, the batch is a mixed one: only its one-token rows are attended, into their rows
-    of `out` (whose other rows `paged_attention(..., skip_decodes=True)` writes).
     """
-    num_heads, head_dim = q.shape[1:]
-    num_reqs, num_kv_heads = meta.num_reqs, kv_cache.shape[3]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    mixed = out is not None
-    part_acc = torch.empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(num_reqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    _paged_decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+    part_acc = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(meta.num_reqs, num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * _LOG2E, q.stride(0), q.stride(1),
@@ -321,14 +344,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         meta.block_size,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(DECODE_TUNING, q.dtype),
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIXED=mixed,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=DECODE_TUNING["num_warps"], num_stages=DECODE_TUNING["num_stages"],
     )
-    if out is None:
-        out = torch.empty_like(q)
-    _merge_splits_kernel[(num_reqs, num_heads)](
-        part_acc, part_ml, out, meta.query_start_loc, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, MIXED=mixed,
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        part_acc, part_ml, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
     return out
 
@@ -374,19 +396,13 @@ class TritonPagedAttention:
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> [T, Hq, D]."""
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])
-        if meta.work_list is not None:  # a CUDA graph's mixed step: its decode rows, if any, are not known here
-            if num_splits == 1:
-                return paged_attention_work_list(q, kv_cache, meta, scale)
-            out = paged_attention_work_list(q, kv_cache, meta, scale, skip_decodes=True)
-            return paged_decode(q, kv_cache, meta, scale, num_splits, out=out)
+        if meta.work_list is not None:
+            return paged_attention_work_list(q, kv_cache, meta, scale)
         max_query_len = max(meta.query_lens_cpu)
         if max_query_len == 1 and q.shape[0] == meta.num_reqs:
+            num_splits = num_decode_splits(meta.num_reqs, kv_cache.shape[3])
             if num_splits > 1:
                 return paged_decode(q, kv_cache, meta, scale, num_splits)
-        elif num_splits > 1 and 1 in meta.query_lens_cpu:  # a mixed step with decode rows (module doc)
-            out = paged_attention(q, kv_cache, meta, scale, max_query_len, skip_decodes=True)
-            return paged_decode(q, kv_cache, meta, scale, num_splits, out=out)
         return paged_attention(q, kv_cache, meta, scale, max_query_len)
 
     __call__ = forward
