@@ -197,6 +197,10 @@ def _tenants_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the host tier keeps only evicted blocks hit at least N times (0: every evicted "
                              "block; default the engine's)")
     parser.add_argument("--report", help="markdown report to write (plot and JSON go beside it)")
+    parser.add_argument("--step-profile", metavar="FILE",
+                        help="a sim profile of the accelerator backends' device (tandem profile --sim-profiles): "
+                             "route-sim's prediction of each cell times their steps with its context cost and "
+                             "prefill table, which the rates leave out (sim backends: their own profile's)")
 
 
 def _cluster_options(parser: argparse.ArgumentParser) -> None:
