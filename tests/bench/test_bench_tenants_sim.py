@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = {"description": "a device with millisecond steps, for tests", "prefill_tok_s": 20000.0,
-           "decode_tok_s": 1000.0, "max_active": 4}
+           "decode_tok_s": 1000.0, "max_active": 4, "decode_s_per_context_token_by_batch": {"1": 2e-7, "4": 1e-7}}
 ARMS = ["cost", "prefix-affinity", "least-requests", "round-robin", "random"]
 
 
@@ -32,7 +32,7 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
                "--tenants", "8", "--prefix-tokens", "256", "--suffix-tokens", "16", "--max-tokens", "4",
                "--arrival-rates", "10,40", "--duration-s", "3", "--min-requests", "30", "--runs", "1",
                "--max-active", "4", "--num-kv-blocks", "200", "--warmup-tokens", "2",
-               "--drain-timeout-s", "60", "--time-budget-s", "600"]
+               "--drain-timeout-s", "60", "--time-budget-s", "600", "--step-profile", str(profile)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,3 +70,6 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
 
     scenario = yaml.safe_load((out / "scenarios" / "t8-p256-r10.yaml").read_text())
     assert scenario["serving"] == {k: latency[k] for k in ("fixed_s", "per_prompt_token_s")}
+    # and each sim backend's step timing beyond its rates, as its emulated device runs it
+    assert all(b["step_time"] == {"decode_s_per_context_token_by_batch": {1: 2e-7, 4: 1e-7}}
+               for b in scenario["backends"])
