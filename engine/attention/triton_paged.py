@@ -159,7 +159,8 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
     else:  # partials [T, Hq, NUM_SPLITS, ...], as `_paged_decode_split_kernel` writes them
         part = (q_rows * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+        saw = m_valid & (offs_m * 0 + kv_start < kv_stop)  # the merge reads no split that saw nothing
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=saw[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
 
@@ -201,24 +202,31 @@ def _paged_decode_split_kernel(
             CAUSAL=False, BLOCK_N=BLOCK_N, INPUT_PRECISION=INPUT_PRECISION)
     # partials are [T, Hq, NUM_SPLITS, ...]; an empty split leaves m = -inf, l = 0, acc = 0
     part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=m_valid[:, None])
+    saw = m_valid & (offs_m * 0 + kv_start < kv_end)  # the merge reads no split that saw nothing
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=saw[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=m_valid)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=m_valid)
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, query_start_loc_ptr, num_rows, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr):
+    """One token's output for one head from its splits' partials. A token past the step's last
+    (a CUDA-graph bucket's padding) has no partials and is left alone, and a split that saw none
+    of the token's context (m = -inf) is not read."""
     token, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_rows):
+        return
     part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
     m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0; a decode token always sees itself
+    seen = m > float("-inf")
+    w = tl.where(seen, tl.exp2(m - m_max), 0.0)  # a token always sees itself, so some split has seen it
     offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(tl.where(seen, l, 0.0) * w, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -315,7 +323,7 @@ def _launch_paged_attention(q, kv_cache, meta, scale, grid, block_m, block_q, wo
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            part_acc, part_ml, out, meta.query_start_loc, meta.num_reqs, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
         )
     return out
@@ -349,7 +357,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(num_tokens, num_heads)](
-        part_acc, part_ml, out, out.stride(0), out.stride(1),
+        part_acc, part_ml, out, meta.query_start_loc, meta.num_reqs, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
     )
     return out
