@@ -155,8 +155,9 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
     """The serving path's latency that route-sim's backends do not hold (routing/scenario.py's
     `ServingLatency`), from lone requests through HTTP: each prompt is sent twice, far enough apart
     that nothing queues, and its second TTFT, less the step the profile gives its uncached tail on
-    the backend it hit, is the path's time (HTTP, tokenizing, hashing, routing, the hops). A line
-    through the shortest and the longest prompt's medians gives the fixed and per-token parts.
+    the backend it hit, is the path's time (HTTP, tokenizing, hashing, routing, the hops), after
+    one unmeasured pair of each length. A line through the shortest and the longest prompt's
+    medians gives the fixed and per-token parts.
     Fewer repeats (one at least) where the backends prefill so slowly that four would pass
     `budget_s`."""
     import asyncio
@@ -170,6 +171,11 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
     gap_s = 2 * slowest_prefill_s + 0.1
     repeats = max(1, min(repeats, int(budget_s / (2 * len(prompt_lengths) * gap_s))))
     rng, requests = random.Random(seed), []
+    warmup = len(prompt_lengths)  # one unmeasured pair per length first: a new server's first
+    for length in prompt_lengths:  # requests may compile kernels or fill caches
+        prompt = random_tokens(rng, length)
+        for _ in range(2):
+            requests.append(WorkloadRequest(len(requests), len(requests) * gap_s, prompt, 1))
     for length in prompt_lengths:
         for _ in range(repeats):
             prompt = random_tokens(rng, length)
@@ -178,7 +184,7 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
     workload = Workload("serving-latency", requests, seed_prompts=[], num_shared_prefix_tokens=0)
     results = asyncio.run(run_workload(cluster.tandem.url, cluster.layout.model, workload))
     seconds: dict[int, list[float]] = {}
-    for result in results[1::2]:
+    for result in results[2 * warmup + 1::2]:
         if result.ttft_s is None or result.backend is None:
             continue
         profile = rates.get(result.backend) or next(iter(rates.values()))
