@@ -43,6 +43,7 @@ class RequestResult:
     num_chunks: int = 0
     finish_reason: str | None = None
     projected_ttft_s: float | None = None
+    server_s: float | None = None  # a failed request's time in the server (its Server-Timing header)
     error: str | None = None
 
     @property
@@ -61,6 +62,18 @@ class RequestResult:
         out = asdict(self)
         out.update(ttft_s=self.ttft_s, e2e_s=self.e2e_s)
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def server_timing_s(header: str | None) -> float | None:
+    """Seconds from a `Server-Timing: tandem;dur=MS` header (None without one)."""
+    for metric in (header or "").split(","):
+        name, _, params = metric.strip().partition(";")
+        if name == "tandem" and params.strip().startswith("dur="):
+            try:
+                return float(params.strip()[4:]) / 1000
+            except ValueError:
+                return None
+    return None
 
 
 def completion_body(model: str, request: WorkloadRequest, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +152,7 @@ async def stream_completion(client: Any, body: dict[str, Any], start: float, res
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")[:300]
             result.end_s, result.error = time.perf_counter() - start, f"HTTP {response.status_code}: {text}"
+            result.server_s = server_timing_s(response.headers.get("server-timing"))
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):

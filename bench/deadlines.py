@@ -131,6 +131,9 @@ def summarize(outcomes: list[Outcome], traffic: Traffic) -> dict[str, Any]:
         "batch_output_tok_s": sum(o.num_output_tokens for o in batch_done) / span_s if span_s > 0 else None,
         "refusal_latency_p50_s": percentile([o.end_s - o.send_s for o in refused], 50),
         "refusal_latency_p95_s": percentile([o.end_s - o.send_s for o in refused], 95),
+        # the server's part of it (Server-Timing: from the ingress receiving the request to its answer)
+        "refusal_server_p50_s": percentile([o.server_s for o in refused if o.server_s is not None], 50),
+        "refusal_server_p95_s": percentile([o.server_s for o in refused if o.server_s is not None], 95),
         "projection_error_p50_s": percentile(errors, 50), "projection_error_p95_s": percentile(errors, 95),
         "projection_abs_error_p95_s": percentile([abs(e) for e in errors], 95),
         "projection_error_by_backend": projection_error_by_backend(placed),
@@ -153,7 +156,7 @@ def projection_error_by_backend(placed: list[Outcome]) -> dict[str, dict[str, An
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = ("arm", "rate/s", "urgent", "batch", "refused", "urgent p50", "urgent p95", "deadline", "met",
-              "batch tok/s", "refusal p95", "proj err p50", "proj err p95", "client lag p99")
+              "batch tok/s", "refusal p95", "server p95", "proj err p50", "proj err p95", "client lag p99")
 
     def cell(value: Any, unit: str = "") -> str:
         if value is None:
@@ -168,8 +171,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cell(r["urgent_ttft_p50_s"]), cell(r["urgent_ttft_p95_s"]), cell(r["deadline_s"]),
         "-" if r["urgent_within_deadline"] is None else f"{100 * r['urgent_within_deadline']:.0f}%",
         "-" if r["batch_output_tok_s"] is None else f"{r['batch_output_tok_s']:.1f}",
-        cell(r["refusal_latency_p95_s"]), cell(r["projection_error_p50_s"]), cell(r["projection_error_p95_s"]),
-        cell(r.get("client_lag_p99_s")),
+        cell(r["refusal_latency_p95_s"]), cell(r.get("refusal_server_p95_s")), cell(r["projection_error_p50_s"]),
+        cell(r["projection_error_p95_s"]), cell(r.get("client_lag_p99_s")),
     ) + ((cell(r.get("ttft_p50_s")), cell(r.get("replayed_ttft_p50_s"))) if replays else ()) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]

@@ -52,7 +52,7 @@ from tandem.cluster.choices import LogprobsFormatter
 from tandem.cluster.dispatch import RoutedRequest
 from tandem.cluster.errors import (MAX_ECHOED_CHARS, UNAVAILABLE_RETRY_AFTER_S, MethodNotAllowed, RouteNotFound,
                                    error_response, internal_error)
-from tandem.cluster.headers import routed_headers
+from tandem.cluster.headers import routed_headers, server_timing
 from tandem.cluster.http_server import ReplicaHTTPServer
 from tandem.cluster.metrics_route import metrics_response
 from tandem.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -275,13 +275,13 @@ class TandemIngress:
             self._count(endpoint, 200)
             return response
         except TandemError as exc:
-            return self._failed(exc, req_id, endpoint, stream)
+            return self._failed(exc, req_id, endpoint, stream, arrival_time)
         except ClientDisconnect:  # gone while sending the body: nobody to answer
             self._count(endpoint, CLIENT_CLOSED_REQUEST)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception:  # a bug: the client gets a 500 with the request id, the log the trace
             logger.exception("request %s: unhandled error", req_id)
-            return self._failed(internal_error(req_id), req_id, endpoint, stream)
+            return self._failed(internal_error(req_id), req_id, endpoint, stream, arrival_time)
         finally:
             if not handed_over:
                 if stream is not None:
@@ -289,8 +289,10 @@ class TandemIngress:
                 if admitted:
                     self._release()
 
-    def _failed(self, exc: TandemError, req_id: str, endpoint: str, stream: RoutedRequest | None) -> Response:
-        response = error_response(exc, req_id, routed_headers(stream) if stream is not None else None)
+    def _failed(self, exc: TandemError, req_id: str, endpoint: str, stream: RoutedRequest | None,
+                received_s: float) -> Response:
+        headers = {**(routed_headers(stream) if stream is not None else {}), **server_timing(received_s, time.time())}
+        response = error_response(exc, req_id, headers)
         self._count(endpoint, response.status_code)
         return response
 

@@ -76,3 +76,14 @@ def test_a_deadline_no_idle_backend_meets_is_a_400():
 
 def test_tandem_info_carries_the_projection():
     assert TandemInfo(backend="b", estimated_s=1.0, projected_ttft_ms=12.5).model_dump()["projected_ttft_ms"] == 12.5
+
+
+def test_a_failed_answer_says_how_long_the_server_held_it():
+    from bench.client import server_timing_s
+    from tandem.cluster.headers import server_timing
+
+    header = server_timing(10.0, 10.0123)
+    assert header == {"server-timing": "tandem;dur=12.30"}
+    assert server_timing_s(header["server-timing"]) == pytest.approx(0.0123)
+    assert server_timing_s("cache;desc=hit, tandem;dur=0.5") == pytest.approx(0.0005)
+    assert server_timing_s(None) is None and server_timing_s("tandem;desc=x") is None

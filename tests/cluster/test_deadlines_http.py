@@ -12,6 +12,7 @@ import openai
 import pytest
 import ray
 
+from bench.client import server_timing_s
 from tests.cluster.conftest import MODEL, TIMEOUT_S, backends_idle, wait_for
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,9 @@ def test_busy_backends_refuse_a_tight_deadline_with_429_and_retry_after(tandem, 
                                              extra_body={"ttft_deadline_ms": 2000})
         response = info.value.response
         assert int(response.headers["retry-after"]) >= 1
+        # how long the server held the refusal, for a client to tell its own part from the server's
+        server_s = server_timing_s(response.headers["server-timing"])
+        assert server_s is not None and 0 <= server_s < 10
         assert float(response.headers["x-tandem-projected-ttft-ms"]) > 2000
         error = response.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "deadline_unmet"
