@@ -83,3 +83,16 @@ def test_a_context_cost_by_batch_is_read_at_the_step_s_batch_and_dilates_with_th
     assert load_sim_profile("h200-qwen2.5-0.5b").step_time_fields() == {}  # no context cost, no prefill table
     with pytest.raises(ConfigError, match="decode_s_per_context_token_by_batch"):
         sim_profile_from_dict({"prefill_tok_s": 1, "decode_tok_s": 2.0, "decode_s_per_context_token_by_batch": {"4": -1}})
+
+
+def test_with_a_prefill_table_a_mixed_step_is_one_forward_over_all_its_tokens():
+    """The table's time for (prompt + decode) tokens, plus the decodes' context cost: a step's
+    own cost is paid once. Without the table, the prefill and decode terms add."""
+    rates = RateProfile(1000.0, 100.0, {1: 100.0, 16: 1000.0})
+    table = StepTimeModel(rates, prefill_tok_s_by_tokens={64: 32.0, 512: 256.0},
+                          decode_s_per_context_token_by_batch={16: 1e-4})
+    assert table.step_s(48, 16, 1000) == pytest.approx(64 / 32.0 + 1000 * 1e-4)
+    assert table.step_s(48, 0) == pytest.approx(48 / 32.0)  # a prefill alone: as before
+    assert table.step_s(0, 16, 1000) == pytest.approx(16 / 1000.0 + 1000 * 1e-4)  # a decode step alone
+    plain = StepTimeModel(rates, decode_s_per_context_token=1e-4)
+    assert plain.step_s(48, 16, 1000) == pytest.approx(48 / 1000.0 + 16 / 1000.0 + 1000 * 1e-4)
