@@ -15,7 +15,8 @@
 # later runs reuse those rates. On cuda, `tandem profile --sim-profiles` first measures the decode
 # step's context cost by batch at the prefixes' length (and the prefill table), which the rates
 # leave out: route-sim's prediction of every cell times its steps with them (--step-profile). Each run comes back as NAME-summary.json, and every run's whole
-# output (logs, per-request records, scenarios) in one host-tier-runs.tgz (a call returns 8 files).
+# output (logs, per-request records, scenarios) in one host-tier-runs.tgz, and the scenarios,
+# settings and profiles alone in host-tier-scenarios.tgz (a call returns 8 files).
 # Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART...
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
 set -uo pipefail
@@ -91,6 +92,8 @@ for part in "${parts[@]}"; do
   esac
 done
 tar czf "$out/host-tier-runs.tgz" -C "$work" .
+# the scenarios, settings and profiles alone, small enough to come back where the runs are not
+(cd "$work" && tar czf "$out/host-tier-scenarios.tgz" --exclude='*/runs' --exclude='*.log' .)
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 print(f"{'run':<13} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
