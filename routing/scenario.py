@@ -27,7 +27,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -38,7 +38,7 @@ from tandem.routing.new_token_ratio import NewTokenRatioConfig
 from tandem.routing.policies import POLICIES, PrefixAffinityConfig, SpillGuard
 from tandem.routing.rates import CalibrationConfig, RateProfile, RateProfileModel, validate_rate_profile
 from tandem.routing.replication import ReplicationConfig
-from tandem.routing.step_time import StepTimeModel
+from tandem.routing.step_time import StepTimeFields, StepTimeModel
 
 
 @dataclass
@@ -138,16 +138,6 @@ class Scenario:
 _STRICT = ConfigDict(extra="forbid")
 
 
-class _StepTimeFields(BaseModel):
-    """A simulated backend's step timing beyond its rates, as a sim profile holds it
-    (routing/step_time.py's `StepTimeModel`, whose fields these are)."""
-
-    model_config = _STRICT
-    decode_s_per_context_token: float = Field(0.0, ge=0)
-    decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None
-    prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None
-
-
 class _BackendModel(BaseModel):
     model_config = _STRICT
     backend_id: str = Field(min_length=1)
@@ -160,7 +150,7 @@ class _BackendModel(BaseModel):
     num_host_kv_blocks: int = Field(0, ge=0)  # tenants scenarios: the host KV tier's room in blocks; 0: none
     kv_host_offload_min_hits: int | None = Field(None, ge=0)  # the tier's gate; None: the engine's default
     max_num_batched_tokens: int | None = Field(None, ge=1)  # the engine model's step budget
-    step_time: _StepTimeFields | None = None  # a step's timing beyond the actual rates
+    step_time: StepTimeFields | None = None  # a step's timing beyond the actual rates
 
 
 class _RequestFields(BaseModel):

@@ -115,10 +115,19 @@ def interpolate(table: dict[int, float], x: int) -> float:
     return table[lo_key] + (x - lo_key) / (hi_key - lo_key) * (table[hi_key] - table[lo_key])
 
 
-class SimProfile(BaseModel):
-    """One device's profile as a file holds it (validated here, at the file edge)."""
+class StepTimeFields(BaseModel):
+    """What times a step beyond the rates, as a sim profile and a route-sim scenario's backend
+    (its `step_time`) hold it: `StepTimeModel`'s fields of the same names."""
 
     model_config = ConfigDict(extra="forbid")
+
+    decode_s_per_context_token: float = Field(default=0.0, ge=0)
+    decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None
+    prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None
+
+
+class SimProfile(StepTimeFields):
+    """One device's profile as a file holds it (validated here, at the file edge)."""
 
     description: str = ""  # what was measured, where, how
     # The kind of device measured: the router treats a sim backend as one of this kind (a CPU's
@@ -127,9 +136,6 @@ class SimProfile(BaseModel):
     prefill_tok_s: float = Field(gt=0)
     decode_tok_s: float = Field(gt=0)
     decode_tok_s_by_batch: dict[int, float] | None = None
-    decode_s_per_context_token: float = Field(default=0.0, ge=0)
-    decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None  # StepTimeModel's
-    prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None  # StepTimeModel's
     host_reload_tok_s: float | None = Field(default=None, gt=0)  # StepTimeModel's; None: no host KV tier
     # The engine the device ran, which an emulated engine takes as its defaults.
     max_active: int = Field(default=256, ge=1)
@@ -167,8 +173,7 @@ class SimProfile(BaseModel):
         """What this profile times a step by beyond the rates (the context cost, the prefill
         table), as a route-sim scenario's backend `step_time` holds it; those it does not have
         are left out."""
-        fields = self.model_dump(include={"decode_s_per_context_token", "decode_s_per_context_token_by_batch",
-                                          "prefill_tok_s_by_tokens"})
+        fields = self.model_dump(include=set(StepTimeFields.model_fields))
         return {name: value for name, value in fields.items() if value}
 
     def rate_fields(self) -> dict[str, Any]:
