@@ -23,9 +23,9 @@ With the prefill table, a mixed step (a prompt's tokens beside running decodes) 
 over all its tokens: `(prefill tokens + decodes) / prefill rate(that many)` plus the decodes'
 context cost. The table's time for a small step is mostly the step's own cost (launching a
 forward of every layer), which a mixed step pays once; adding a decode step's time to a
-prefill's would pay it twice (on an H100, 16 decodes of 4k tokens beside a 64-token prompt took
-2.2 ms a step, where the sum gave 3.5 ms and the one forward 2.3 ms). Without the table the
-terms add, as the rates' one prefill rate has no per-step cost in it.
+prefill's would pay it twice (docs/benchmarks/host-tier-h100.md compares both with a GPU's mixed
+steps). Without the table the terms add, as the rates' one prefill rate has no per-step cost in
+it.
 
 The context cost is seconds per context token of a decode step, by the step's batch where the
 profile measured it so (`decode_s_per_context_token_by_batch`, interpolated like the decode
