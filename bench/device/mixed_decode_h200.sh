@@ -12,14 +12,16 @@
 # Usage, on the device after `source .device-ray/activate.sh`:
 #   bench/device/mixed_decode_h200.sh [BEFORE_DIR]
 # BEFORE_DIR holds `git archive <commit> actors bench cluster engine routing tandem pyproject.toml`
-# unpacked (made here, carried along); without it only this tree runs.
+# unpacked (made here, carried along); without it only this tree runs. TESTS=0 skips the tests and
+# W=0 workload W (the step timings alone, for a short call).
 set -uo pipefail
 out=${OUT:-/tmp/out}
 before=${1:-}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
-python3 -m pytest -q -p no:cacheprovider tests/engine/test_async_cuda.py tests/engine/test_fast_path.py \
-  tests/engine/test_model_cuda.py tests/engine/test_host_tier_cuda.py 2>&1 | tee "$out/cuda-tests.log" | tail -3
+[ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/engine/test_async_cuda.py \
+  tests/engine/test_fast_path.py tests/engine/test_model_cuda.py tests/engine/test_host_tier_cuda.py 2>&1 \
+  | tee "$out/cuda-tests.log" | tail -3
 measure() {  # LABEL DIR: the step timings, then W, with DIR's code
   local label=$1 dir=$2
   (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH#*:}" python3 - "$label" "$out/steps-$label.json" <<'PY'
@@ -74,8 +76,8 @@ for num_decodes, context, arrival in ((16, 4096, "fresh"), (16, 4096, "hit"), (1
 json.dump({"label": label, "rows": rows}, open(path, "w"), indent=1)
 PY
   ) 2>&1 | tee "$out/steps-$label.log" | grep -v Warning | tail -4
-  (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH#*:}" python3 -m tandem.cluster.cli bench throughput --rows W \
-    --no-profile --out "$out/w-$label") 2>&1 | tail -4
+  [ "${W:-1}" = 0 ] || (cd "$dir" && PYTHONPATH="$PWD:${PYTHONPATH#*:}" python3 -m tandem.cluster.cli bench \
+    throughput --rows W --no-profile --out "$out/w-$label") 2>&1 | tail -4
 }
 [ -n "$before" ] && [ -d "$before" ] && measure before "$before"
 measure after "$PWD"
