@@ -286,9 +286,10 @@ def paged_attention_work_list(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
 
 def num_context_splits(num_programs: int, num_tokens: int) -> int:
     """Splits per context for a step of `num_programs` (query tile, KV head) programs over
-    `num_tokens` tokens: enough for ~8 programs per SM as a decode step aims for, a power of two,
-    at most the decode's limit, and 1 once the step alone fills the GPU. The partial results
-    take `num_tokens` x splits rows, kept to `MAX_PARTIAL_ROWS`."""
+    `num_tokens` tokens: enough for the launch to reach `DECODE_TUNING`'s target of programs (a
+    program is latency-bound: more in flight hide more of it), a power of two, at most its limit,
+    and 1 once the step alone fills the GPU. The partial results take `num_tokens` x splits rows,
+    kept to `MAX_PARTIAL_ROWS`."""
     splits = min(DECODE_TUNING["target_programs"] // max(1, num_programs), DECODE_TUNING["max_splits"],
                  MAX_PARTIAL_ROWS // max(1, num_tokens))
     return 1 << (max(1, splits).bit_length() - 1)
@@ -369,13 +370,9 @@ def _block_n(tuning: dict, dtype: torch.dtype) -> int:
     return tuning["block_n"] if dtype.itemsize <= 2 else min(64, tuning["block_n"])
 
 
-def num_decode_splits(num_reqs: int, num_kv_heads: int, target_programs: int | None = None) -> int:
-    """Splits per context so a decode launch has ~8 programs per SM (a program is latency-bound:
-    more in flight hide more of it); 1 once the batch alone fills the GPU."""
-    if target_programs is None:
-        target_programs = DECODE_TUNING["target_programs"]
-    splits = max(1, target_programs // max(1, num_reqs * num_kv_heads))
-    return min(DECODE_TUNING["max_splits"], 1 << (splits.bit_length() - 1))
+def num_decode_splits(num_reqs: int, num_kv_heads: int) -> int:
+    """`num_context_splits` for a step of decodes alone: one program per (request, KV head)."""
+    return num_context_splits(num_reqs * num_kv_heads, num_reqs)
 
 
 def _check_cache_layout(kv_cache: torch.Tensor) -> None:
