@@ -14,9 +14,10 @@
 # A part's first run profiles the backends (with the tier, so the reload rate is measured); its
 # later runs reuse those rates. On cuda, `tandem profile --sim-profiles` first measures the decode
 # step's context cost by batch at the prefixes' length (and the prefill table), which the rates
-# leave out: route-sim's prediction of every cell times its steps with them (--step-profile). Each run comes back as NAME-summary.json, and every run's whole
-# output (logs, per-request records, scenarios) in one host-tier-runs.tgz, and the scenarios,
-# settings and profiles alone in host-tier-scenarios.tgz (a call returns 8 files).
+# leave out: route-sim's prediction of every cell times its steps with them (--step-profile).
+# Each run comes back as NAME-summary.json, and every run's whole output (logs, per-request
+# records, scenarios) in one host-tier-runs.tgz, and the scenarios, settings and profiles alone in
+# host-tier-scenarios.tgz (a call returns 8 files).
 # Usage, on the device after `source .device-ray/activate.sh`:  bench/device/host_tier_h200.sh PART...
 # BACKEND=sim SIM_PROFILE=FILE runs the same commands on emulated devices (a dry run without a GPU).
 set -uo pipefail
