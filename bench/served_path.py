@@ -35,7 +35,7 @@ from typing import Any
 from bench._machine import stamp
 from bench.client import post_streamed
 from bench.harness import burst, floats, ints, make_engine, start_cluster, step_work, write_json
-from bench.soak_probe import cpu_seconds_by_role
+from bench.soak_probe import CpuReading, cpu_used_by_role, read_cpu
 from bench.workload import random_prompts, varied_requests
 
 VOCAB_HIGH = 20000  # token ids are drawn from [3, min(vocab, VOCAB_HIGH))
@@ -156,13 +156,13 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
             await handle.set_max_active.remote(w["max_active"])
             row = results[w["name"]] = {"best": 0.0, "runs": []}
             for rep in range(args.repeats + 1):
-                server_cpu_start = cpu_seconds_by_role(os.getpid())
+                server_cpu_start = read_cpu(os.getpid())
                 stats_before = await handle.stats.remote()
                 start, cpu_start = time.time(), time.process_time()
                 done = await asyncio.gather(*(post_streamed(session, url, _body(model, ids, m))
                                               for ids, m in zip(w["prompts"], w["max_tokens"])))
                 elapsed, cpu = time.time() - start, time.process_time() - cpu_start
-                server_cpu = busiest(server_cpu_start, cpu_seconds_by_role(os.getpid()), elapsed)
+                server_cpu = busiest(server_cpu_start, read_cpu(os.getpid()), elapsed)
                 work = step_work(stats_before, await handle.stats.remote())
                 if any(r["error"] or r["status"] != 200 for r in done):
                     raise RuntimeError(f"a request failed: {next(r for r in done if r['error'] or r['status'] != 200)}")
@@ -188,10 +188,10 @@ def _work(work: dict[str, float] | None) -> str:
     return f"{work['steps']} steps, {work['host_ms_per_step']:.3f} / {work['device_wait_ms_per_step']:.3f}"
 
 
-def busiest(before: dict[str, float], after: dict[str, float], elapsed_s: float, top: int = 5) -> dict[str, float]:
+def busiest(before: CpuReading, after: CpuReading, elapsed_s: float, top: int = 5) -> dict[str, float]:
     """The processes of the server (and the bench's own) that used the most CPU over a burst, as
     shares of one core: where a row is capped, the role near 1.0 is what caps it."""
-    shares = {role: round((seconds - before.get(role, 0.0)) / elapsed_s, 2) for role, seconds in after.items()}
+    shares = {role: round(seconds / elapsed_s, 2) for role, seconds in cpu_used_by_role(before, after).items()}
     return dict(sorted(shares.items(), key=lambda item: -item[1])[:top])
 
 

@@ -118,19 +118,32 @@ def total(samples: list[ProcessSample], value: str) -> float:
     return round(sum(getattr(s, value) for s in samples if s.role != IDLE_ROLE), 1)
 
 
-def cpu_seconds_by_role(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) each process of the tree has used, per role as
-    `by_role` names them: what `CpuTimeline` differences into shares of a core."""
+@dataclass(frozen=True)
+class CpuReading:
+    """The process tree and each process's CPU seconds so far (user + system, all threads)."""
+    samples: list[ProcessSample]
+    seconds: dict[int, float]  # pid -> CPU seconds
+
+
+def read_cpu(root_pid: int) -> CpuReading:
     import psutil
 
-    samples, used = sample_processes(root_pid), {}
+    samples, seconds = sample_processes(root_pid), {}
     for sample in samples:
         try:
             times = psutil.Process(sample.pid).cpu_times()
-            used[sample.pid] = times.user + times.system
+            seconds[sample.pid] = times.user + times.system
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return by_role(samples, used)
+    return CpuReading(samples, seconds)
+
+
+def cpu_used_by_role(before: CpuReading, after: CpuReading) -> dict[str, float]:
+    """CPU seconds each process used between two readings, per role as `after` names them. The
+    difference is taken per pid: a role's number (`#2`) shifts when a process of that role comes
+    or goes between readings, and per role it would compare two different processes."""
+    used = {pid: seconds - before.seconds.get(pid, 0.0) for pid, seconds in after.seconds.items()}
+    return by_role(after.samples, used)
 
 
 class CpuTimeline:
@@ -157,12 +170,12 @@ class CpuTimeline:
     def _run(self) -> None:
         import time
 
-        last, last_t, num = cpu_seconds_by_role(self.root_pid), time.monotonic(), 0
+        last, last_t, num = read_cpu(self.root_pid), time.monotonic(), 0
         while not self._stop.wait(self.interval_s):
-            now, now_t = cpu_seconds_by_role(self.root_pid), time.monotonic()
-            for role, seconds in now.items():
+            now, now_t = read_cpu(self.root_pid), time.monotonic()
+            for role, seconds in cpu_used_by_role(last, now).items():
                 series = self.shares.setdefault(role, [0.0] * num)
-                series.append(round(max(0.0, seconds - last.get(role, seconds)) / (now_t - last_t), 3))
+                series.append(round(max(0.0, seconds) / (now_t - last_t), 3))
             num += 1
             for series in self.shares.values():  # a role gone this interval used nothing in it
                 series.extend([0.0] * (num - len(series)))

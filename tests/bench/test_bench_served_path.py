@@ -34,8 +34,10 @@ def test_served_path_runs_every_row_at_toy_scale(tmp_path):
         # the engine's steps of the best burst, in process and behind HTTP, host work apart
         for work in row["step_work"].values():
             assert work["steps"] > 0 and work["host_ms_per_step"] > 0 and work["device_wait_ms_per_step"] >= 0
-        # the busiest processes over the burst, by role: some of the server worked
-        assert 0 < len(row["server_cpu"]) <= 5 and sum(row["server_cpu"].values()) > 0
+        # the busiest processes over the burst, by role. A toy burst lasts a few ms, under the
+        # kernel's 10 ms CPU-time tick, so which process was charged a tick is chance: only the
+        # shape is checked here (tests/bench/test_soak.py checks the differencing).
+        assert 0 < len(row["server_cpu"]) <= 5
         assert all(share >= 0 for share in row["server_cpu"].values())
     # one lone-request row per prompt length (516 and 4160, scaled)
     assert [t["prompt_tokens"] for t in result["ttft"]] == [25, 208]

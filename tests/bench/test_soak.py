@@ -168,6 +168,19 @@ def test_roles_name_actors_and_their_children():
     assert soak_probe.by_role(samples, {30: 100.0}) == {"ray::BackendActor#2": 100.0}
 
 
+def test_cpu_used_is_differenced_per_process_not_per_role_number():
+    """A backend's process ends between two readings (a run's actor torn down): the surviving
+    one's role loses its `#2`, and its use is its own difference, not the difference of two
+    processes that shared a name in turn."""
+    old, new = (soak_probe.ProcessSample(20, "ray::BackendActor", 10.0, 5),
+                soak_probe.ProcessSample(30, "ray::BackendActor", 10.0, 5))
+    spawned = soak_probe.ProcessSample(31, "python3", 1.0, 3)
+    before = soak_probe.CpuReading([old, new], {20: 50.0, 30: 2.0})
+    after = soak_probe.CpuReading([new, spawned], {30: 3.5, 31: 0.25})
+    # a process new since the first reading used all its CPU seconds in between
+    assert soak_probe.cpu_used_by_role(before, after) == {"ray::BackendActor": 1.5, "python3": 0.25}
+
+
 def test_kv_blocks_from_a_prometheus_page():
     labels = 'backend="{b}",Component="core_worker",WorkerId="{w}"'
     page = "\n".join([
