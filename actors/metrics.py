@@ -143,14 +143,14 @@ ROUTER_METRICS = (
 
 # cluster/dispatch.py's `admission_stages`, declared up front so a panel has every stage at 0
 # before the first request.
-ADMISSION_STAGES = ("route", "to_backend", "to_core", "to_engine", "prefill", "back", "admit")
+ADMISSION_STAGES = ("prepare", "route", "to_backend", "to_core", "to_engine", "prefill", "back", "admit")
 
 INGRESS_METRICS = (
     MetricSpec("tandem_http_requests", COUNTER, "HTTP API requests, by endpoint and status code.", ("endpoint", "status"),
                known_values=(("endpoint", HTTP_ENDPOINTS), ("status", ("200",)))),
     MetricSpec("tandem_http_pending_requests", GAUGE, "Requests admitted by the HTTP ingress and not yet finished.", ()),
     MetricSpec("tandem_http_stage_seconds", HISTOGRAM, "A request's time from arrival to admission, per stage "
-               "(route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S,
+               "(prepare, route, to_backend, to_core, to_engine, prefill, back; admit when queued).", ("stage",), STAGE_BUCKETS_S,
                known_values=(("stage", ADMISSION_STAGES),)),
     # The exact sum behind each stage's mean (see tandem_backend_step_seconds).
     MetricSpec("tandem_http_stage_time_seconds", COUNTER, "Seconds per admission stage, summed (exact).", ("stage",),

@@ -64,16 +64,25 @@ class RequestResult:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def server_timing_s(header: str | None) -> float | None:
-    """Seconds from a `Server-Timing: tandem;dur=MS` header (None without one)."""
+def server_timings(header: str | None) -> dict[str, float]:
+    """Seconds per metric of a `Server-Timing` header (`name;dur=MS`, comma-separated); metrics
+    without a duration are left out."""
+    timings = {}
     for metric in (header or "").split(","):
         name, _, params = metric.strip().partition(";")
-        if name == "tandem" and params.strip().startswith("dur="):
-            try:
-                return float(params.strip()[4:]) / 1000
-            except ValueError:
-                return None
-    return None
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur":
+                try:
+                    timings[name] = float(value) / 1000
+                except ValueError:
+                    pass
+    return timings
+
+
+def server_timing_s(header: str | None) -> float | None:
+    """Seconds the server held the request (`tandem;dur=MS`; None without one)."""
+    return server_timings(header).get("tandem")
 
 
 def completion_body(model: str, request: WorkloadRequest, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -197,17 +206,18 @@ async def post_streamed(session: Any, url: str, body: dict[str, Any],
     """One streamed completion on an aiohttp session: `sent` (time.time()), and in seconds from it
     `first_event` (the first chunk with choices), `ttft` (the first with text, else `first_event`)
     and `e2e` (the end or the failure); `status` (0 without an answer), `tokens` (usage's
-    completion_tokens) and `error` (None if it succeeded; a 429 is a refusal, not an error).
-    Chunks after the first text are parsed only when they name a usage or an error (the usage
+    completion_tokens), `error` (None if it succeeded; a 429 is a refusal, not an error) and
+    `server_timing` (the answer's `Server-Timing` metrics, seconds by name). Chunks after the first text are parsed only when they name a usage or an error (the usage
     chunk, error events, and servers that put `"usage":null` in every chunk); plain text chunks,
     which leave both keys out as OpenAI's do, are skipped unparsed. A quote inside a JSON string
     is escaped, so generated text cannot fake either key."""
     record: dict[str, Any] = {"sent": time.time(), "first_event": None, "ttft": None, "e2e": None, "status": 0,
-                              "tokens": 0, "error": None}
+                              "tokens": 0, "error": None, "server_timing": {}}
     start = time.perf_counter()
     try:
         async with session.post(url, json=body, headers=headers or {}) as response:
             record["status"] = response.status
+            record["server_timing"] = server_timings(response.headers.get("server-timing"))
             if response.status != 200:
                 text = (await response.text())[:300]
                 record["error"] = None if response.status == 429 else f"HTTP {response.status}: {text}"

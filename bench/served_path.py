@@ -174,12 +174,27 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
                                ttft=ttft_spread([r["sent"] - start + r["first_event"] for r in done]),
                                sent=round(1e3 * (max(r["sent"] for r in done) - start), 1))
         await handle.set_max_active.remote(4)
-        results["ttft"] = {}
+        results["ttft"], results["ttft_stages"] = {}, {}
         for num_tokens in ttft_lengths(args):
             prompts = random_prompts(args.ttft_requests + 2, num_tokens, seed=3, high=vocab)
-            ttfts = [(await post_streamed(session, url, _body(model, ids, 16)))["first_event"] for ids in prompts]
-            results["ttft"][num_tokens] = statistics.median(ttfts[2:])
+            done = [await post_streamed(session, url, _body(model, ids, 16)) for ids in prompts][2:]
+            results["ttft"][num_tokens] = statistics.median(r["first_event"] for r in done)
+            results["ttft_stages"][num_tokens] = server_stages(done)
     return results
+
+
+def server_stages(done: list[dict[str, Any]]) -> dict[str, float]:
+    """Where lone requests' time to first token went, median milliseconds per part: each stage of
+    the admission the server's `Server-Timing` names, its whole (`tandem`), and `outside`, the
+    client's time to first token less that whole (the client, Serve's proxy where there is one,
+    and the first chunk's way back). Medians of parts need not add up to the median whole."""
+    parts: dict[str, list[float]] = {}
+    for r in done:
+        for name, seconds in r["server_timing"].items():
+            parts.setdefault(name, []).append(seconds)
+        if "tandem" in r["server_timing"]:
+            parts.setdefault("outside", []).append(r["first_event"] - r["server_timing"]["tandem"])
+    return {name: round(1e3 * statistics.median(values), 3) for name, values in parts.items()}
 
 
 def _work(work: dict[str, float] | None) -> str:
@@ -297,7 +312,8 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
                      "step_work": {"in_process": e["step_work"], "http": h.get("step_work")}})
     ttft = [{"workload": f"1 at a time ({n} -> 16), median TTFT", "prompt_tokens": n,
              "in_process_ms": round(1e3 * engine["ttft"][n], 2), "http_ms": round(1e3 * http["ttft"][n], 2),
-             "difference_ms": round(1e3 * (http["ttft"][n] - engine["ttft"][n]), 2)} for n in ttft_lengths(args)]
+             "difference_ms": round(1e3 * (http["ttft"][n] - engine["ttft"][n]), 2),
+             "http_parts_ms": http["ttft_stages"][n]} for n in ttft_lengths(args)]
     print(f"model {args.model} on {args.device} ({args.dtype}), best of {args.repeats}; cluster up in {started_s:.1f} s")
     for r in rows:
         print(f"{r['workload']:<58} engine {r['in_process_tok_s']:>8.0f} tok/s, HTTP {r['http_tok_s']:>8.0f} "
@@ -312,6 +328,7 @@ def run_http(args: argparse.Namespace) -> dict[str, Any]:
     for t in ttft:
         print(f"{t['workload']}: engine {t['in_process_ms']:.2f} ms, HTTP {t['http_ms']:.2f} ms "
               f"({t['difference_ms']:+.2f})")
+        print("  behind HTTP, median ms: " + ", ".join(f"{name} {ms:.2f}" for name, ms in t["http_parts_ms"].items()))
     for c in curve:
         print(f"capacity {c['offered_req_s']:.0f} req/s offered: {c['achieved_req_s']:.0f} achieved, "
               f"p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms, {c['errors']} errors")

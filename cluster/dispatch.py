@@ -102,7 +102,8 @@ class RoutedRequest:
         self.num_output_tokens = 0
         self.finished = False
         self.attempts = 0
-        self.placed_time: float | None = None  # time.time() when the router answered (the last attempt)
+        self.opened_time: float | None = None  # time.time() when `open()` first began routing it
+        self.placed_time: float | None = None  # ... when the router answered (the last attempt)
         self.admitted_time: float | None = None  # ... and when the backend admitted it
         self._gen: Any = None
         self._handles = BackendHandles.of(router)
@@ -118,6 +119,8 @@ class RoutedRequest:
         from tandem.engine.sampling_params import InvalidRequestError
 
         last_error = "no backend is alive"
+        if self.opened_time is None:
+            self.opened_time = time.time()
         while self.attempts < self.max_attempts:
             self.attempts += 1
             try:
@@ -167,7 +170,7 @@ class RoutedRequest:
             return {}
         a = self.admitted
         return admission_stages(self.arrival_time, self.placed_time, self.admitted_time, a.outputs,
-                                a.received_time, a.queued_time)
+                                a.received_time, a.queued_time, self.opened_time)
 
     async def _place(self) -> Placement:
         """The router's `Placement`, from its `place_many`; the request's priority class and TTFT
@@ -256,12 +259,15 @@ def _cause_message(exc: BaseException) -> str:
 
 
 def admission_stages(arrival: float, placed: float, admitted: float, first_outputs: list,
-                     received: float | None = None, queued: float | None = None) -> dict[str, float]:
+                     received: float | None = None, queued: float | None = None,
+                     opened: float | None = None) -> dict[str, float]:
     """Seconds per stage from a request's arrival to its admission (wall clock: stages that
     cross processes compare clocks, which one node shares):
 
-    - `route`: arrival to the router's answer (reading and checking the request, tokenizing,
-      the router's round trip);
+    - `prepare`, where `opened` says when routing began: arrival to then (reading, parsing and
+      checking the body, tokenizing);
+    - `route`: from then (else from arrival) to the router's answer (the router's round trip,
+      the coalescing of the `place` calls included);
     - the add's trip, where the backend stamped it (`Admitted.received_time`/`queued_time`):
       `to_backend` placed to the backend's engine core reading the add off its channel (this
       process's batching and the wire, or over Ray the actor's relay), `to_core` from there to
@@ -273,7 +279,7 @@ def admission_stages(arrival: float, placed: float, admitted: float, first_outpu
     - without them (the request queued behind others): `admit`, queued (or placed) to admitted.
     A negative difference (clocks of two nodes) counts as 0.
     """
-    stages = {"route": placed - arrival}
+    stages = {"route": placed - arrival} if opened is None else {"prepare": opened - arrival, "route": placed - opened}
     engine_from = placed
     if received is not None and queued is not None:
         stages.update(to_backend=received - placed, to_core=queued - received)

@@ -5,9 +5,12 @@ placed it, from headers as well as from each body's `tandem` field, so a streame
 says both before its first chunk. A request's id is in a header on every answer, errors
 included: it is what the server's log files the request under. A request's TTFT deadline may
 come in a header instead of the body's `ttft_deadline_ms` (the body wins; docs/routing.md,
-"Deadlines"). A failed request's answer says how long the server held it, in the standard
-`Server-Timing` header, so a client can tell the server's part of a refusal's latency from its own
-and the network's.
+"Deadlines"). Every answer says in the standard `Server-Timing` header how long the server held
+the request before answering (`tandem`), so a client can tell the server's part of a latency from
+its own and the network's; an admitted request's answer also splits that time into the stages of
+its admission (cluster/dispatch.py `admission_stages`: `route`, `to_backend`, `to_core`,
+`to_engine`, `prefill`, `back`, or `admit` where the engine queued it), which is where a lone
+request's time to first token goes.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ REQUEST_ID_HEADER = "x-tandem-request-id"  # Serve sets its own x-request-id
 SERVER_TIMING_HEADER = "server-timing"
 
 
-def server_timing(received_s: float, now_s: float) -> dict[str, str]:
-    """`Server-Timing: tandem;dur=MS`: from the ingress receiving the request to its answer."""
-    return {SERVER_TIMING_HEADER: f"tandem;dur={max(0.0, now_s - received_s) * 1000:.2f}"}
+def server_timing(received_s: float, now_s: float, stages: dict[str, float] | None = None) -> dict[str, str]:
+    """`Server-Timing: <stage>;dur=MS, ..., tandem;dur=MS`: each stage's milliseconds, then the
+    whole from the ingress receiving the request to `now_s`."""
+    metrics = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in (stages or {}).items()]
+    metrics.append(f"tandem;dur={max(0.0, now_s - received_s) * 1000:.2f}")
+    return {SERVER_TIMING_HEADER: ", ".join(metrics)}
 
 
 def routed_headers(stream: RoutedRequest) -> dict[str, str]:
-    """The request's id and, once it is placed, its backend and projected TTFT."""
+    """The request's id and, once it is placed, its backend and projected TTFT; once it is
+    admitted, its admission's stages (up to its admission, where a streamed answer starts)."""
     headers = {REQUEST_ID_HEADER: stream.req_id}
     if stream.backend_id:
         headers[BACKEND_HEADER] = stream.backend_id
         headers[PROJECTED_TTFT_HEADER] = f"{stream.decision.projected_ttft_s * 1000:.1f}"
+    stages = stream.admission_stages()
+    if stages:
+        headers.update(server_timing(stream.arrival_time, stream.admitted_time, stages))
     return headers

@@ -63,6 +63,9 @@ MAX_SEED = BOUNDS["seed"].high
 # what is left is the document's structure and numbers.
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 _LONG_NUMBER = re.compile(f"[0-9]{{{MAX_NUMBER_DIGITS + 1},}}")
+# Above this many characters of structure a long number is looked for with numpy: the regex
+# tries a match at every digit, which a prompt of token ids is mostly made of.
+_NUMPY_DIGIT_SCAN_CHARS = 512
 # Only a \uD800-\uDFFF escape can put a surrogate into a parsed string (the UTF-8 decoder
 # refuses encoded ones), so without one the strings need no walk.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -102,7 +105,7 @@ def _check_structure(text: str) -> None:
     """Nesting depth and number length, measured on the text with its strings cut out (a
     bracket or digits inside a string are text, not structure)."""
     structure = _JSON_STRING.sub('""', text)
-    if _LONG_NUMBER.search(structure):
+    if _has_long_number(structure):
         raise InvalidRequestError(f"request body has a number of more than {MAX_NUMBER_DIGITS} digits")
     if structure.count("[") + structure.count("{") <= MAX_JSON_DEPTH:
         return  # too few openers to nest that deep (most requests: no numpy call)
@@ -110,6 +113,22 @@ def _check_structure(text: str) -> None:
     steps = np.isin(chars, _OPENERS).astype(np.int32) - np.isin(chars, _CLOSERS).astype(np.int32)
     if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
         raise InvalidRequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _has_long_number(structure: str) -> bool:
+    """Whether a run of digits is longer than MAX_NUMBER_DIGITS (outside strings, digits in a row
+    are one number's, or its exponent's)."""
+    if len(structure) < _NUMPY_DIGIT_SCAN_CHARS:
+        return _LONG_NUMBER.search(structure) is not None
+    return _longest_digit_run(structure) > MAX_NUMBER_DIGITS
+
+
+def _longest_digit_run(structure: str) -> int:
+    """The longest run of ASCII digits, in one numpy pass: the gaps between non-digits."""
+    chars = np.frombuffer(structure.encode("utf-8"), dtype=np.uint8)
+    non_digits = np.flatnonzero((chars < ord("0")) | (chars > ord("9")))
+    bounds = np.concatenate(([-1], non_digits, [chars.size]))
+    return int(np.diff(bounds).max()) - 1
 
 
 def _parse_float(text: str) -> float:

@@ -45,5 +45,13 @@ def test_every_stage_is_one_the_metrics_declare_up_front():
     seen = set()
     for received, queued in ((None, None), (100.005, 100.009)):
         for outputs in ([], [first_output(100.012, 100.022)]):
-            seen |= set(admission_stages(100.0, 100.003, 100.030, outputs, received=received, queued=queued))
+            for opened in (None, 100.001):
+                seen |= set(admission_stages(100.0, 100.003, 100.030, outputs, received=received, queued=queued,
+                                             opened=opened))
     assert seen == set(ADMISSION_STAGES)
+
+
+def test_when_routing_began_splits_the_ingress_work_from_the_routers_answer():
+    stages = admission_stages(100.0, 100.003, 100.020, [first_output(100.005, 100.015)], opened=100.001)
+    assert stages == pytest.approx({"prepare": 0.001, "route": 0.002, "to_engine": 0.002, "prefill": 0.010,
+                                    "back": 0.005})

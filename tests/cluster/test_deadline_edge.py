@@ -79,7 +79,7 @@ def test_tandem_info_carries_the_projection():
 
 
 def test_a_failed_answer_says_how_long_the_server_held_it():
-    from bench.client import server_timing_s
+    from bench.client import server_timing_s, server_timings
     from tandem.cluster.headers import server_timing
 
     header = server_timing(10.0, 10.0123)
@@ -87,3 +87,7 @@ def test_a_failed_answer_says_how_long_the_server_held_it():
     assert server_timing_s(header["server-timing"]) == pytest.approx(0.0123)
     assert server_timing_s("cache;desc=hit, tandem;dur=0.5") == pytest.approx(0.0005)
     assert server_timing_s(None) is None and server_timing_s("tandem;desc=x") is None
+    stages = server_timing(10.0, 10.02, {"route": 0.0015, "prefill": 0.0185})
+    assert stages == {"server-timing": "route;dur=1.50, prefill;dur=18.50, tandem;dur=20.00"}
+    assert server_timings(stages["server-timing"]) == pytest.approx({"route": 0.0015, "prefill": 0.0185,
+                                                                     "tandem": 0.02})

@@ -109,6 +109,23 @@ def test_hostile_json_is_an_invalid_request(raw, message):
         parse_json_object(raw)
 
 
+def test_the_long_number_scans_agree():
+    """A long body's digit runs are measured with numpy, a short one's with the regex: both say
+    the same of runs at, below and above the limit, anywhere in the text."""
+    from tandem.cluster.protocol import MAX_NUMBER_DIGITS, _LONG_NUMBER, _longest_digit_run
+
+    ids = ", ".join(str(i * 7919 % 151_000) for i in range(2000))
+    for run in (1, MAX_NUMBER_DIGITS, MAX_NUMBER_DIGITS + 1, 5000):
+        digits = "9" * run
+        for text in (digits, f'{{"prompt": [{digits}, {ids}]}}', f'{{"prompt": [{ids}], "seed": {digits}}}',
+                     f'{{"x": 1e{digits}}}', "", "{}"):
+            assert (_longest_digit_run(text) > MAX_NUMBER_DIGITS) == (_LONG_NUMBER.search(text) is not None)
+    long_ids = f'{{"prompt": [{ids}], "seed": {"1" * (MAX_NUMBER_DIGITS + 1)}}}'
+    with pytest.raises(InvalidRequestError, match="digits"):
+        parse_json_object(long_ids.encode())
+    assert len(parse_json_object(f'{{"prompt": [{ids}]}}'.encode())["prompt"]) == 2000
+
+
 def test_text_that_looks_like_structure_is_just_text():
     """Brackets, digits and escaped surrogate pairs inside strings are content, not structure."""
     deep = "[" * 1000 + "{" * 1000

@@ -156,6 +156,23 @@ def test_requests_split_across_backends_agree_with_routing_log(tandem, routing_l
     assert {header for header, _, _ in results} == {"cpu0", "cpu1"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_an_answer_says_where_its_time_to_admission_went(tandem, stream):
+    """`Server-Timing` on a served answer: the admission's stages (cluster/dispatch.py
+    `admission_stages`), none negative, adding up to the whole (`tandem`) within the rounding."""
+    from bench.client import server_timings
+
+    body = {"model": MODEL, "prompt": "Timing", "max_tokens": 2, "temperature": 0, "stream": stream}
+    with httpx.Client(base_url=tandem.url, timeout=TIMEOUT_S) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            r.read()
+            timings = server_timings(r.headers["server-timing"])
+    whole = timings.pop("tandem")
+    assert {"prepare", "route"} <= set(timings) and ("prefill" in timings or "admit" in timings)
+    assert all(seconds >= 0 for seconds in timings.values())
+    assert sum(timings.values()) == pytest.approx(whole, abs=0.00001 * (len(timings) + 1))
+
+
 def test_metrics_on_the_scrape_endpoint(tandem):
     wanted = ["ray_tandem_backend_generation_tokens_total", "ray_tandem_backend_prompt_tokens_total",
               "ray_tandem_backend_ttft_seconds_bucket", "ray_tandem_backend_e2e_seconds_bucket",
