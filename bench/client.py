@@ -204,19 +204,20 @@ def is_plain_text_chunk(line: bytes) -> bool:
 async def post_streamed(session: Any, url: str, body: dict[str, Any],
                         headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One streamed completion on an aiohttp session: `sent` (time.time()), and in seconds from it
-    `first_event` (the first chunk with choices), `ttft` (the first with text, else `first_event`)
-    and `e2e` (the end or the failure); `status` (0 without an answer), `tokens` (usage's
+    `headers` (the answer's status and headers), `first_event` (the first chunk with choices),
+    `ttft` (the first with text, else `first_event`) and `e2e` (the end or the failure); `status` (0 without an answer), `tokens` (usage's
     completion_tokens), `error` (None if it succeeded; a 429 is a refusal, not an error) and
     `server_timing` (the answer's `Server-Timing` metrics, seconds by name). Chunks after the first text are parsed only when they name a usage or an error (the usage
     chunk, error events, and servers that put `"usage":null` in every chunk); plain text chunks,
     which leave both keys out as OpenAI's do, are skipped unparsed. A quote inside a JSON string
     is escaped, so generated text cannot fake either key."""
     record: dict[str, Any] = {"sent": time.time(), "first_event": None, "ttft": None, "e2e": None, "status": 0,
-                              "tokens": 0, "error": None, "server_timing": {}}
+                              "tokens": 0, "error": None, "headers": None, "server_timing": {}}
     start = time.perf_counter()
     try:
         async with session.post(url, json=body, headers=headers or {}) as response:
             record["status"] = response.status
+            record["headers"] = time.perf_counter() - start
             record["server_timing"] = server_timings(response.headers.get("server-timing"))
             if response.status != 200:
                 text = (await response.text())[:300]

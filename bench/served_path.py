@@ -185,15 +185,17 @@ async def http_rows(args: argparse.Namespace, url: str, model: str, vocab: int, 
 
 def server_stages(done: list[dict[str, Any]]) -> dict[str, float]:
     """Where lone requests' time to first token went, median milliseconds per part: each stage of
-    the admission the server's `Server-Timing` names, its whole (`tandem`), and `outside`, the
-    client's time to first token less that whole (the client, Serve's proxy where there is one,
-    and the first chunk's way back). Medians of parts need not add up to the median whole."""
+    the admission the server's `Server-Timing` names, its whole (`tandem`), and outside it, as the
+    client saw: `to_headers`, from sending to the answer's headers less that whole (the client's
+    request, the HTTP server's parsing and the headers' way back), and `to_first_chunk`, from the
+    headers to the first chunk. Medians of parts need not add up to the median whole."""
     parts: dict[str, list[float]] = {}
     for r in done:
         for name, seconds in r["server_timing"].items():
             parts.setdefault(name, []).append(seconds)
         if "tandem" in r["server_timing"]:
-            parts.setdefault("outside", []).append(r["first_event"] - r["server_timing"]["tandem"])
+            parts.setdefault("to_headers", []).append(r["headers"] - r["server_timing"]["tandem"])
+            parts.setdefault("to_first_chunk", []).append(r["first_event"] - r["headers"])
     return {name: round(1e3 * statistics.median(values), 3) for name, values in parts.items()}
 
 

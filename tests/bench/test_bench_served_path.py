@@ -44,4 +44,4 @@ def test_served_path_runs_every_row_at_toy_scale(tmp_path):
     assert all(t["http_ms"] > 0 and t["in_process_ms"] > 0 for t in result["ttft"])
     for t in result["ttft"]:  # where the lone requests' time went, from the answers' Server-Timing
         parts = t["http_parts_ms"]
-        assert {"prepare", "route", "tandem", "outside"} <= set(parts) and parts["tandem"] > 0
+        assert {"prepare", "route", "tandem", "to_headers", "to_first_chunk"} <= set(parts) and parts["tandem"] > 0
