@@ -43,9 +43,9 @@ from typing import Any
 from tandem.actors import wire
 from tandem.actors.batching import NoticeBatcher
 from tandem.actors.detached import detached
-from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal, decode, encode,
-                                    merge_core_outputs)
+from tandem.actors.messages import Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal, decode, encode
 from tandem.engine.errors import BackendError, BackendGoneError
+from tandem.engine.outputs import merge_outputs
 
 logger = logging.getLogger("tandem.channel")
 
@@ -184,9 +184,9 @@ class Channel:
         return min(MAX_STREAM_DELAY_S, len(self.streams) * CHANNEL_PACE_PER_STREAM_S)
 
     def _sort(self, items: list) -> None:
-        """A batch's items (`EngineCoreOutput`, `Admitted` or `Refusal`), each to its request's
-        stream, a refusal as its exception. Outputs stay the core's structs until the stream
-        hands them out, merged: one `RequestOutput` per delta, not per step."""
+        """A batch's items (`RequestOutput`, `Admitted` or `Refusal`), each to its request's
+        stream, a refusal as its exception. The stream hands outputs out merged: one
+        `RequestOutput` per delta, not per step."""
         for item in items:
             stream = self.streams.get(item.req_id)
             if stream is None:
@@ -218,7 +218,7 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None  # set while next() waits for its turn
 
     def deliver(self, item: Any) -> None:
-        """The channel's reader hands over the next item (`Admitted`, an `EngineCoreOutput` or an
+        """The channel's reader hands over the next item (`Admitted`, a `RequestOutput` or an
         exception); the last output and an error end a wait for the next turn."""
         self._queue.put_nowait(item)
         if isinstance(item, BaseException) or getattr(item, "finished", False):
@@ -248,7 +248,7 @@ class RequestStream:
                 self._pending_error = following
                 break
             items.append(following)
-        item, *self._ready = [out.to_request_output() for out in merge_core_outputs(items)]
+        item, *self._ready = merge_outputs(items)
         if items[-1].finished:
             self.close()
         else:

@@ -36,7 +36,7 @@ from typing import Any
 
 from tandem.actors import wire
 from tandem.actors.fanout import Abort, ChannelState, Fanout
-from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreOutput, EngineCoreOutputs,
+from tandem.actors.messages import (ChannelAdds, ChannelOpen, EngineCoreFailed, EngineCoreOutputs,
                                     FinishedRequest, Message, decode, encode)
 from tandem.engine.errors import BackendError
 
@@ -147,7 +147,7 @@ class CoreIO:
             self._on_news(news)
 
     def _on_news(self, news: StepNews) -> None:
-        self.fanout.on_step(news.added, news.refused, [EngineCoreOutput.of(o) for o in news.outputs])
+        self.fanout.on_step(news.added, news.refused, news.outputs)
         control = news.control
         if control is not None:
             control.finished = [FinishedRequest.of(o) for o in news.outputs if o.finished]

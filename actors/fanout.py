@@ -35,10 +35,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tandem.actors.messages import (Admitted, ChannelBatch, EngineCoreOutput, EngineCoreRequest,
-                                    Refusal, merge_core_outputs)
+from tandem.actors.messages import Admitted, ChannelBatch, EngineCoreRequest, Refusal
 from tandem.actors.wire import frame
 from tandem.engine.errors import BackendError, InvalidRequestError
+from tandem.engine.outputs import RequestOutput, merge_outputs
 
 logger = logging.getLogger("tandem.backend")
 
@@ -65,13 +65,13 @@ class ChannelState:
     held: dict = field(default_factory=dict)  # req_id -> outputs not written while backed up
     draining: bool = False  # a task waits for the caller to take what was written
 
-    def hold(self, outputs: list[EngineCoreOutput]) -> None:
+    def hold(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             self.held.setdefault(out.req_id, []).append(out)
 
-    def take_held(self) -> list[EngineCoreOutput]:
+    def take_held(self) -> list[RequestOutput]:
         """What was held, one merged delta per request (per choice)."""
-        merged = [out for pending in self.held.values() for out in merge_core_outputs(pending)]
+        merged = [out for pending in self.held.values() for out in merge_outputs(pending)]
         self.held.clear()
         return merged
 
@@ -162,7 +162,7 @@ class Fanout:
 
     # -- from the step loop ------------------------------------------------------------------
     def on_step(self, added: list[tuple[str, int, float]], refused: list[tuple[str, BaseException]],
-                outputs: list[EngineCoreOutput]) -> None:
+                outputs: list[RequestOutput]) -> None:
         """Admit and send one step's news: `added` (req_id, num_prompt_tokens,
         queued time) and `refused` (req_id, error) are the adds the step loop applied."""
         admissions: dict[int, tuple[ChannelState, list]] = {}
@@ -183,7 +183,7 @@ class Fanout:
         return [req_id for req_id, _ in req_ids]
 
     def _admissions(self, added: list[tuple[str, int, float]], refused: list[tuple[str, BaseException]],
-                    outputs: list[EngineCoreOutput], admissions: dict) -> list[EngineCoreOutput]:
+                    outputs: list[RequestOutput], admissions: dict) -> list[RequestOutput]:
         """The adds' answers in this step (see the module docstring), put into `admissions`
         (id(channel) -> (channel, items)), which go out before any output; returns the outputs
         left for `_deliver`."""
@@ -192,7 +192,7 @@ class Fanout:
         def admit(adding: _Admitting, item: Admitted | Refusal) -> None:
             admissions.setdefault(id(adding.channel), (adding.channel, []))[1].append(item)
 
-        def admit_queued(req_id: str, first: list[EngineCoreOutput]) -> None:
+        def admit_queued(req_id: str, first: list[RequestOutput]) -> None:
             a = self._awaiting_first.pop(req_id, None)
             if a is not None:
                 admit(a, Admitted(req_id, self.backend_id, a.num_prompt_tokens, first, a.received, a.queued))
@@ -219,23 +219,27 @@ class Fanout:
             if out.finished:  # finished in its first step: nothing more will come on the channel
                 self._leave_channel(out.req_id)
         for req_id, outs in firsts.items():
-            admit_queued(req_id, merge_core_outputs(outs))
+            admit_queued(req_id, merge_outputs(outs))
         for req_id in late:  # no outputs in this step either: admitted without them
             admit_queued(req_id, [])
         return rest
 
-    def _deliver(self, outputs: list[EngineCoreOutput], admissions: dict) -> None:
+    def _deliver(self, outputs: list[RequestOutput], admissions: dict) -> None:
         """Write a step's outputs, one frame per channel, a channel's admissions first; a
         backed-up channel holds its outputs (admissions still go) until its caller drains."""
         # id(channel) -> (channel, its admissions, its outputs): every channel with news or held outputs
         batches = {key: (channel, admitted, []) for key, (channel, admitted) in admissions.items()}
         for key, channel in self._holding.items():
             batches.setdefault(key, (channel, [], []))
-        for out in outputs:
-            channel = self.channel_of.get(out.req_id)
+        channel_of = self.channel_of
+        for out in outputs:  # per output, so no batch is built where one exists
+            channel = channel_of.get(out.req_id)
             if channel is None:  # aborted or failed meanwhile: its caller already heard why
                 continue
-            batches.setdefault(id(channel), (channel, [], []))[2].append(out)
+            batch = batches.get(id(channel))
+            if batch is None:
+                batch = batches[id(channel)] = (channel, [], [])
+            batch[2].append(out)
             if out.finished:  # it leaves the channel's count
                 self._leave_channel(out.req_id)
         for key, (channel, admitted, items) in batches.items():

@@ -5,8 +5,9 @@ typed outputs batched per engine step, never one message per request. Two hops c
 
 - a caller's channel to a backend's engine core (actors/channel.py is the caller's end,
   actors/fanout.py the core's): `ChannelOpen`, then `ChannelAdds` of `EngineCoreRequest`s one
-  way, a `ChannelBatch` of admissions and `EngineCoreOutput`s per step the other, on the
-  same-node wire (actors/wire.py) or, from another node, on Ray as encoded bytes;
+  way, a `ChannelBatch` of admissions and the engine's own `RequestOutput`s (a msgspec struct
+  too, so they go as the engine made them) per step the other, on the same-node wire
+  (actors/wire.py) or, from another node, on Ray as encoded bytes;
 - the core pipe between a backend actor and its engine core (actors/engine_core.py), the
   control plane: `EngineCoreCall`s (an abort among them) and `EngineCoreStop` to the core, one
   `EngineCoreOutputs` per step back (progress, timing, cache changes, replies; no tokens).
@@ -34,7 +35,7 @@ from typing import Any, Union
 
 import msgspec
 
-from tandem.engine.outputs import RequestOutput, RequestProgress, TokenLogprobs, Usage
+from tandem.engine.outputs import RequestOutput, RequestProgress
 from tandem.engine.sampling_params import SamplingParams
 
 _PICKLED = 1  # msgpack extension code: a pickled Python object
@@ -92,40 +93,6 @@ class EngineCoreFailed(_Message, tag="failed"):
     """The engine could not load, or a step failed (the core has failed the step's channel requests)."""
 
     traceback: str
-
-
-class EngineCoreOutput(_Message, tag="out"):
-    """One request's news from one step: `RequestOutput`'s fields, its usage flattened."""
-
-    req_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    index: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-    host_cached_tokens: int = 0
-
-    @classmethod
-    def of(cls, out: RequestOutput) -> EngineCoreOutput:
-        u = out.usage
-        return cls(out.req_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, u.prompt_tokens,
-                   u.completion_tokens, u.cached_tokens, out.arrival_time, out.first_scheduled_time,
-                   out.first_token_time, out.finished_time, out.index, out.logprobs, u.host_cached_tokens)
-
-    def to_request_output(self) -> RequestOutput:
-        return RequestOutput(self.req_id, self.new_token_ids, self.new_text, self.finished, self.finish_reason,
-                             Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
-                                   self.host_cached_tokens),
-                             self.arrival_time, self.first_scheduled_time, self.first_token_time,
-                             self.finished_time, self.index, self.logprobs)
 
 
 class CallReply(_Message, tag="reply"):
@@ -227,7 +194,7 @@ class Admitted(_Message, tag="admitted"):
     req_id: str
     backend_id: str
     num_prompt_tokens: int
-    outputs: list[EngineCoreOutput] = []
+    outputs: list[RequestOutput] = []
     received_time: float | None = None
     queued_time: float | None = None
 
@@ -253,7 +220,7 @@ class ChannelBatch(_Message, tag="batch"):
     """One hand-over from a backend to a caller: admissions, refusals and outputs, a
     channel's admissions before its outputs."""
 
-    items: list[Union[EngineCoreOutput, Admitted, Refusal]]
+    items: list[Union[RequestOutput, Admitted, Refusal]]
 
 
 # -- the router's `place_many` (a batch of these per call, on the wire or over Ray) ----------
@@ -328,24 +295,6 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     return _decoder.decode(data)
-
-
-def merge_core_outputs(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-    """`merge_outputs` on the core's outputs (consecutive ones of one request): one delta per
-    choice, in the order of each choice's latest output, without building `RequestOutput`s."""
-    if len(outputs) == 1:
-        return outputs
-    by_index: dict[int, EngineCoreOutput] = {}
-    for out in outputs:
-        earlier = by_index.pop(out.index, None)
-        if earlier is not None:
-            logprobs = out.logprobs
-            if earlier.logprobs is not None:
-                logprobs = earlier.logprobs if out.logprobs is None else earlier.logprobs + out.logprobs
-            out = msgspec.structs.replace(out, new_token_ids=earlier.new_token_ids + out.new_token_ids,
-                                          new_text=earlier.new_text + out.new_text, logprobs=logprobs)
-        by_index[out.index] = out
-    return list(by_index.values())
 
 
 @dataclass

@@ -2,9 +2,8 @@
 
 The I/O thread (actors/core_io.py) shares the engine core's GIL, so its Python per step is taken
 from a host-bound step loop (a small model at a large batch on a GPU). This times that work
-alone on the real code path: a step's `RequestOutput`s become `EngineCoreOutput`s and
-`Fanout.on_step` encodes them into one frame per channel, written to memory instead of a socket,
-steps `--step-ms` apart: microseconds per step, the median of the rounds' means, per (outputs,
+alone on the real code path: `Fanout.on_step` sorts a step's `RequestOutput`s into one frame
+per channel and encodes each, written to memory instead of a socket, steps `--step-ms` apart: microseconds per step, the median of the rounds' means, per (outputs,
 channels). And the caller's side (an ingress replica): decoding the frames, handing each item
 to its stream (`deliver`, as the channel's reader does) and each stream's merged delta once per
 `--steps-per-read` steps (its pacing).
@@ -23,7 +22,6 @@ from typing import Any
 from bench._machine import stamp
 from bench.harness import ints, write_json
 from tandem.actors.fanout import ChannelState, Fanout
-from tandem.actors.messages import EngineCoreOutput
 from tandem.engine.outputs import RequestOutput, Usage
 
 
@@ -61,7 +59,7 @@ def measure(num_outputs: int, num_channels: int, num_steps: int, step_s: float) 
     spent = 0.0
     for _ in range(num_steps):
         start = time.perf_counter()  # wall time of one thread's work; the thread's CPU clock is a syscall
-        fanout.on_step([], [], [EngineCoreOutput.of(o) for o in outputs])
+        fanout.on_step([], [], outputs)
         spent += time.perf_counter() - start
         time.sleep(step_s)
     return spent / num_steps
@@ -86,8 +84,7 @@ def measure_caller(num_streams: int, steps_per_read: int, num_reads: int) -> flo
         for stream in streams:
             stream.deliver(Admitted(stream.req_id, "bench", 1, [], 0.0, 0.0))
         await asyncio.gather(*admissions)
-        frames = [encode(ChannelBatch([EngineCoreOutput.of(o) for o in _outputs(num_streams)]))
-                  for _ in range(steps_per_read)]
+        frames = [encode(ChannelBatch(_outputs(num_streams))) for _ in range(steps_per_read)]
         start = time.perf_counter()
         for _ in range(num_reads):
             for payload in frames:

@@ -13,13 +13,12 @@ the completion tokens of all its choices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgspec
 
 
-@dataclass
-class Usage:
+class Usage(msgspec.Struct, array_like=True, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens the prefix cache supplied, from either KV tier
@@ -34,8 +33,11 @@ class Usage:
 TokenLogprobs = tuple[float, list[int], list[float]]
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct, array_like=True, gc=False, tag="out"):
+    """One request's news from one step. A msgspec struct, as `RequestProgress`: the engine core
+    sends a step's outputs to their callers as they are, one frame per caller, positional on the
+    wire (actors/messages.py), with no conversion on either side."""
+
     req_id: str
     new_token_ids: list[int]
     new_text: str
@@ -58,8 +60,8 @@ class RequestOutput:
         logprobs = self.logprobs
         if later.logprobs is not None:
             logprobs = later.logprobs if logprobs is None else logprobs + later.logprobs
-        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                       new_text=self.new_text + later.new_text, logprobs=logprobs)
+        return msgspec.structs.replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                                       new_text=self.new_text + later.new_text, logprobs=logprobs)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from tandem.engine.outputs import RequestOutput, RequestProgress, Usage
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -92,9 +94,9 @@ class RequestGroups:
         done = group.num_finished == len(group.children)
         if done:
             self.groups.pop(group.req_id, None)
-        return replace(out, req_id=group.req_id, index=index, finished=done,
-                       usage=Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens,
-                                   group.host_cached_tokens))
+        usage = Usage(out.usage.prompt_tokens, sum(group.completion_tokens), group.cached_tokens,
+                      group.host_cached_tokens)
+        return msgspec.structs.replace(out, req_id=group.req_id, index=index, finished=done, usage=usage)
 
     def abort(self, req_id: str, tracked: dict[str, object]) -> RequestOutput | None:
         """Abort every choice of the group `req_id` and forget their entries in `tracked`; the

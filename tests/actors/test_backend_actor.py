@@ -15,8 +15,9 @@ import pytest
 from tandem.actors.backend import BackendActor
 from tandem.actors.fanout import MAX_UNSENT_BYTES, ChannelState, Fanout
 from tandem.actors.wire import FrameSplitter
-from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreOutput, EngineCoreRequest, Refusal,
+from tandem.actors.messages import (Admitted, ChannelAdds, ChannelOpen, EngineCoreRequest, Refusal,
                                     decode, encode)
+from tandem.engine.outputs import RequestOutput, Usage
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 
 ENGINE = dict(model="tiny-llama-random", device="cpu", max_active=4, block_size=16)
@@ -74,7 +75,7 @@ async def collect(actor, req_id, ids, params):
     finally:
         await subscription.aclose()
     assert isinstance(items[0], Admitted) and items[0].num_prompt_tokens == len(ids)
-    return [o.to_request_output() for o in items[0].outputs + items[1:]]
+    return items[0].outputs + items[1:]
 
 
 def test_a_channel_streams_deltas_and_finishes(backend):
@@ -209,12 +210,12 @@ def _adds(requests) -> bytes:
 def _finished(item) -> bool:
     if isinstance(item, Admitted):
         return bool(item.outputs) and item.outputs[-1].finished
-    return isinstance(item, EngineCoreOutput) and item.finished
+    return isinstance(item, RequestOutput) and item.finished
 
 
 async def _channel_run(actor, channel_id, requests):
     """Add `requests` ((req_id, ids, params)) on one channel; returns each one's Admitted (which
-    the channel brings first) and the `EngineCoreOutput`s the channel brought for it after."""
+    the channel brings first) and the `RequestOutput`s the channel brought for it after."""
     batches: list = []
     frames = FrameSplitter()
 
@@ -234,7 +235,7 @@ async def _channel_run(actor, channel_id, requests):
         if isinstance(item, Admitted):
             assert item.req_id not in admitted, item  # one admission each
             admitted[item.req_id] = item
-    outputs = [item for item in batches if isinstance(item, EngineCoreOutput)]
+    outputs = [item for item in batches if isinstance(item, RequestOutput)]
     for req_id in admitted:  # a request's admission comes before its outputs
         assert isinstance(next(i for i in batches if i.req_id == req_id), Admitted), batches
     return ([admitted[r] for r, _, _ in requests],
@@ -276,12 +277,12 @@ def test_a_rejected_channel_add_is_answered_on_the_channel(backend):
         return batches
 
     batches = run(scenario())
-    answers = [i for i in batches if not isinstance(i, EngineCoreOutput)]
+    answers = [i for i in batches if not isinstance(i, RequestOutput)]
     kinds = sorted((i.req_id, type(i.error if isinstance(i, Refusal) else i).__name__) for i in answers)
     assert kinds == [("bad", "InvalidRequestError"), ("ok", "Admitted"), ("ok", "InvalidRequestError")]
     admitted = next(a for a in answers if isinstance(a, Admitted))
     tokens = [t for o in admitted.outputs for t in o.new_token_ids] + [
-        t for i in batches if isinstance(i, EngineCoreOutput) for t in i.new_token_ids]
+        t for i in batches if isinstance(i, RequestOutput) for t in i.new_token_ids]
     assert len(tokens) == 8  # the running request lost nothing to the refused duplicate
 
 
@@ -368,8 +369,8 @@ def test_an_admission_waits_for_first_outputs_that_come_a_step_later():
     assert fanout._admissions([("r", 20, 2.0)], [("s", error)], [], admissions) == []
     assert admissions[id(channel)][1] == [Refusal("s", error)]
     assert "s" not in fanout.channel_of  # a rejected request leaves its channel
-    first = EngineCoreOutput("r", [5], "x", False, None, 20, 1, 0)
-    other = EngineCoreOutput("q", [6], "y", False, None, 3, 1, 0)
+    first = RequestOutput("r", [5], "x", False, None, Usage(20, 1, 0))
+    other = RequestOutput("q", [6], "y", False, None, Usage(3, 1, 0))
     admissions = {}
     assert fanout._admissions([], [], [first, other], admissions) == [other]
     assert admissions[id(channel)][1] == [Admitted("r", "b", 20, [first], 1.0, 2.0)]
@@ -408,11 +409,11 @@ def test_a_caller_that_does_not_read_gets_its_outputs_merged_not_queued():
         writer = _FakeWriter()
         channel = RecordingChannel("ch", writer)
         fanout.add(channel, [EngineCoreRequest("r", [1, 2], SamplingParams(max_tokens=4))])
-        fanout.on_step([("r", 2, 0.0)], [], [EngineCoreOutput("r", [7], "a", False, None, 2, 1, 0)])
+        fanout.on_step([("r", 2, 0.0)], [], [RequestOutput("r", [7], "a", False, None, Usage(2, 1, 0))])
         assert [type(i).__name__ for i in channel.sent[-1]] == ["Admitted"]
         writer.unsent = MAX_UNSENT_BYTES + 1  # the caller stops reading
         for n in range(2, 5):
-            fanout.on_step([], [], [EngineCoreOutput("r", [7], "a", n == 4, "length" if n == 4 else None, 2, n, 0)])
+            fanout.on_step([], [], [RequestOutput("r", [7], "a", n == 4, "length" if n == 4 else None, Usage(2, n, 0))])
         assert len(channel.sent) == 1  # nothing more written while backed up
         writer.unsent = 0
         writer.drained.set()

@@ -1,8 +1,7 @@
-"""The backend's merge of the core's outputs and a channel's pacing, without Ray (milliseconds).
+"""The merge of a request's outputs and a channel's pacing, without Ray (milliseconds).
 
-`merge_core_outputs` is `merge_outputs` for the core's `EngineCoreOutput`s: they must agree on
-every sequence of outputs, choices and logprobs included. The core writes every step to its
-channels as it comes; the caller's `RequestStream` hands a request's first and last outputs
+`merge_outputs` keeps one delta per choice whatever the sequence, choices and logprobs
+included, and survives the wire. The core writes every step to its channels as it comes; the caller's `RequestStream` hands a request's first and last outputs
 over at once and paces the rest by its channel's size.
 """
 
@@ -17,7 +16,7 @@ import pytest
 
 from tandem.actors.channel import CHANNEL_PACE_PER_STREAM_S, MAX_STREAM_DELAY_S, Channel, RequestStream
 from tandem.actors.fanout import ChannelState, Fanout
-from tandem.actors.messages import EngineCoreOutput, EngineCoreRequest, merge_core_outputs
+from tandem.actors.messages import ChannelBatch, EngineCoreRequest, decode, encode
 from tandem.engine.errors import BackendGoneError
 from tandem.engine.outputs import RequestOutput, Usage, merge_outputs
 from tandem.engine.sampling_params import SamplingParams
@@ -31,7 +30,7 @@ def _output(rng: random.Random, step: int, index: int, finished: bool, with_logp
                          2.0 if finished else None, index, logprobs)
 
 
-def test_merge_core_outputs_agrees_with_merge_outputs():
+def test_merged_outputs_are_one_delta_per_choice_and_cross_the_wire_unchanged():
     rng = random.Random(0)
     for trial in range(300):
         n = rng.randint(1, 3)
@@ -39,12 +38,20 @@ def test_merge_core_outputs_agrees_with_merge_outputs():
         with_logprobs = trial % 2 == 0
         outs = [_output(rng, step, rng.randrange(n), step == length - 1 and rng.random() < 0.5, with_logprobs)
                 for step in range(length)]
-        expected = [EngineCoreOutput.of(o) for o in merge_outputs(outs)]
-        assert merge_core_outputs([EngineCoreOutput.of(o) for o in outs]) == expected
+        merged = merge_outputs(outs)
+        assert sorted(o.index for o in merged) == sorted({o.index for o in outs})
+        for out in merged:  # each choice's tokens, text and logprobs, in order
+            own = [o for o in outs if o.index == out.index]
+            assert out.new_token_ids == [t for o in own for t in o.new_token_ids]
+            assert out.new_text == "".join(o.new_text for o in own)
+            assert out.usage == own[-1].usage and out.finished == own[-1].finished
+            if with_logprobs:
+                assert out.logprobs == [lp for o in own for lp in o.logprobs]
+        assert decode(encode(ChannelBatch(merged))).items == merged
 
 
-def _output_of(req_id: str, finished: bool = False) -> EngineCoreOutput:
-    return EngineCoreOutput(req_id, [1], "a", finished, "stop" if finished else None, 3, 1, 0)
+def _output_of(req_id: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput(req_id, [1], "a", finished, "stop" if finished else None, Usage(3, 1, 0))
 
 
 def test_the_core_writes_every_step_one_frame_per_channel():
@@ -68,8 +75,8 @@ def _stream(interval: float) -> tuple[RequestStream, SimpleNamespace]:
     return stream, channel
 
 
-def _out(text: str, finished: bool = False) -> EngineCoreOutput:
-    return EngineCoreOutput("r", [ord(text)], text, finished, "length" if finished else None, 2, 1, 0)
+def _out(text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", [ord(text)], text, finished, "length" if finished else None, Usage(2, 1, 0))
 
 
 def test_after_its_first_output_a_request_gets_merged_deltas_at_most_every_interval():

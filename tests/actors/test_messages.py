@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from tandem.actors import messages as m
-from tandem.engine.outputs import EngineStats, RequestProgress
+from tandem.engine.outputs import EngineStats, RequestOutput, RequestProgress, Usage
 from tandem.engine.sampling_params import InvalidRequestError, SamplingParams
 from tandem.engine.structured_output import StructuredOutputParams
 
@@ -18,8 +18,8 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p
                         stop_token_ids=[2], ignore_eos=True, min_tokens=1, n=2, presence_penalty=0.5,
                         frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={5: -1.5, 9: 2.0}, logprobs=3,
                         structured_output=StructuredOutputParams(choice=("yes", "no")))
-OUTPUT = m.EngineCoreOutput("r", [5, 6], "ab", True, "stop", 10, 2, 8, 1.5, 1.6, 1.7, 1.8, 1,
-                            [(-0.1, [5, 7], [-0.1, -2.5]), (-0.2, [6], [-0.2])])
+OUTPUT = RequestOutput("r", [5, 6], "ab", True, "stop", Usage(10, 2, 8, 3), 1.5, 1.6, 1.7, 1.8, 1,
+                       [(-0.1, [5, 7], [-0.1, -2.5]), (-0.2, [6], [-0.2])])
 
 
 def examples() -> list:

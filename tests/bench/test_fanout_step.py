@@ -6,6 +6,7 @@ import json
 
 from bench.fanout_step import _Sink, measure, measure_caller
 from tandem.cluster.cli import main
+from tandem.engine.outputs import RequestOutput, Usage
 
 
 def test_the_report_has_every_pair_and_round(tmp_path):
@@ -23,7 +24,7 @@ def test_the_report_has_every_pair_and_round(tmp_path):
 
 def test_a_step_writes_one_frame_per_channel_with_every_first_output():
     from tandem.actors.fanout import ChannelState, Fanout
-    from tandem.actors.messages import ChannelBatch, EngineCoreOutput, decode
+    from tandem.actors.messages import ChannelBatch, decode
     from tandem.actors.wire import HEADER
 
     frames: list[bytes] = []
@@ -34,7 +35,7 @@ def test_a_step_writes_one_frame_per_channel_with_every_first_output():
 
     fanout = Fanout("b", lambda command: None)
     channel = ChannelState("c", writer=Recording())  # type: ignore[arg-type]
-    outputs = [EngineCoreOutput(f"r{i}", [i], "x", False, None, 3, 1, 0) for i in range(5)]
+    outputs = [RequestOutput(f"r{i}", [i], "x", False, None, Usage(3, 1, 0)) for i in range(5)]
     for out in outputs:
         channel.req_ids.add(out.req_id)
         fanout.channel_of[out.req_id] = channel

@@ -1,14 +1,14 @@
 """`admission_stages`: a request's arrival-to-admission time split per stage, from the times the
-dispatch notes and the first outputs' engine timestamps (`EngineCoreOutput`s, as the backend sends them)."""
+dispatch notes and the first outputs' engine timestamps (`RequestOutput`s, as the backend sends them)."""
 
 import pytest
 
-from tandem.actors.messages import EngineCoreOutput
+from tandem.engine.outputs import RequestOutput, Usage
 from tandem.cluster.dispatch import admission_stages
 
 
-def first_output(first_scheduled: float | None, first_token: float | None) -> EngineCoreOutput:
-    return EngineCoreOutput("r", [7], "a", False, None, 16, 1, 0, 100.0, first_scheduled, first_token, None)
+def first_output(first_scheduled: float | None, first_token: float | None) -> RequestOutput:
+    return RequestOutput("r", [7], "a", False, None, Usage(16, 1, 0), 100.0, first_scheduled, first_token, None)
 
 
 def test_with_first_outputs_the_admission_splits_into_engine_and_transport():
