@@ -98,20 +98,27 @@ def test_a_rejected_request_fails_its_add_and_the_channel_keeps_serving(backend)
 
 
 def test_abort_ends_a_channel_stream_with_reason_abort(backend):
+    """On a loaded machine the tiny model can finish its 900 tokens before the abort reaches the
+    core (the abort then says it found nothing and the stream ends at its length): that try is
+    made again, and one of three must end aborted."""
     from tandem.actors.channel import open_stream
 
-    async def abort_midway():
-        stream = open_stream(backend, "to-abort", list(range(70, 90)),
+    async def abort_midway(req_id: str) -> tuple[bool, Any]:
+        stream = open_stream(backend, req_id, list(range(70, 90)),
                              SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True), time.time())
-        await stream.next()  # Admitted
-        await stream.next()  # some tokens
-        assert await backend.abort.remote("to-abort")
+        await stream.next()  # Admitted: the request runs
+        aborted = await backend.abort.remote(req_id)
         while True:
             out = await stream.next()
             if out.finished:
-                return out
+                return aborted, out
 
-    assert run(abort_midway()).finish_reason == "abort"
+    for attempt in range(3):
+        aborted, last = run(abort_midway(f"to-abort-{attempt}"))
+        if aborted:
+            break
+        assert last.finish_reason == "length"  # it finished before the abort came
+    assert aborted and last.finish_reason == "abort"
 
 
 def test_callers_cancelled_at_random_moments_free_everything(ray_local, backend):
