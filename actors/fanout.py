@@ -232,7 +232,7 @@ class Fanout:
         for key, channel in self._holding.items():
             batches.setdefault(key, (channel, [], []))
         channel_of = self.channel_of
-        for out in outputs:  # per output, so no batch is built where one exists
+        for out in outputs:  # a channel's batch is built at its first output, not at every one
             channel = channel_of.get(out.req_id)
             if channel is None:  # aborted or failed meanwhile: its caller already heard why
                 continue

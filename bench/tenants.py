@@ -171,8 +171,10 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
     gap_s = 2 * slowest_prefill_s + 0.1
     repeats = max(1, min(repeats, int(budget_s / (2 * len(prompt_lengths) * gap_s))))
     rng, requests = random.Random(seed), []
-    warmup = len(prompt_lengths)  # one unmeasured pair per length first: a new server's first
-    for length in prompt_lengths:  # requests may compile kernels or fill caches
+    # One unmeasured pair per length first: a new server's first requests may compile kernels or
+    # fill caches.
+    warmup = len(prompt_lengths)
+    for length in prompt_lengths:
         prompt = random_tokens(rng, length)
         for _ in range(2):
             requests.append(WorkloadRequest(len(requests), len(requests) * gap_s, prompt, 1))
