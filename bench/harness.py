@@ -381,10 +381,12 @@ def engine_work(before: Any, after: Any, wall_s: float) -> dict[str, float]:
     """What one engine did over a run, from its stats before and after (engine/outputs.py's
     EngineStats): the share of the wall its steps took (near 1: the engine itself is the
     bottleneck; well below while requests queue: the wait is elsewhere), the parts of that in
-    steps with prefill and spent waiting for the device (the rest of a step is host work), and
-    the tokens it computed and generated."""
+    steps with prefill and spent waiting for the device (the rest of a step is host work), the
+    steps and their host and device-wait milliseconds each (`step_work`: a step loop whose wait
+    is a small part of its step is host-bound), and the tokens it computed and generated."""
     prefill_s, busy_s, wait_s = _step_seconds(before, after)
     return {"wall_s": round(wall_s, 3), "busy_share": round(busy_s / wall_s, 4) if wall_s > 0 else 0.0,
+            **step_work(before, after),
             "prefill_share_of_busy": round(prefill_s / busy_s, 4) if busy_s > 0 else 0.0,
             "device_wait_share_of_busy": round(wait_s / busy_s, 4) if busy_s > 0 else 0.0,
             "prompt_tokens": after.num_prompt_tokens_total - before.num_prompt_tokens_total,

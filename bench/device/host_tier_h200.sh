@@ -109,9 +109,12 @@ for summary in sorted(pathlib.Path(sys.argv[1]).glob("*-summary.json")):
 PY
 python3 - "$work" <<'PY'
 import json, pathlib, sys
-print("each engine's steps over the run's wall (busy: near 1, the engine is the bottleneck), and the prefill steps' part")
+print("each engine's steps over the run's wall (busy: near 1, the engine is the bottleneck), the prefill steps' part,"
+      " and host / device-wait ms per step (a small wait: the step loop's host work is the bottleneck)")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*/runs/*.json")):
     work = json.loads(path.read_text()).get("engine_work", {})
     print(f"{path.parent.parent.name:<13} {path.stem:<32} " + "  ".join(
-        f"{b}: busy {w['busy_share']:.2f}, prefill {w['prefill_share_of_busy']:.2f}" for b, w in work.items()))
+        f"{b}: busy {w['busy_share']:.2f}, prefill {w['prefill_share_of_busy']:.2f},"
+        f" {w.get('steps', 0)} steps, {w.get('host_ms_per_step', 0):.3f} / {w.get('device_wait_ms_per_step', 0):.3f} ms"
+        for b, w in work.items()))
 PY

@@ -5,7 +5,7 @@
 #   tiered: the host KV tier's heavy cell (tenants, 64 x 4k prefixes, a quarter on the GPU, 96/s)
 # Writes NAME.log and NAME-core-PID.txt (collapsed stacks, one line per stack: thread;frames count)
 # under $OUT (py-spy's raw format: each line a thread's stack, root first, and its sample count).
-# DEVICE=sim runs the served part on the sim device (a dry run without a GPU).
+# DEVICE=sim (and SIM_PROFILE=FILE for the tiered part) runs on the sim device: a dry run without a GPU.
 # py-spy travels as a wheel: in the repo root here,
 #   pip download --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl py-spy
 # Usage, on the device (carry .device-ray and .whl):
@@ -51,7 +51,7 @@ for part in "${@:-served tiered}"; do
                 --out "$out/served.json" ;;
       tiered) profile tiered python3 -m tandem.cluster.cli bench tenants --out /tmp/tiered \
                 --model qwen2.5-0.5b-random --tenants 64 --prefix-tokens 4096 --suffix-tokens 64 --max-tokens 64 \
-                --arrival-rates 96 --duration-s 12 --runs 1 --max-active 16 --backends cuda --arms cost \
+                --arrival-rates 96 --duration-s 12 --runs 1 --max-active 16 --backends "${DEVICE:-cuda}" --arms cost ${SIM_PROFILE:+--sim-profile "$SIM_PROFILE"} \
                 --num-kv-blocks 4352 --kv-host-memory-gb 6 --kv-host-offload-min-hits 0 ;;
       *) echo "unknown part $p" >&2; exit 2 ;;
     esac

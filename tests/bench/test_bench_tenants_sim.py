@@ -52,6 +52,8 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
             sent = sum(r["backend"] == backend_id for r in record["requests"])
             assert w["generated_tokens"] >= 3 * sent  # the first of each request's 4 is a prefill's
             assert (w["busy_share"] > 0) == (sent > 0) and w["busy_share"] <= 1.05
+            assert (w["steps"] > 0) == (sent > 0)
+            assert w["host_ms_per_step"] >= 0 and w["device_wait_ms_per_step"] >= 0
 
     summary = json.loads((out / "summary.json").read_text())
     for cell in summary["cells"]:
