@@ -131,9 +131,13 @@ def run_tenants(ctx: Any, cells: Sequence[TenantsCell], arms: Sequence[str], run
         latency = measure_serving_latency(cluster, sorted({16 + c.suffix_tokens for c in cells}
                                                           | {c.prefix_tokens + c.suffix_tokens for c in cells}))
         ctx.meta["serving_latency"] = latency
+        bar.set_description("the engines' host work per step behind the server")
+        host_floor = measure_host_floor(cluster, max(c.prefix_tokens + c.suffix_tokens for c in cells),
+                                        max(c.max_tokens for c in cells))
+        ctx.meta["host_floor"] = host_floor
         for cell in cells:
             write_scenario(ctx.out_dir / "scenarios" / f"{cell.name}.yaml", cell, cluster, seed=_arrival_seed(cell, 1),
-                           serving=latency, step_profile=step_profile)
+                           serving=latency, step_profile=step_profile, host_floor=host_floor)
         for run in range(1, runs + 1):
             for cell in cells:
                 for arm in arm_order(list(arms), run):
@@ -201,6 +205,40 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
             "by_prompt_tokens": {n: round(v, 6) for n, v in medians.items()}}
 
 
+def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int, seed: int = 11) -> dict[str, dict[str, float]]:
+    """Each accelerator engine's host work per step behind the server, the floor under route-sim's
+    engine-model steps (routing/step_time.py's `host_s_per_step_by_batch`): a burst of as many
+    requests as those engines run at once, each a new prompt of `prompt_tokens` generating
+    `max_tokens` (so the steps admit, prefill and stream as a cell's do), sent together through
+    HTTP. From each engine's stats before and after: its steps, their host seconds each (the step
+    loop's time less its wait for the device) and their mean batch (generated tokens per step).
+    A cpu engine's steps are its own device time, which its profile already holds: none."""
+    import asyncio
+
+    from bench.client import run_workload
+    from bench.harness import engine_stats, engine_work
+
+    accelerators = {bid: cluster.tandem.backends[bid] for bid, info in cluster.infos.items() if info.device_kind != "cpu"}
+    if not accelerators:
+        return {}
+    rng = random.Random(seed)
+    num_requests = sum(cluster.infos[bid].max_active for bid in accelerators)
+    requests = [WorkloadRequest(i, 0.0, random_tokens(rng, prompt_tokens), max_tokens) for i in range(num_requests)]
+    before = engine_stats(accelerators)
+    asyncio.run(run_workload(cluster.tandem.url, cluster.layout.model,
+                             Workload("host-floor", requests, seed_prompts=[], num_shared_prefix_tokens=0)))
+    after = engine_stats(accelerators)
+    if not before or not after:
+        return {}
+    floor = {}
+    for bid, b, a in zip(accelerators, before, after):
+        work = engine_work(b, a, 1.0)
+        if work["steps"]:
+            floor[bid] = {"batch": round(work["generated_tokens"] / work["steps"], 2), "steps": work["steps"],
+                          "host_s": round(work["host_ms_per_step"] / 1e3, 6)}
+    return floor
+
+
 def _arrival_seed(cell: TenantsCell, run: int) -> int:
     """The same arrivals and tenants for every arm of a run; other arrivals in the next run."""
     from bench.runner import token_seed
@@ -228,10 +266,11 @@ def compact_decision(decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
-                   serving: dict[str, Any] | None = None, step_profile: str | None = None) -> None:
+                   serving: dict[str, Any] | None = None, step_profile: str | None = None,
+                   host_floor: dict[str, dict[str, float]] | None = None) -> None:
     """The route-sim scenario of `cell` on this cluster's backends (run 1's arrivals), with the
     serving path's latency (`measure_serving_latency`) when measured, and each backend's step
-    timing beyond its rates (`step_timing`)."""
+    timing beyond its rates (`step_timing`, and its host floor: `measure_host_floor`)."""
     import json
 
     import yaml
@@ -242,6 +281,9 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
         backend = {"backend_id": b["id"], "device_kind": b["device"], "max_active": b["max_active"],
                    "rates": rates.get(b["id"]) or rates[b["device"]]}
         timing = step_timing(b, cluster.layout, step_profile)
+        if (host_floor or {}).get(b["id"]):
+            measured = host_floor[b["id"]]
+            timing["host_s_per_step_by_batch"] = {max(1, round(measured["batch"])): measured["host_s"]}
         if timing:
             backend["step_time"] = timing
         if b["id"] in cluster.layout.devices:  # engines on one GPU share it in the simulator too

@@ -24,6 +24,10 @@ backend's `actual_rates.reload_tok_s` (StepTimeModel.reload_s); offloads cost no
 changes are reported by tier (1 device, 2 host tier only, 0 nowhere), as a live backend reports
 them, and the router's mirror in the simulator keeps the tiers apart.
 
+The host's floor. Where the scenario measured the engine's host work per step behind the server
+(`step_time.host_s_per_step_by_batch`), a step lasts at least that (StepTimeModel.floor_s): the
+sim device's host work is real, this backend's is not.
+
 Token ids. A route-sim request carries its prompt's block hashes, not tokens; the engine hashes
 tokens. Each prompt block gets token ids drawn from its route-sim hash (equal hashes, equal
 tokens, so the engine's prefix cache shares exactly what route-sim's hashes share), the tail of
@@ -193,7 +197,8 @@ class EngineSimBackend:
                 self.jobs[request.req_id].num_prefill_tokens = request.num_prompt_tokens - request.num_cached_tokens
                 events.append(ProgressEvent(request.req_id, messages.ADMITTED))
         shape = step_shape(sched)
-        work_s = self.step_time.step_s(*shape) + self._reload_s(sched.kv_transfers)
+        work_s = max(self.step_time.step_s(*shape) + self._reload_s(sched.kv_transfers),
+                     self.step_time.floor_s(len(sched.scheduled)))
         sampled = {request.req_id: index for request, index in self.scheduler.advance(sched)}
         scheduled = [s.request for s in sched.scheduled]
         return _Step(sched, shape, work_s, [r.num_computed_tokens for r in scheduled],

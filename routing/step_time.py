@@ -34,6 +34,15 @@ kernel spreads its work over the sequences (and heads) of the batch, so a batch 
 sequences keeps few of a GPU's multiprocessors busy and pays several times more per context
 token than a batch of 256 does.
 
+The host's floor. Behind a server, the engine's step loop does more host work per step than in
+the process a profile measures it in (each step's outputs go to their callers' channels, arrivals
+are admitted, the prefix cache's bookkeeping runs). With asynchronous scheduling that work
+overlaps the device's previous step, so a step lasts the longer of the two, and where the host's
+part is the longer (a GPU decoding a small batch behind HTTP), the device's profile alone
+predicts steps too short. `host_s_per_step_by_batch` (seconds of host work per step by the
+step's sequences, measured behind the server: bench/tenants.py) is that floor for route-sim's
+engine model (`floor_s`). The `sim` device leaves it out: its host work is real.
+
 A *sim profile* is one device's measurement, written by `tandem profile` from a real device: the
 rates plus the engine shape the device was run with (max_active, KV tokens, batched-token
 budget), which the emulated engine takes as its defaults. Named profiles ship in
@@ -69,6 +78,9 @@ class StepTimeModel:
     # Seconds per context token of a decode step by its batch (interpolated, clamped to the
     # ends); None: `decode_s_per_context_token` at every batch (module doc).
     decode_s_per_context_token_by_batch: dict[int, float] | None = None
+    # Seconds of the engine's host work per step behind its server, by the step's sequences
+    # (interpolated, clamped to the ends); None: no floor, the device's time alone (module doc).
+    host_s_per_step_by_batch: dict[int, float] | None = None
 
     def context_cost(self, num_decode_seqs: int) -> float:
         """Seconds a decode step of `num_decode_seqs` sequences spends per context token."""
@@ -103,6 +115,13 @@ class StepTimeModel:
         return seconds
 
 
+    def floor_s(self, num_seqs: int) -> float:
+        """The least a step of `num_seqs` sequences lasts behind the server: its host work,
+        which overlaps the device's (module doc); 0 without a measured floor."""
+        table = self.host_s_per_step_by_batch
+        return interpolate(table, num_seqs) if table and num_seqs else 0.0
+
+
 def interpolate(table: dict[int, float], x: int) -> float:
     """`table` at `x`: linear between its keys, its end values outside them."""
     keys = sorted(table)
@@ -124,6 +143,7 @@ class StepTimeFields(BaseModel):
     decode_s_per_context_token: float = Field(default=0.0, ge=0)
     decode_s_per_context_token_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None
     prefill_tok_s_by_tokens: dict[int, Annotated[float, Field(gt=0)]] | None = None
+    host_s_per_step_by_batch: dict[int, Annotated[float, Field(ge=0)]] | None = None
 
 
 class SimProfile(StepTimeFields):
@@ -150,8 +170,8 @@ class SimProfile(StepTimeFields):
         scores stay those of the device it sees."""
         if time_scale == 1.0:
             return self
-        table, prefill, context = (self.decode_tok_s_by_batch, self.prefill_tok_s_by_tokens,
-                                   self.decode_s_per_context_token_by_batch)
+        table, prefill, context, host = (self.decode_tok_s_by_batch, self.prefill_tok_s_by_tokens,
+                                         self.decode_s_per_context_token_by_batch, self.host_s_per_step_by_batch)
         return self.model_copy(update={
             "prefill_tok_s": self.prefill_tok_s / time_scale, "decode_tok_s": self.decode_tok_s / time_scale,
             "decode_tok_s_by_batch": None if table is None else {b: r / time_scale for b, r in table.items()},
@@ -160,6 +180,7 @@ class SimProfile(StepTimeFields):
             "decode_s_per_context_token_by_batch": None if context is None else {b: c * time_scale
                                                                                  for b, c in context.items()},
             "host_reload_tok_s": None if self.host_reload_tok_s is None else self.host_reload_tok_s / time_scale,
+            "host_s_per_step_by_batch": None if host is None else {b: h * time_scale for b, h in host.items()},
             "description": f"{self.description} [dilated {time_scale:g}x]"})
 
     def rates(self) -> RateProfile:
@@ -167,7 +188,8 @@ class SimProfile(StepTimeFields):
 
     def step_time(self) -> StepTimeModel:
         return StepTimeModel(self.rates(), self.decode_s_per_context_token, self.prefill_tok_s_by_tokens,
-                             self.host_reload_tok_s, self.decode_s_per_context_token_by_batch)
+                             self.host_reload_tok_s, self.decode_s_per_context_token_by_batch,
+                             self.host_s_per_step_by_batch)
 
     def step_time_fields(self) -> dict[str, Any]:
         """What this profile times a step by beyond the rates (the context cost, the prefill

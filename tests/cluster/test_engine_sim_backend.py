@@ -378,3 +378,25 @@ def test_the_oracle_replays_on_the_model_the_policies_ran_on():
     for policy in ("cost", "round-robin"):  # no policy beats the oracle on the oracle's own model
         outcomes = simulate(scenario, policy, engine_backend_factory()).outcomes
         assert oracle.makespan_s <= max(o.finish_s for o in outcomes) - first_arrival_s + 1e-9
+
+
+def test_a_measured_host_floor_lengthens_the_steps_the_device_would_finish_sooner():
+    """`host_s_per_step_by_batch` (the engine's host work per step behind the server): a step of
+    the engine model lasts the longer of its device time and that floor, so decode steps shorter
+    than the floor slow a request down and a prefill longer than it does not. A scenario's
+    `step_time` block carries it to the engine model."""
+    model = StepTimeModel(RateProfile(1000.0, 100.0), host_s_per_step_by_batch={1: 0.025})
+    b, rec = EngineSimBackend("b", model, max_active=4, num_kv_blocks=65, block_size=BS), Recorder()
+    b.reporter = rec
+    b.enqueue(job(0, 0.0, 100, 3))
+    b.run_to_completion()
+    (done,) = b.finished
+    assert done.first_token_s == pytest.approx(0.1) and done.finish_s == pytest.approx(0.15)
+    assert [elapsed for _, _, elapsed in rec.steps] == [0.1, 0.025, 0.025]
+    scenario = parse_scenario({
+        "backends": [{"backend_id": "f", "device_kind": "cuda", "rates": {"prefill_tok_s": 1000, "decode_tok_s": 100},
+                      "step_time": {"host_s_per_step_by_batch": {1: 0.025}}}],
+        "tenants": {"num_requests": 1, "rate_per_s": 1, "num_tenants": 1, "prefix_tokens": 16,
+                    "suffix_tokens": 16, "max_tokens": 1}}, source="test")
+    engine_model = engine_backend_factory()(scenario, scenario.backends[0], None, None)
+    assert isinstance(engine_model, EngineSimBackend) and engine_model.step_time.floor_s(4) == 0.025

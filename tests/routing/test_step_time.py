@@ -96,3 +96,19 @@ def test_with_a_prefill_table_a_mixed_step_is_one_forward_over_all_its_tokens():
     assert table.step_s(0, 16, 1000) == pytest.approx(16 / 1000.0 + 1000 * 1e-4)  # a decode step alone
     plain = StepTimeModel(rates, decode_s_per_context_token=1e-4)
     assert plain.step_s(48, 16, 1000) == pytest.approx(48 / 1000.0 + 16 / 1000.0 + 1000 * 1e-4)
+
+
+def test_a_host_floor_is_read_at_the_step_s_sequences_and_dilates_with_the_rest():
+    """The host's work per step behind the server, a floor under a step of route-sim's engine
+    model: interpolated by the step's sequences, clamped to the ends, none for an empty step."""
+    model = StepTimeModel(RateProfile(1000.0, 100.0), host_s_per_step_by_batch={1: 0.001, 17: 0.003})
+    assert model.floor_s(1) == pytest.approx(0.001) and model.floor_s(9) == pytest.approx(0.002)
+    assert model.floor_s(64) == pytest.approx(0.003) and model.floor_s(0) == 0.0
+    assert model.step_s(0, 1) == pytest.approx(0.01)  # the device's time is not changed by it
+    assert StepTimeModel(RateProfile(1000.0, 100.0)).floor_s(8) == 0.0
+    profile = sim_profile_from_dict({"prefill_tok_s": 1000.0, "decode_tok_s": 100.0,
+                                     "host_s_per_step_by_batch": {"16": 0.002}})
+    assert profile.dilated(2.0).step_time().floor_s(16) == pytest.approx(0.004)
+    assert profile.step_time_fields() == {"host_s_per_step_by_batch": {16: 0.002}}
+    with pytest.raises(ConfigError, match="host_s_per_step_by_batch"):
+        sim_profile_from_dict({"prefill_tok_s": 1, "decode_tok_s": 2.0, "host_s_per_step_by_batch": {"4": -1}})
