@@ -43,7 +43,8 @@ class RequestResult:
     num_chunks: int = 0
     finish_reason: str | None = None
     projected_ttft_s: float | None = None
-    server_s: float | None = None  # a failed request's time in the server (its Server-Timing header)
+    server_s: float | None = None  # the request's time in the server before its answer (Server-Timing's whole)
+    server_stages: dict[str, float] | None = None  # that time by stage (Server-Timing), seconds
     error: str | None = None
 
     @property
@@ -158,10 +159,11 @@ async def stream_completion(client: Any, body: dict[str, Any], start: float, res
         result.backend = response.headers.get(BACKEND_HEADER)
         projected = response.headers.get(PROJECTED_HEADER)
         result.projected_ttft_s = None if projected is None else float(projected) / 1000
+        stages = server_timings(response.headers.get("server-timing"))
+        result.server_s, result.server_stages = stages.pop("tandem", None), {k: round(v, 6) for k, v in stages.items()}
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")[:300]
             result.end_s, result.error = time.perf_counter() - start, f"HTTP {response.status_code}: {text}"
-            result.server_s = server_timing_s(response.headers.get("server-timing"))
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):

@@ -43,7 +43,7 @@ ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin", "random")
 HYBRID_ARM = "cost"
 # metric -> True if higher is better; the verdict judges cost on the first three
 METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p90_s": False, "ttft_p95_s": False, "output_tok_s": True,
-                            "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True}
+                            "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True, "engine_ttft_p50_s": False}
 VERDICT_METRICS = ("ttft_p50_s", "ttft_p95_s", "output_tok_s")
 HIT_RATE_BAND = 0.05  # cost's hit rate within 5 points of prefix-affinity's
 
@@ -359,7 +359,11 @@ def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence
     A request cut off at the drain deadline (bench/client.py) is censored, not dropped: its TTFT
     is its first text's time if that came, else the time to the cut-off, and its E2E the time
     to the cut-off, both lower bounds, so an arm that falls behind keeps its worst requests in
-    its percentiles. Other failed requests are left out and counted."""
+    its percentiles. Other failed requests are left out and counted.
+
+    `engine_ttft_p50_s` is the engine's part of TTFT alone, from the answers' Server-Timing: its
+    queue and its first step (`to_engine` + `prefill`), what route-sim's engine model times from
+    a request reaching the router (`route_sim_predictions`); the rest of TTFT is the serving path."""
     from tandem.routing.sim_report import percentile
 
     cut = [r for r in requests if (r.get("error") or "").startswith(CUT_OFF)]
@@ -377,12 +381,15 @@ def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence
     num_tokens = sum(r["num_output_tokens"] for r in ok)
     prompt = sum(r.get("num_prompt_tokens", 0) for r in ok)
     nan = math.nan
+    stages = [r.get("server_stages") or {} for r in ok]
+    engine_ttfts = [s["to_engine"] + s["prefill"] for s in stages if "to_engine" in s and "prefill" in s]
     return {"num_requests": len(requests), "num_ok": len(ok), "num_cut": len(cut), "makespan_s": makespan,
             "output_tok_s": num_tokens / makespan if makespan and makespan > 0 else nan,
             "ttft_p50_s": percentile(ttfts, 50) if ttfts else nan, "ttft_p90_s": percentile(ttfts, 90) if ttfts else nan,
             "ttft_p95_s": percentile(ttfts, 95) if ttfts else nan,
             "e2e_p50_s": percentile(e2es, 50) if e2es else nan, "e2e_p95_s": percentile(e2es, 95) if e2es else nan,
             "hit_rate": sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else nan,
+            "engine_ttft_p50_s": percentile(engine_ttfts, 50) if engine_ttfts else nan,
             "num_output_tokens": num_tokens, "requests_by_backend": counts}
 
 
@@ -411,9 +418,12 @@ def summarize_cell(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
     """route-sim's prediction of a cell (its scenario, run 1's arrivals) under each arm, on the
     engine's scheduler and KV cache (`tandem route-sim`'s model): what the simulator says beside
-    what the live cluster did. Keyed by arm, then by model ("engine")."""
+    what the live cluster did, and its engine part alone (from the router seeing a request to its
+    first token: `engine_ttft_p50_s`, against the live answers' Server-Timing). Keyed by arm, then
+    by model ("engine")."""
     from tandem.cluster.engine_sim_backend import engine_backend_factory
     from tandem.routing.scenario import load_scenario
+    from tandem.routing.sim_report import percentile
     from tandem.routing.sim_report import summarize as summarize_sim
     from tandem.routing.simulator import simulate
 
@@ -421,9 +431,11 @@ def route_sim_predictions(scenario_path: Path, arms: Sequence[str]) -> dict[str,
     backend_ids = [b.spec.backend_id for b in scenario.backends]
     out: dict[str, dict[str, dict[str, float]]] = {}
     for arm in arms:
-        summary = summarize_sim(arm, simulate(scenario, arm, engine_backend_factory()).outcomes, backend_ids)
+        outcomes = simulate(scenario, arm, engine_backend_factory()).outcomes
+        summary = summarize_sim(arm, outcomes, backend_ids)
         out[arm] = {"engine": {"ttft_p50_s": summary.ttft_p50_s, "ttft_p95_s": summary.ttft_p95_s,
-                               "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate}}
+                               "output_tok_s": summary.output_tok_s, "hit_rate": summary.cache_hit_rate,
+                               "engine_ttft_p50_s": percentile([o.first_token_s - o.arrival_s for o in outcomes], 50)}}
     return out
 
 

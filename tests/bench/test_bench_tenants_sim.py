@@ -62,6 +62,9 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
         # Each tenant's first request misses wherever it goes, so no arm reaches 100%; a tenant
         # spread over the four backends misses up to four times (round-robin's loss).
         assert hit["cost"] < 256 / 272 and hit["round-robin"] < hit["cost"]
+        # the engine's part of TTFT (its queue and first step, from the answers' Server-Timing)
+        for m in cell["arms"].values():
+            assert 0 < m["engine_ttft_p50_s"]["mean"] < m["ttft_p50_s"]["mean"]
 
     # The serving path's latency, measured with lone requests before the cells, goes into every
     # cell's route-sim scenario: route-sim's TTFT counts from the client's send, as the live one does.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +72,18 @@ def test_cut_off_requests_count_with_their_time_so_far():
     ttfts = sorted([0.1, 0.2, 1.0, 6.0])
     assert metrics["ttft_p50_s"] == pytest.approx((ttfts[1] + ttfts[2]) / 2)
     assert metrics["e2e_p95_s"] > 7.0  # 8.0 (cut at 10, sent at 2) is the largest
+
+
+def test_the_engines_part_of_ttft_is_its_queue_and_first_step_from_server_timing():
+    """`engine_ttft_p50_s`: `to_engine` + `prefill` of the answers that carry both, the part of
+    TTFT route-sim's engine model times; the serving path's stages are left out."""
+    with_stages = [dict(request(i, float(i), i + 0.05, i + 0.5),
+                        server_stages={"route": 0.01, "to_engine": 0.002 * i, "prefill": 0.004, "back": 0.001})
+                   for i in range(3)]
+    queued = dict(request(3, 3.0, 3.05, 3.5), server_stages={"route": 0.01, "admit": 0.02})  # no engine split
+    metrics = tenant_run_metrics(with_stages + [queued, request(4, 4.0, 4.1, 4.6)], ["cuda0"])
+    assert metrics["engine_ttft_p50_s"] == pytest.approx(0.002 + 0.004)
+    assert math.isnan(tenant_run_metrics([request(0, 0.0, 0.1, 0.5)], ["cuda0"])["engine_ttft_p50_s"])
 
 
 def arm(**means):
@@ -174,6 +187,8 @@ def test_written_scenario_carries_a_host_tier_where_the_live_backend_has_one(tmp
     predictions = tenants.route_sim_predictions(tmp_path / "cell.yaml", ["cost"])
     assert list(predictions["cost"]) == ["engine"]  # the engine model, the one that runs the tier
     assert 0 < predictions["cost"]["engine"]["hit_rate"] < 1
+    engine = predictions["cost"]["engine"]  # its engine part counts from the router, not the send
+    assert 0 < engine["engine_ttft_p50_s"] <= engine["ttft_p50_s"]
 
 
 def test_prediction_error_is_the_median_factor_and_point_gap_per_model():
