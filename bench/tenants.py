@@ -43,7 +43,8 @@ ARMS = ("cost", "prefix-affinity", "least-requests", "round-robin", "random")
 HYBRID_ARM = "cost"
 # metric -> True if higher is better; the verdict judges cost on the first three
 METRICS: dict[str, bool] = {"ttft_p50_s": False, "ttft_p90_s": False, "ttft_p95_s": False, "output_tok_s": True,
-                            "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True, "engine_ttft_p50_s": False}
+                            "e2e_p50_s": False, "e2e_p95_s": False, "hit_rate": True, "engine_ttft_p50_s": False,
+                            "engine_ttft_share": True}
 VERDICT_METRICS = ("ttft_p50_s", "ttft_p95_s", "output_tok_s")
 HIT_RATE_BAND = 0.05  # cost's hit rate within 5 points of prefix-affinity's
 
@@ -363,7 +364,11 @@ def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence
 
     `engine_ttft_p50_s` is the engine's part of TTFT alone, from the answers' Server-Timing: its
     queue and its first step (`to_engine` + `prefill`), what route-sim's engine model times from
-    a request reaching the router (`route_sim_predictions`); the rest of TTFT is the serving path."""
+    a request reaching the router (`route_sim_predictions`); the rest of TTFT is the serving path.
+    Only an answer whose admission brought its first token has both stages; one that waited for
+    a running slot has `admit` instead and is left out, so past saturation the figure is of the
+    requests that did not wait for a slot: `engine_ttft_share` says how many of the answers it
+    counts."""
     from tandem.routing.sim_report import percentile
 
     cut = [r for r in requests if (r.get("error") or "").startswith(CUT_OFF)]
@@ -390,6 +395,7 @@ def tenant_run_metrics(requests: Sequence[dict[str, Any]], backend_ids: Sequence
             "e2e_p50_s": percentile(e2es, 50) if e2es else nan, "e2e_p95_s": percentile(e2es, 95) if e2es else nan,
             "hit_rate": sum(r.get("num_cached_tokens", 0) for r in ok) / prompt if prompt else nan,
             "engine_ttft_p50_s": percentile(engine_ttfts, 50) if engine_ttfts else nan,
+            "engine_ttft_share": len(engine_ttfts) / len(ok) if ok else nan,
             "num_output_tokens": num_tokens, "requests_by_backend": counts}
 
 

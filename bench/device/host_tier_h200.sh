@@ -100,15 +100,17 @@ import json, pathlib, sys
 nan = float("nan")
 print(f"{'run':<13} {'cell':<18} {'arm':<16} {'hit':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>8} {'sim p50':>8}"
       f" {'engine p50':>10} {'sim engine':>10}  (mean of runs; sim: route-sim's engine model; engine: the engine's"
-      " queue and first step alone, live from Server-Timing)")
+      " queue and first step alone, live from Server-Timing, of the answers not queued for a slot)")
 for summary in sorted(pathlib.Path(sys.argv[1]).glob("*-summary.json")):
     for cell in json.loads(summary.read_text())["cells"]:
         for arm, m in cell["arms"].items():
             sim = (cell.get("route_sim") or {}).get(arm, {}).get("engine", {})
             engine = m.get("engine_ttft_p50_s", {}).get("mean", nan)
+            counted = m.get("engine_ttft_share", {}).get("mean", nan)
             print(f"{summary.name[:-13]:<13} {cell['cell']:<18} {arm:<16} {m['hit_rate']['mean']:>6.3f} "
                   f"{m['ttft_p50_s']['mean']:>8.3f}s {m['ttft_p90_s']['mean']:>8.3f}s {m['output_tok_s']['mean']:>8.0f}"
-                  f" {sim.get('ttft_p50_s', nan):>7.3f}s {engine:>9.4f}s {sim.get('engine_ttft_p50_s', nan):>9.4f}s")
+                  f" {sim.get('ttft_p50_s', nan):>7.3f}s {engine:>9.4f}s {sim.get('engine_ttft_p50_s', nan):>9.4f}s"
+                  f" ({counted:.0%} counted)")
 PY
 python3 - "$work" <<'PY'
 import json, pathlib, sys

@@ -82,7 +82,7 @@ def test_the_engines_part_of_ttft_is_its_queue_and_first_step_from_server_timing
                    for i in range(3)]
     queued = dict(request(3, 3.0, 3.05, 3.5), server_stages={"route": 0.01, "admit": 0.02})  # no engine split
     metrics = tenant_run_metrics(with_stages + [queued, request(4, 4.0, 4.1, 4.6)], ["cuda0"])
-    assert metrics["engine_ttft_p50_s"] == pytest.approx(0.002 + 0.004)
+    assert metrics["engine_ttft_p50_s"] == pytest.approx(0.002 + 0.004) and metrics["engine_ttft_share"] == 3 / 5
     assert math.isnan(tenant_run_metrics([request(0, 0.0, 0.1, 0.5)], ["cuda0"])["engine_ttft_p50_s"])
 
 
