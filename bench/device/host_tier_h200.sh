@@ -28,7 +28,10 @@ backend=${BACKEND:-cuda}
 model=${MODEL:-qwen2.5-0.5b-random}
 tenants=${TENANTS:-64}
 prefix=${PREFIX_TOKENS:-4096}
-rates=${RATES:-8,96}  # light, and past the untiered engine's saturation (about 80/s on an H100)
+# light; below the tiered engine's capacity (where a prediction's TTFT can be judged: at capacity
+# a step 10-20% longer moves it several times); past the untiered engine's saturation (about 80/s
+# on an H100, about the tiered engine's capacity)
+rates=${RATES:-8,64,96}
 fit_rates=${FIT_RATES:-96}
 noreuse_rates=${NOREUSE_RATES:-8,48}  # light, and about 80% of the untiered engine's prefill rate
 duration=${DURATION_S:-12}
