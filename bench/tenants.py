@@ -217,7 +217,7 @@ def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int, seed: 
     import asyncio
 
     from bench.client import run_workload
-    from bench.harness import engine_stats, engine_work
+    from bench.harness import engine_stats, step_work
 
     accelerators = {bid: cluster.tandem.backends[bid] for bid, info in cluster.infos.items() if info.device_kind != "cpu"}
     if not accelerators:
@@ -233,9 +233,10 @@ def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int, seed: 
         return {}
     floor = {}
     for bid, b, a in zip(accelerators, before, after):
-        work = engine_work(b, a, 1.0)
+        work = step_work(b, a)
         if work["steps"]:
-            floor[bid] = {"batch": round(work["generated_tokens"] / work["steps"], 2), "steps": work["steps"],
+            generated = a.num_generation_tokens_total - b.num_generation_tokens_total
+            floor[bid] = {"batch": round(generated / work["steps"], 2), "steps": work["steps"],
                           "host_s": round(work["host_ms_per_step"] / 1e3, 6)}
     return floor
 

@@ -114,7 +114,6 @@ class StepTimeModel:
             seconds += num_context_tokens * self.context_cost(num_decode_seqs)
         return seconds
 
-
     def floor_s(self, num_seqs: int) -> float:
         """The least a step of `num_seqs` sequences lasts behind the server: its host work,
         which overlaps the device's (module doc); 0 without a measured floor."""

@@ -77,10 +77,13 @@ def test_cost_has_the_best_hit_rate_of_every_arm_on_four_sim_backends(tmp_path):
     assert scenario["serving"] == {k: latency[k] for k in ("fixed_s", "per_prompt_token_s")}
     # and each sim backend's step timing beyond its rates, as its emulated device runs it, with
     # the host work per step its engine did behind the server in a burst before the cells
+    # (an engine the router sent none of the burst has none)
     floor = summary["meta"]["host_floor"]
-    assert set(floor) == {"sim0", "sim1", "sim2", "sim3"}
+    assert floor and set(floor) <= {"sim0", "sim1", "sim2", "sim3"}
     for b in scenario["backends"]:
-        measured = floor[b["backend_id"]]
-        assert measured["steps"] > 0 and measured["batch"] >= 1 and measured["host_s"] > 0
-        assert b["step_time"] == {"decode_s_per_context_token_by_batch": {1: 2e-7, 4: 1e-7},
-                                  "host_s_per_step_by_batch": {round(measured["batch"]): measured["host_s"]}}
+        timing = {"decode_s_per_context_token_by_batch": {1: 2e-7, 4: 1e-7}}
+        measured = floor.get(b["backend_id"])
+        if measured:
+            assert measured["steps"] > 0 and measured["batch"] > 0 and measured["host_s"] >= 0
+            timing["host_s_per_step_by_batch"] = {max(1, round(measured["batch"])): measured["host_s"]}
+        assert b["step_time"] == timing
