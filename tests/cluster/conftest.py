@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import socket
 import time
 
@@ -36,9 +37,30 @@ def serve_config(*argv: str):
 
 
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range where it can be: a server binds it only
+    after starting its backends (tens of seconds), and in the meantime an ephemeral port (the OS's
+    own pick) may become the local end of one of Ray's connections, which fails the server's bind.
+    Ray's worker ports (10002-19999 by default) are left out too."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = random.randrange(20000, low) if low > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown (not Linux): the OS's pick
 
 
 def start_serve(command: list[str], env: dict[str, str], timeout_s: float = 180.0):
