@@ -126,7 +126,9 @@ def result_lines(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[
              "the hit rate or output tokens.", "",
              "route-sim: the simulator's prediction of the cell under the arm (run 1's arrivals, the served rates), "
              "TTFT p50 ms / hit rate %, on the engine's scheduler and KV cache (`tandem route-sim`; older summaries "
-             "also give route-sim's own backends, `--fast-backends`).", "",
+             "also give route-sim's own backends, `--fast-backends`); in brackets the engine's part of TTFT p50 ms "
+             "(its queue and first step), route-sim's and the live answers' (Server-Timing), the rest being the "
+             "serving path's.", "",
              "| tenants | prefix | rate/s | arm | hit rate % | TTFT p50 ms | TTFT p90 ms | TTFT p95 ms | E2E p95 ms | "
              "out tok/s | requests per backend (mean) | cut off / failed | route-sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -181,13 +183,21 @@ def _prediction_error_lines(cells: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _predicted(cell: dict[str, Any], arm: str) -> str:
+    """route-sim's TTFT p50 ms / hit rate % for the arm, and where both were measured, the
+    engine's part of TTFT in route-sim against the live answers' (bench/tenants.py)."""
     predicted = (cell.get("route_sim") or {}).get(arm)
     if not predicted:
         return ""
     if "ttft_p50_s" in predicted:  # a summary from before the engine model: route-sim's own alone
         predicted = {"route-sim": predicted}
-    return "; ".join(f"{model}: {1000 * p['ttft_p50_s']:.1f} / {100 * p['hit_rate']:.1f}"
-                     for model, p in predicted.items())
+    live_engine = _mean(cell["arms"][arm].get("engine_ttft_p50_s"))
+    parts = []
+    for model, p in predicted.items():
+        text = f"{model}: {1000 * p['ttft_p50_s']:.1f} / {100 * p['hit_rate']:.1f}"
+        if p.get("engine_ttft_p50_s") is not None and live_engine is not None and not math.isnan(live_engine):
+            text += f" (engine part {1000 * p['engine_ttft_p50_s']:.1f}, live {1000 * live_engine:.1f})"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def verdict_lines(cells: Sequence[dict[str, Any]]) -> list[str]:

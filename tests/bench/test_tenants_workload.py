@@ -233,3 +233,13 @@ def test_written_scenario_times_steps_as_the_sim_profile_or_the_step_profile_say
     assert sim.step_time().context_cost(64) == pytest.approx(2 * 1e-8)  # dilated as the sim runs it
     write_scenario(tmp_path / "plain.yaml", CELL, cluster, seed=7)
     assert load_scenario(tmp_path / "plain.yaml").backends[0].step_time_fields == {}
+
+
+def test_the_report_shows_the_engines_part_beside_route_sims_where_both_were_measured():
+    from bench.tenants_report import _predicted
+
+    engine = {"ttft_p50_s": 0.015, "hit_rate": 0.9, "engine_ttft_p50_s": 0.0071}
+    cell = {"arms": {"cost": arm(engine_ttft_p50_s=0.0072)}, "route_sim": {"cost": {"engine": engine}}}
+    assert _predicted(cell, "cost") == "engine: 15.0 / 90.0 (engine part 7.1, live 7.2)"
+    cell["arms"]["cost"] = arm(ttft_p50_s=0.02)  # a summary from before the engine's part
+    assert _predicted(cell, "cost") == "engine: 15.0 / 90.0"
