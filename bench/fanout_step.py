@@ -3,8 +3,8 @@
 The I/O thread (actors/core_io.py) shares the engine core's GIL, so its Python per step is taken
 from a host-bound step loop (a small model at a large batch on a GPU). This times that work
 alone on the real code path: `Fanout.on_step` sorts a step's `RequestOutput`s into one frame
-per channel and encodes each, written to memory instead of a socket, steps `--step-ms` apart: microseconds per step, the median of the rounds' means, per (outputs,
-channels). And the caller's side (an ingress replica): decoding the frames, handing each item
+per channel and encodes each, written to memory instead of a socket, steps `--step-ms` apart:
+microseconds per step, the median of the rounds' means, per (outputs, channels). And the caller's side (an ingress replica): decoding the frames, handing each item
 to its stream (`deliver`, as the channel's reader does) and each stream's merged delta once per
 `--steps-per-read` steps (its pacing).
 """

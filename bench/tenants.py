@@ -206,7 +206,8 @@ def measure_serving_latency(cluster: Any, prompt_lengths: Sequence[int], repeats
             "by_prompt_tokens": {n: round(v, 6) for n, v in medians.items()}}
 
 
-def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int, seed: int = 11) -> dict[str, dict[str, float]]:
+def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int,
+                       seed: int = 11) -> dict[str, dict[str, float]]:
     """Each accelerator engine's host work per step behind the server, the floor under route-sim's
     engine-model steps (routing/step_time.py's `host_s_per_step_by_batch`): a burst of as many
     requests as those engines run at once, each a new prompt of `prompt_tokens` generating
@@ -219,7 +220,8 @@ def measure_host_floor(cluster: Any, prompt_tokens: int, max_tokens: int, seed: 
     from bench.client import run_workload
     from bench.harness import engine_stats, step_work
 
-    accelerators = {bid: cluster.tandem.backends[bid] for bid, info in cluster.infos.items() if info.device_kind != "cpu"}
+    accelerators = {bid: cluster.tandem.backends[bid] for bid, info in cluster.infos.items()
+                    if info.device_kind != "cpu"}
     if not accelerators:
         return {}
     rng = random.Random(seed)
@@ -283,8 +285,8 @@ def write_scenario(path: Path, cell: TenantsCell, cluster: Any, seed: int,
         backend = {"backend_id": b["id"], "device_kind": b["device"], "max_active": b["max_active"],
                    "rates": rates.get(b["id"]) or rates[b["device"]]}
         timing = step_timing(b, cluster.layout, step_profile)
-        if (host_floor or {}).get(b["id"]):
-            measured = host_floor[b["id"]]
+        measured = (host_floor or {}).get(b["id"])
+        if measured:
             timing["host_s_per_step_by_batch"] = {max(1, round(measured["batch"])): measured["host_s"]}
         if timing:
             backend["step_time"] = timing

@@ -1,8 +1,9 @@
 """The merge of a request's outputs and a channel's pacing, without Ray (milliseconds).
 
 `merge_outputs` keeps one delta per choice whatever the sequence, choices and logprobs
-included, and survives the wire. The core writes every step to its channels as it comes; the caller's `RequestStream` hands a request's first and last outputs
-over at once and paces the rest by its channel's size.
+included, and survives the wire. The core writes every step to its channels as it comes; the
+caller's `RequestStream` hands a request's first and last outputs over at once and paces the
+rest by its channel's size.
 """
 
 from __future__ import annotations
